@@ -1,0 +1,13 @@
+"""ds_pfc: Partial FC heads for classifiers of millions of classes, on DeepSpeed."""
+from .bank import ClassBank, DeviceBank
+from .functional import margin_cross_entropy
+from .head import PartialFC
+from .margins import ArcFace, CombinedMargin, CosFace, Margin
+from .optim import RowAdamW, RowSGD
+from .partition import Partition
+
+__all__ = [
+    "PartialFC", "margin_cross_entropy", "ArcFace", "CosFace", "CombinedMargin", "Margin",
+    "ClassBank", "DeviceBank", "RowSGD", "RowAdamW", "Partition",
+]
+__version__ = "0.1.0"

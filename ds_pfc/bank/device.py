@@ -1,0 +1,56 @@
+"""Device-resident bank: every state tensor lives on the compute device."""
+from __future__ import annotations
+
+import torch
+
+from .base import ClassBank
+
+__all__ = ["DeviceBank"]
+
+
+class DeviceBank(ClassBank):
+    """All state in memory of ``device`` (GPU memory, or plain memory on CPU)."""
+
+    def __init__(self, num_rows: int, device="cpu"):
+        super().__init__(num_rows, device)
+        self._states: dict[str, torch.Tensor] = {}
+
+    def add_state(self, name, width, dtype, init=None):
+        if name in self._states:
+            raise ValueError(f"state {name!r} already exists")
+        shape = (self.num_rows,) if width == 0 else (self.num_rows, width)
+        if init is None:
+            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+        else:
+            if tuple(init.shape) != shape:
+                raise ValueError(f"init for state {name!r} must have shape {shape}, got {tuple(init.shape)}")
+            tensor = init.to(device=self.device, dtype=dtype).clone()
+        self._states[name] = tensor
+
+    def state_names(self):
+        return list(self._states)
+
+    def _get(self, name):
+        try:
+            return self._states[name]
+        except KeyError:
+            raise KeyError(f"bank has no state {name!r}; it holds {self.state_names()}") from None
+
+    def read(self, name, rows):
+        state = self._get(name)
+        return state if rows is None else state.index_select(0, rows)
+
+    def write(self, name, rows, values):
+        state = self._get(name)
+        if rows is None:
+            if values.data_ptr() != state.data_ptr():
+                state.copy_(values)
+        else:
+            state.index_copy_(0, rows, values.to(state.dtype))
+
+    def export(self, name):
+        return self._get(name).detach().clone()
+
+    def resident_bytes(self):
+        total = sum(t.numel() * t.element_size() for t in self._states.values())
+        return {"device": total, "host": 0, "nvme": 0}

@@ -1,0 +1,104 @@
+"""Every crossing between ranks, each one tiny autograd Function.
+
+``group=None`` means the default process group when ``torch.distributed`` is
+initialised and a single process otherwise; the single-process path never touches
+``torch.distributed``. Batches may differ in size between ranks: gloo rejects uneven
+all-gathers, so rows are padded to the largest batch and the padding is dropped.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["world_size", "rank", "all_gather_batch", "all_reduce_", "all_gather_scalars"]
+
+
+def world_size(group=None) -> int:
+    """Size of ``group``; 1 when running as a single process."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def rank(group=None) -> int:
+    """This process's rank in ``group``; 0 when running as a single process."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def all_reduce_(tensor: torch.Tensor, op: str, group=None) -> torch.Tensor:
+    """In-place all-reduce (``op`` in {"sum", "max"}); a no-op on one rank."""
+    if world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def all_gather_scalars(values: Sequence[int | float], group=None, device=None) -> torch.Tensor:
+    """``[world, len(values)]`` float64 table of every rank's ``values``."""
+    row = torch.tensor([list(values)], dtype=torch.float64, device=device)
+    k = world_size(group)
+    if k == 1:
+        return row
+    out = torch.empty(k, row.shape[1], dtype=row.dtype, device=row.device)
+    dist.all_gather_into_tensor(out, row, group=group)
+    return out
+
+
+def _gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """All-gather along dim 0 of ``x`` whose per-rank row counts are ``sizes``."""
+    k, longest = len(sizes), max(sizes)
+    if x.shape[0] < longest:
+        x = torch.cat([x, x.new_zeros((longest - x.shape[0],) + tuple(x.shape[1:]))])
+    out = x.new_empty((k * longest,) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    if all(n == longest for n in sizes):
+        return out
+    return torch.cat([out[q * longest: q * longest + n] for q, n in enumerate(sizes)])
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """forward: all-gather along dim 0 (uneven sizes padded);
+    backward: reduce-scatter (sum) of the gradient, each rank keeps its own rows."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _gather_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes, group = ctx.sizes, ctx.group
+        k, longest, me = len(sizes), max(sizes), rank(group)
+        grad = grad.contiguous()
+        if any(n != longest for n in sizes):
+            padded = grad.new_zeros((k * longest,) + tuple(grad.shape[1:]))
+            offset = 0
+            for q, n in enumerate(sizes):
+                padded[q * longest: q * longest + n] = grad[offset: offset + n]
+                offset += n
+            grad = padded
+        out = grad.new_empty((longest,) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=group)
+        return out[: sizes[me]], None, None
+
+
+def all_gather_batch(embeddings: torch.Tensor, labels: torch.Tensor, group=None):
+    """Gather every rank's ``embeddings [N_q, d]`` and ``labels [N_q]`` in rank order.
+
+    Returns ``(embeddings [N_total, d], labels [N_total], sizes)`` where ``sizes[q]``
+    is rank ``q``'s batch. forward: 1 all-gather of sizes, 1 of embeddings, 1 of
+    labels; backward: 1 reduce-scatter of the embedding gradient (sum).
+    """
+    k = world_size(group)
+    if k == 1:
+        return embeddings, labels, [embeddings.shape[0]]
+    counts = torch.tensor([embeddings.shape[0]], dtype=torch.int64, device=embeddings.device)
+    all_counts = counts.new_empty(k)
+    dist.all_gather_into_tensor(all_counts, counts, group=group)
+    sizes = [int(n) for n in all_counts.tolist()]
+    gathered = _AllGatherRows.apply(embeddings, sizes, group)
+    gathered_labels = _gather_rows(labels, sizes, group)
+    return gathered, gathered_labels, sizes

@@ -1,0 +1,78 @@
+"""Functional entry point: margin softmax cross-entropy against an explicit shard."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import collectives
+from ._checks import check_embeddings, check_labels, check_values
+from .margins import Margin
+from .softmax import margin_softmax_cross_entropy
+
+__all__ = ["margin_cross_entropy", "CrossEntropyOutput"]
+
+
+class CrossEntropyOutput(NamedTuple):
+    loss: torch.Tensor             # scalar: mean over the global batch
+    per_sample_loss: torch.Tensor  # [N] losses of this rank's own samples
+    accuracy: torch.Tensor         # scalar: top-1 over the active set, global batch
+
+
+def margin_cross_entropy(
+    embeddings: torch.Tensor,
+    labels: torch.Tensor,
+    centers: torch.Tensor,
+    *,
+    margin: Margin,
+    filter_threshold: float | None = None,
+    group=None,
+    class_start: int = 0,
+    compute_dtype: torch.dtype | None = None,
+    return_details: bool = False,
+):
+    """Exact margin softmax cross-entropy with class-sharded centers.
+
+    ``embeddings [N, d]`` and ``labels [N]`` are this rank's samples; they are gathered
+    across ``group`` here. ``centers [C_q, d]`` is this rank's shard, whose row ``i`` is
+    global class ``class_start + i``; the shards of all ranks must tile ``[0, C)``.
+    Differentiable with respect to ``embeddings`` and ``centers``. The loss is the mean
+    over the global batch, and the gradient with respect to ``embeddings`` is that of
+    this global mean (no data-parallel factor is applied here).
+
+    ``filter_threshold=tau`` removes from sample n's denominator every negative whose
+    unmargined cosine exceeds tau (PFC*). ``compute_dtype`` (bf16/fp16) runs the matrix
+    products in reduced precision with float32 accumulation.
+
+    Returns the loss, or with ``return_details=True`` a :class:`CrossEntropyOutput`.
+    """
+    if not isinstance(margin, Margin):
+        raise TypeError(f"margin must be a ds_pfc Margin (ArcFace, CosFace, CombinedMargin), got {margin!r}")
+    check_embeddings(embeddings)
+    check_labels(labels, embeddings.shape[0])
+    check_embeddings(centers, embeddings.shape[1], name="centers")
+    if isinstance(class_start, bool) or not isinstance(class_start, int) or class_start < 0:
+        raise ValueError(f"class_start must be a non-negative int, got {class_start!r}")
+    check_filter_threshold(filter_threshold)
+    check_values(embeddings, labels, None)
+
+    x, y, sizes = collectives.all_gather_batch(embeddings, labels, group)
+    local = y.long() - class_start
+    owned = (local >= 0) & (local < centers.shape[0])
+    target_col = torch.where(owned, local, torch.full_like(local, -1))
+    result = margin_softmax_cross_entropy(
+        x, centers, target_col, margin,
+        filter_threshold=filter_threshold, group=group, compute_dtype=compute_dtype)
+    if not return_details:
+        return result.loss
+    me = collectives.rank(group)
+    offset = sum(sizes[:me])
+    return CrossEntropyOutput(result.loss, result.per_sample[offset: offset + sizes[me]],
+                              result.correct.mean())
+
+
+def check_filter_threshold(value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1.0 <= value <= 1.0:
+        raise ValueError(f"filter_threshold must be None or a cosine in [-1, 1], got {value!r}")

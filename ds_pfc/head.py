@@ -1,0 +1,292 @@
+"""``PartialFC``: the class-sharded, sampled margin-softmax head as an ``nn.Module``."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import collectives
+from ._checks import check_embeddings, check_labels, check_values
+from .bank import ClassBank, DeviceBank, initial_centers
+from .functional import CrossEntropyOutput, check_filter_threshold
+from .margins import ArcFace, Margin
+from .optim import RowOptimizer, make_row_optimizer
+from .partition import Partition
+from .sampling import remap_labels, sample_active
+from .softmax import margin_softmax_cross_entropy
+
+__all__ = ["PartialFC"]
+
+_COMPUTE_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """forward: identity; backward: gradient times ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class PartialFC(nn.Module):
+    """Partial FC head: class-sharded centers, positive-preserving sampling, exact
+    distributed margin softmax, sparse row updates.
+
+    ``loss = head(embeddings, labels)`` with this rank's ``embeddings [N, d]`` and global
+    ``labels [N]``; after ``loss.backward()`` (possibly several times, to accumulate),
+    ``head.step(lr)`` updates exactly the rows that were active. The centers are not
+    ``nn.Parameter`` s: a data-parallel wrapper must never average or broadcast them.
+
+    Args:
+        num_classes: ``C``, the global number of classes.
+        embedding_size: ``d``.
+        sample_rate: ``r`` in (0, 1]; each rank activates its positives plus uniform
+            negatives up to ``floor(r * C_q)``. ``1.0`` is exact model parallelism.
+        margin: an :class:`~ds_pfc.margins.Margin`; default ``ArcFace(64, 0.5)``.
+        filter_threshold: PFC* conflict filter ``tau`` (None: off).
+        group: process group the classes are sharded over (None: the default group
+            if initialised, else a single process).
+        device: where the bank and the computation live (default CPU).
+        seed: seeds the initial centers (per global class id) and the sampler.
+        optimizer: ``"sgd"`` (``momentum``, ``weight_decay``, ``nesterov``) or
+            ``"adamw"`` (``betas``, ``eps``, ``weight_decay``), or a RowOptimizer.
+        compute_dtype: dtype of the matrix products (None: the embeddings' dtype,
+            at least float32). The softmax is always float32 or wider.
+        init_std: standard deviation of the initial centers.
+        dtype: storage dtype of the centers (float32; float64 for exactness checks).
+        data_parallel_grad: the backbone producing ``embeddings`` is data parallel over
+            ``group`` and its gradients get *averaged* (DDP, DeepSpeed). The gradient
+            returned to ``embeddings`` is then multiplied by the group size, here and
+            only here, so that the average equals the gradient of the global mean
+            loss. Set False if nothing averages (single process, or summed gradients).
+        bank: a factory ``(num_rows, device) -> ClassBank`` (default: DeviceBank).
+        optimizer_kwargs: hyper-parameters of the row optimizer.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_size: int,
+        *,
+        sample_rate: float = 1.0,
+        margin: Margin | None = None,
+        filter_threshold: float | None = None,
+        group=None,
+        device=None,
+        seed: int = 0,
+        optimizer: str | RowOptimizer = "sgd",
+        compute_dtype: torch.dtype | None = None,
+        init_std: float = 0.01,
+        dtype: torch.dtype = torch.float32,
+        data_parallel_grad: bool = True,
+        bank: Callable[[int, torch.device], ClassBank] | None = None,
+        **optimizer_kwargs,
+    ):
+        super().__init__()
+        for name, value in (("num_classes", num_classes), ("embedding_size", embedding_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) \
+                or not 0.0 < sample_rate <= 1.0 or math.isnan(sample_rate):
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        margin = ArcFace() if margin is None else margin
+        if not isinstance(margin, Margin):
+            raise TypeError(f"margin must be a ds_pfc Margin (ArcFace, CosFace, CombinedMargin), got {margin!r}")
+        check_filter_threshold(filter_threshold)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        if compute_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {compute_dtype!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
+        if isinstance(optimizer, RowOptimizer):
+            if optimizer_kwargs:
+                raise TypeError(f"optimizer is a RowOptimizer instance; unexpected arguments {sorted(optimizer_kwargs)}")
+            row_optimizer = optimizer
+        else:
+            row_optimizer = make_row_optimizer(optimizer, **optimizer_kwargs)
+
+        self.group = group
+        self.world_size = collectives.world_size(group)
+        self.rank = collectives.rank(group)
+        self.device = torch.device("cpu" if device is None else device)
+        self._check_agreement(num_classes, embedding_size, sample_rate)
+
+        self.num_classes, self.embedding_size = num_classes, embedding_size
+        self.sample_rate = float(sample_rate)
+        self.margin, self.filter_threshold = margin, filter_threshold
+        self.compute_dtype, self.dtype, self.init_std = compute_dtype, dtype, init_std
+        self.data_parallel_grad = bool(data_parallel_grad)
+        self.optimizer = row_optimizer
+        self.partition = Partition(num_classes, self.world_size)
+        self.class_start, self.class_end = self.partition.bounds(self.rank)
+        self.num_local = self.class_end - self.class_start
+
+        self.seed = seed
+        self.sample_step = 0   # forward passes taken in training mode: drives the sampler
+        self.step_count = 0    # optimizer steps taken
+        self._pending: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+
+        self.bank = (bank or DeviceBank)(self.num_local, self.device)
+        init = initial_centers(seed, self.class_start, self.num_local, embedding_size, init_std,
+                               device=self.device)
+        self.bank.add_state("weight", embedding_size, dtype, init=init)
+        for name, width, state_dtype in row_optimizer.state_specs:
+            width = embedding_size if width == "d" else width
+            self.bank.add_state(name, width, dtype if state_dtype == torch.float32 else state_dtype)
+
+    def _check_agreement(self, num_classes, embedding_size, sample_rate):
+        table = collectives.all_gather_scalars([num_classes, embedding_size, sample_rate], self.group,
+                                               device=self.device)
+        for col, name in enumerate(("num_classes", "embedding_size", "sample_rate")):
+            values = table[:, col].tolist()
+            if any(v != values[0] for v in values):
+                raise ValueError(f"{name} differs between ranks of the group: {values}; every rank "
+                                 "must construct the head with the same value")
+
+    def extra_repr(self) -> str:
+        return (f"num_classes={self.num_classes}, embedding_size={self.embedding_size}, "
+                f"sample_rate={self.sample_rate}, margin={self.margin}, "
+                f"filter_threshold={self.filter_threshold}, classes=[{self.class_start}, {self.class_end}) "
+                f"of rank {self.rank}/{self.world_size}, optimizer={self.optimizer}")
+
+    # ------------------------------------------------------------------ forward
+    def active_set(self, local_labels: torch.Tensor, sample_step: int | None = None) -> torch.Tensor | None:
+        """Sorted active local ids for gathered local labels (None: every class)."""
+        if self.sample_rate >= 1.0:
+            return None
+        positives = torch.unique(local_labels[local_labels >= 0])
+        step = self.sample_step if sample_step is None else sample_step
+        return sample_active(positives, self.num_local, self.sample_rate,
+                             seed=self.seed, step=step, rank=self.rank)
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, *, return_details: bool = False):
+        """Mean margin-softmax loss over the global batch (same value on every rank)."""
+        check_embeddings(embeddings, self.embedding_size)
+        check_labels(labels, embeddings.shape[0])
+        for name, t in (("embeddings", embeddings), ("labels", labels)):
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on the head's device {self.device}, got {t.device}")
+        check_values(embeddings, labels, self.num_classes)
+
+        training = self.training and torch.is_grad_enabled()
+        if self.data_parallel_grad and self.world_size > 1:
+            embeddings = _ScaleGrad.apply(embeddings, float(self.world_size))
+        x, y, sizes = collectives.all_gather_batch(embeddings, labels, self.group)
+        local = self.partition.to_local(y, self.rank)
+        active = self.active_set(local)
+        target_col = local if active is None else remap_labels(local, active)
+        centers = self.bank.read("weight", active).detach()
+        if training:
+            centers.requires_grad_(True)
+        result = margin_softmax_cross_entropy(
+            x, centers, target_col, self.margin, filter_threshold=self.filter_threshold,
+            group=self.group, compute_dtype=self.compute_dtype)
+        if training:
+            self._pending.append((active, centers))
+            self.sample_step += 1
+        if not return_details:
+            return result.loss
+        offset = sum(sizes[: self.rank])
+        return CrossEntropyOutput(result.loss, result.per_sample[offset: offset + sizes[self.rank]],
+                                  result.correct.mean())
+
+    # ------------------------------------------------------------------ update
+    @torch.no_grad()
+    def step(self, lr: float) -> int:
+        """Apply the row optimizer to the union of the rows activated since the last
+        step, with the gradients accumulated over those forward/backward passes.
+        Returns the number of rows updated."""
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+        pending = [(rows, c.grad) for rows, c in self._pending if c.grad is not None]
+        self._pending = []
+        if not pending:
+            return 0
+        if len(pending) == 1:
+            rows, grad = pending[0]
+        elif any(rows is None for rows, _ in pending):
+            rows = None
+            grad = torch.zeros(self.num_local, self.embedding_size, dtype=self.dtype, device=self.device)
+            for r, g in pending:
+                grad.add_(g) if r is None else grad.index_add_(0, r, g)
+        else:
+            rows = torch.unique(torch.cat([r for r, _ in pending]))
+            grad = torch.zeros(rows.numel(), self.embedding_size, dtype=self.dtype, device=self.device)
+            for r, g in pending:
+                grad.index_add_(0, torch.searchsorted(rows, r), g)
+        self.optimizer.update(self.bank, rows, grad.to(self.dtype), float(lr))
+        self.step_count += 1
+        return self.num_local if rows is None else rows.numel()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients accumulated since the last step."""
+        self._pending = []
+        super().zero_grad(set_to_none)
+
+    # ------------------------------------------------------------------ state
+    def centers(self) -> torch.Tensor:
+        """This rank's shard ``[C_q, d]`` (a copy), row i = global class class_start + i."""
+        return self.bank.export("weight")
+
+    def load_centers(self, centers: torch.Tensor) -> None:
+        """Replace this rank's shard; optimizer state is kept."""
+        check_embeddings(centers, self.embedding_size, name="centers")
+        if centers.shape[0] != self.num_local:
+            raise ValueError(f"centers must have shape [{self.num_local}, {self.embedding_size}] "
+                             f"(classes [{self.class_start}, {self.class_end})), got {tuple(centers.shape)}")
+        if not bool(torch.isfinite(centers).all()):
+            raise ValueError("centers contain NaN or Inf values")
+        self.bank.load("weight", centers.to(device=self.device, dtype=self.dtype))
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of head state per tier (the bank's report)."""
+        return self.bank.resident_bytes()
+
+    def _meta(self) -> torch.Tensor:
+        return torch.tensor([self.num_classes, self.embedding_size, self.class_start, self.num_local,
+                             self.world_size, self.seed, self.sample_step, self.step_count], dtype=torch.int64)
+
+    _META_FIELDS = ("num_classes", "embedding_size", "class_start", "num_local", "world_size", "seed",
+                    "sample_step", "step_count")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "meta"] = self._meta()
+        for name in self.bank.state_names():
+            destination[prefix + name] = self.bank.export(name)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        names = ["meta"] + self.bank.state_names()
+        absent = [prefix + n for n in names if prefix + n not in state_dict]
+        if absent:
+            raise ValueError(f"state_dict is missing {absent} for this PartialFC")
+        meta = dict(zip(self._META_FIELDS, state_dict[prefix + "meta"].tolist()))
+        for key in ("num_classes", "embedding_size", "class_start", "num_local"):
+            if meta[key] != getattr(self, key):
+                raise ValueError(
+                    f"state_dict is for {key}={meta[key]} but this head has {key}={getattr(self, key)} "
+                    f"(checkpoint classes [{meta['class_start']}, {meta['class_start'] + meta['num_local']}) of "
+                    f"C={meta['num_classes']}, d={meta['embedding_size']}); reshard it for this world size")
+        tensors = {n: state_dict[prefix + n] for n in self.bank.state_names()}
+        for name, t in tensors.items():
+            expected = tuple(self.bank.read(name, torch.zeros(0, dtype=torch.long, device=self.device)).shape[1:])
+            if tuple(t.shape) != (self.num_local,) + expected:
+                raise ValueError(f"state_dict[{prefix + name!r}] must have shape "
+                                 f"{(self.num_local,) + expected}, got {tuple(t.shape)}")
+        for name, t in tensors.items():
+            self.bank.load(name, t.to(self.device))
+        self.seed, self.sample_step, self.step_count = meta["seed"], meta["sample_step"], meta["step_count"]
+        self._pending = []
+        for n in names:
+            state_dict_key = prefix + n
+            if state_dict_key in unexpected_keys:
+                unexpected_keys.remove(state_dict_key)

@@ -1,0 +1,120 @@
+"""Sparse row optimizers: update only the rows a step activated (Eq. pfc_center_update).
+
+Each optimizer reads the active rows of the weight and of its state from the bank,
+updates them, and writes them back; rows that were not active, and their state, are
+untouched. For every row the update is exactly what the matching ``torch.optim``
+optimizer would do to a parameter holding that row alone, stepped only at the steps
+where the row was active ("lazy" semantics: no decay or momentum while inactive).
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+
+from .bank.base import ClassBank
+
+__all__ = ["RowOptimizer", "RowSGD", "RowAdamW", "make_row_optimizer"]
+
+
+def _number(name, value, low=0.0, high=None, high_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (high is not None and (value > high or (high_open and value == high))):
+        bound = f"[{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be in {bound}, got {value}")
+    return float(value)
+
+
+class RowOptimizer(ABC):
+    """Updates rows of the bank's ``"weight"`` given their gradient."""
+
+    #: (state name, width relative to the embedding: "d" for [C, d], 0 for [C], dtype)
+    state_specs: tuple = ()
+
+    @abstractmethod
+    def update(self, bank: ClassBank, rows: torch.Tensor | None, grad: torch.Tensor, lr: float) -> None:
+        """Apply one step to ``rows`` (``None``: all rows) with gradient ``grad``."""
+
+    @abstractmethod
+    def config(self) -> dict:
+        """The hyper-parameters, for checkpoints and reprs."""
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class RowSGD(RowOptimizer):
+    """``torch.optim.SGD`` semantics (dampening 0) on the active rows."""
+
+    def __init__(self, momentum: float = 0.9, weight_decay: float = 5e-4, nesterov: bool = False):
+        self.momentum = _number("momentum", momentum, 0.0, 1.0, high_open=True)
+        self.weight_decay = _number("weight_decay", weight_decay)
+        if nesterov and self.momentum == 0.0:
+            raise ValueError("nesterov=True needs momentum > 0")
+        self.nesterov = bool(nesterov)
+        self.state_specs = (("momentum_buffer", "d", torch.float32),) if self.momentum else ()
+
+    def config(self):
+        return {"momentum": self.momentum, "weight_decay": self.weight_decay, "nesterov": self.nesterov}
+
+    def update(self, bank, rows, grad, lr):
+        weight = bank.read("weight", rows)
+        step = grad.add(weight, alpha=self.weight_decay) if self.weight_decay else grad
+        if self.momentum:
+            buf = bank.read("momentum_buffer", rows)
+            buf = buf.mul(self.momentum).add_(step) if rows is None else buf.mul_(self.momentum).add_(step)
+            bank.write("momentum_buffer", rows, buf)
+            step = step.add(buf, alpha=self.momentum) if self.nesterov else buf
+        bank.write("weight", rows, weight.add(step, alpha=-lr))
+
+
+class RowAdamW(RowOptimizer):
+    """``torch.optim.AdamW`` semantics on the active rows, with a step count per row
+    (so bias correction follows each row's own number of updates)."""
+
+    def __init__(self, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair of floats, got {betas!r}")
+        self.betas = (_number("betas[0]", betas[0], 0.0, 1.0, True), _number("betas[1]", betas[1], 0.0, 1.0, True))
+        self.eps = _number("eps", eps)
+        self.weight_decay = _number("weight_decay", weight_decay)
+        self.state_specs = (("exp_avg", "d", torch.float32), ("exp_avg_sq", "d", torch.float32),
+                            ("step", 0, torch.int32))
+
+    def config(self):
+        return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def update(self, bank, rows, grad, lr):
+        beta1, beta2 = self.betas
+        weight = bank.read("weight", rows)
+        if rows is None:
+            weight = weight.clone()
+        steps = bank.read("step", rows) + 1
+        exp_avg = bank.read("exp_avg", rows).mul(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq = bank.read("exp_avg_sq", rows).mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+        weight.mul_(1 - lr * self.weight_decay)
+        t = steps.to(torch.float64)[:, None]
+        bias1 = (1 - torch.pow(beta1, t)).to(weight.dtype)
+        bias2_sqrt = torch.sqrt(1 - torch.pow(beta2, t)).to(weight.dtype)
+        denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(self.eps)
+        weight.addcdiv_(exp_avg, denom * bias1, value=-lr)
+        bank.write("weight", rows, weight)
+        bank.write("exp_avg", rows, exp_avg)
+        bank.write("exp_avg_sq", rows, exp_avg_sq)
+        bank.write("step", rows, steps)
+
+
+def make_row_optimizer(name: str, **kwargs) -> RowOptimizer:
+    """``"sgd"`` -> :class:`RowSGD`, ``"adamw"`` -> :class:`RowAdamW`."""
+    table = {"sgd": RowSGD, "adamw": RowAdamW}
+    if name not in table:
+        raise ValueError(f"optimizer must be one of {sorted(table)}, got {name!r}")
+    try:
+        return table[name](**kwargs)
+    except TypeError as err:
+        if "unexpected keyword" in str(err):
+            raise TypeError(f"optimizer={name!r} does not take {err}".replace("__init__() got an ", "")) from None
+        raise
