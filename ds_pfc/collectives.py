@@ -14,6 +14,10 @@ import torch.distributed as dist
 
 __all__ = ["world_size", "rank", "all_gather_batch", "all_reduce_", "all_gather_scalars"]
 
+# torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep both spellings working.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def world_size(group=None) -> int:
     """Size of ``group``; 1 when running as a single process."""
@@ -43,7 +47,7 @@ def all_gather_scalars(values: Sequence[int | float], group=None, device=None) -
     if k == 1:
         return row
     out = torch.empty(k, row.shape[1], dtype=row.dtype, device=row.device)
-    dist.all_gather_into_tensor(out, row, group=group)
+    _all_gather_tensor(out, row, group=group)
     return out
 
 
@@ -53,7 +57,7 @@ def _gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     if x.shape[0] < longest:
         x = torch.cat([x, x.new_zeros((longest - x.shape[0],) + tuple(x.shape[1:]))])
     out = x.new_empty((k * longest,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_tensor(out, x.contiguous(), group=group)
     if all(n == longest for n in sizes):
         return out
     return torch.cat([out[q * longest: q * longest + n] for q, n in enumerate(sizes)])
@@ -81,7 +85,7 @@ class _AllGatherRows(torch.autograd.Function):
                 offset += n
             grad = padded
         out = grad.new_empty((longest,) + tuple(grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=group)
+        _reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=group)
         return out[: sizes[me]], None, None
 
 
@@ -97,7 +101,7 @@ def all_gather_batch(embeddings: torch.Tensor, labels: torch.Tensor, group=None)
         return embeddings, labels, [embeddings.shape[0]]
     counts = torch.tensor([embeddings.shape[0]], dtype=torch.int64, device=embeddings.device)
     all_counts = counts.new_empty(k)
-    dist.all_gather_into_tensor(all_counts, counts, group=group)
+    _all_gather_tensor(all_counts, counts, group=group)
     sizes = [int(n) for n in all_counts.tolist()]
     gathered = _AllGatherRows.apply(embeddings, sizes, group)
     gathered_labels = _gather_rows(labels, sizes, group)
