@@ -62,7 +62,8 @@ def margin_cross_entropy(
     target_col = torch.where(owned, local, torch.full_like(local, -1))
     result = margin_softmax_cross_entropy(
         x, centers, target_col, margin,
-        filter_threshold=filter_threshold, group=group, compute_dtype=compute_dtype)
+        filter_threshold=filter_threshold, group=group, compute_dtype=compute_dtype,
+        return_correct=return_details)
     if not return_details:
         return result.loss
     me = collectives.rank(group)

@@ -188,7 +188,7 @@ class PartialFC(nn.Module):
             centers.requires_grad_(True)
         result = margin_softmax_cross_entropy(
             x, centers, target_col, self.margin, filter_threshold=self.filter_threshold,
-            group=self.group, compute_dtype=self.compute_dtype)
+            group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details)
         if training:
             self._pending.append((active, centers))
             self.sample_step += 1
