@@ -17,6 +17,18 @@ from .bank.base import ClassBank
 
 __all__ = ["RowOptimizer", "RowSGD", "RowAdamW", "make_row_optimizer"]
 
+_CHUNK_BYTES = 1 << 22  # rows per chunk: ~4 MiB of weights, so the math stays in cache
+
+
+def _chunks(rows: torch.Tensor | None, num_rows: int, width: int, device):
+    """``(row ids, slice of the gradient)`` per chunk; ``rows=None`` means all rows."""
+    total = num_rows if rows is None else rows.numel()
+    step = max(1, _CHUNK_BYTES // (4 * max(width, 1)))
+    for lo in range(0, total, step):
+        hi = min(total, lo + step)
+        ids = torch.arange(lo, hi, device=device) if rows is None else rows[lo:hi]
+        yield ids, slice(lo, hi)
+
 
 def _number(name, value, low=0.0, high=None, high_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -33,9 +45,14 @@ class RowOptimizer(ABC):
     #: (state name, width relative to the embedding: "d" for [C, d], 0 for [C], dtype)
     state_specs: tuple = ()
 
-    @abstractmethod
     def update(self, bank: ClassBank, rows: torch.Tensor | None, grad: torch.Tensor, lr: float) -> None:
         """Apply one step to ``rows`` (``None``: all rows) with gradient ``grad``."""
+        for ids, part in _chunks(rows, bank.num_rows, grad.shape[1], grad.device):
+            self.update_rows(bank, ids, grad[part], lr)
+
+    @abstractmethod
+    def update_rows(self, bank: ClassBank, rows: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        """One step on a chunk of rows: read, update, write back."""
 
     @abstractmethod
     def config(self) -> dict:
@@ -60,15 +77,14 @@ class RowSGD(RowOptimizer):
     def config(self):
         return {"momentum": self.momentum, "weight_decay": self.weight_decay, "nesterov": self.nesterov}
 
-    def update(self, bank, rows, grad, lr):
+    def update_rows(self, bank, rows, grad, lr):
         weight = bank.read("weight", rows)
         step = grad.add(weight, alpha=self.weight_decay) if self.weight_decay else grad
         if self.momentum:
-            buf = bank.read("momentum_buffer", rows)
-            buf = buf.mul(self.momentum).add_(step) if rows is None else buf.mul_(self.momentum).add_(step)
+            buf = bank.read("momentum_buffer", rows).mul_(self.momentum).add_(step)
             bank.write("momentum_buffer", rows, buf)
             step = step.add(buf, alpha=self.momentum) if self.nesterov else buf
-        bank.write("weight", rows, weight.add(step, alpha=-lr))
+        bank.write("weight", rows, weight.add_(step, alpha=-lr))
 
 
 class RowAdamW(RowOptimizer):
@@ -87,11 +103,9 @@ class RowAdamW(RowOptimizer):
     def config(self):
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
 
-    def update(self, bank, rows, grad, lr):
+    def update_rows(self, bank, rows, grad, lr):
         beta1, beta2 = self.betas
         weight = bank.read("weight", rows)
-        if rows is None:
-            weight = weight.clone()
         steps = bank.read("step", rows) + 1
         exp_avg = bank.read("exp_avg", rows).mul(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq = bank.read("exp_avg_sq", rows).mul(beta2).addcmul_(grad, grad, value=1 - beta2)

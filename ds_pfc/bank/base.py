@@ -37,7 +37,8 @@ class ClassBank(ABC):
 
     @abstractmethod
     def read(self, name: str, rows: torch.Tensor | None) -> torch.Tensor:
-        """Rows of ``name`` on ``device`` (``rows=None``: all rows; may be a view)."""
+        """Rows of ``name`` on ``device``. With row ids the result is a new tensor the
+        caller may modify; ``rows=None`` (all rows) may return a read-only view."""
 
     @abstractmethod
     def write(self, name: str, rows: torch.Tensor | None, values: torch.Tensor) -> None:
