@@ -35,8 +35,11 @@ def rank(group=None) -> int:
 
 def all_reduce_(tensor: torch.Tensor, op: str, group=None) -> torch.Tensor:
     """In-place all-reduce (``op`` in {"sum", "max"}); a no-op on one rank."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    if op not in ops:
+        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
     if world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(tensor, op=ops[op], group=group)
     return tensor
 
 

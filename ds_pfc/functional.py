@@ -57,6 +57,8 @@ def margin_cross_entropy(
     check_values(embeddings, labels, None)
 
     x, y, sizes = collectives.all_gather_batch(embeddings, labels, group)
+    if x.shape[0] == 0:
+        raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
     local = y.long() - class_start
     owned = (local >= 0) & (local < centers.shape[0])
     target_col = torch.where(owned, local, torch.full_like(local, -1))

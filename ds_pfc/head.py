@@ -102,6 +102,8 @@ class PartialFC(nn.Module):
         check_filter_threshold(filter_threshold)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
+        if not 0 <= seed < 2 ** 63:
+            raise ValueError(f"seed must be in [0, 2**63) (it is stored as int64), got {seed}")
         if compute_dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {compute_dtype!r}")
         if dtype not in (torch.float32, torch.float64):
@@ -180,6 +182,8 @@ class PartialFC(nn.Module):
         if self.data_parallel_grad and self.world_size > 1:
             embeddings = _ScaleGrad.apply(embeddings, float(self.world_size))
         x, y, sizes = collectives.all_gather_batch(embeddings, labels, self.group)
+        if x.shape[0] == 0:
+            raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
         target_col = local if active is None else remap_labels(local, active)
@@ -269,6 +273,12 @@ class PartialFC(nn.Module):
         absent = [prefix + n for n in names if prefix + n not in state_dict]
         if absent:
             raise ValueError(f"state_dict is missing {absent} for this PartialFC")
+        # Keys of another optimizer's state would otherwise be dropped silently.
+        extra = [k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]
+                 and k[len(prefix):] not in names]
+        if extra and strict:
+            raise ValueError(f"state_dict has {extra}, which this PartialFC (optimizer {self.optimizer}) "
+                             f"does not hold; it holds {names}")
         meta = dict(zip(self._META_FIELDS, state_dict[prefix + "meta"].tolist()))
         for key in ("num_classes", "embedding_size", "class_start", "num_local"):
             if meta[key] != getattr(self, key):
@@ -286,7 +296,3 @@ class PartialFC(nn.Module):
             self.bank.load(name, t.to(self.device))
         self.seed, self.sample_step, self.step_count = meta["seed"], meta["sample_step"], meta["step_count"]
         self._pending = []
-        for n in names:
-            state_dict_key = prefix + n
-            if state_dict_key in unexpected_keys:
-                unexpected_keys.remove(state_dict_key)

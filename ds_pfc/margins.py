@@ -10,8 +10,8 @@ chain rule in place without keeping an autograd graph over ``N x S`` logits.
 *raise* the target logit, rewarding the wrong direction. For
 ``theta > theta* = (pi - m2) / m1`` every margin here therefore continues linearly in
 the cosine, ``phi(c) = c - c* - 1 - m3`` with ``c* = cos(theta*)``. That extension is
-continuous at ``theta*``, monotone in ``c``, and keeps ``phi(c) < c`` (the target is
-still penalised). It differs from insightface's ``cos(theta) - m*sin(m)`` fallback,
+continuous at ``theta*``, monotone in ``c``, and (for ``m3 >= 0``) keeps
+``phi(c) < c``: the target is still penalised. It differs from insightface's ``cos(theta) - m*sin(m)`` fallback,
 which jumps at ``theta*``.
 """
 from __future__ import annotations

@@ -8,6 +8,7 @@ where the row was active ("lazy" semantics: no decay or momentum while inactive)
 """
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
 
@@ -34,8 +35,8 @@ def _number(name, value, low=0.0, high=None, high_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TypeError(f"{name} must be a finite number, got {value!r}")
     if value < low or (high is not None and (value > high or (high_open and value == high))):
-        bound = f"[{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be in {bound}, got {value}")
+        bound = f"in [{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
     return float(value)
 
 
@@ -126,9 +127,9 @@ def make_row_optimizer(name: str, **kwargs) -> RowOptimizer:
     table = {"sgd": RowSGD, "adamw": RowAdamW}
     if name not in table:
         raise ValueError(f"optimizer must be one of {sorted(table)}, got {name!r}")
-    try:
-        return table[name](**kwargs)
-    except TypeError as err:
-        if "unexpected keyword" in str(err):
-            raise TypeError(f"optimizer={name!r} does not take {err}".replace("__init__() got an ", "")) from None
-        raise
+
+    allowed = [p for p in inspect.signature(table[name]).parameters]
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise TypeError(f"optimizer={name!r} does not take {unknown}; its arguments are {allowed}")
+    return table[name](**kwargs)

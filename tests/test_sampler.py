@@ -1,0 +1,300 @@
+"""Positive-preserving sampler (paper Eq. local_sampling; DESIGN.md 3 "Sampler").
+
+References used here, all independent of ``ds_pfc.sampling``:
+- the budget ``floor(r * C_q)`` computed exactly with ``fractions.Fraction`` of the
+  decimal ``r`` the user wrote;
+- uniformity without replacement by counting: per-class inclusion frequencies and,
+  for tiny pools, the frequency of every k-subset, judged by a chi-square statistic
+  computed here (Wilson-Hilferty normal approximation; no scipy on this machine).
+  Every draw is a pure function of fixed seeds, so these tests are deterministic.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from fractions import Fraction
+
+import pytest
+import torch
+
+from ds_pfc import ArcFace, PartialFC
+from ds_pfc.sampling import remap_labels, sample_active
+
+# A chi-square statistic is accepted while its Wilson-Hilferty z-score stays below
+# this (one-sided p ~ 1e-6). Deterministic seeds: no flakiness, only a margin.
+Z_MAX = 4.75
+
+
+def chi2_z(stat: float, df: int) -> float:
+    """Wilson-Hilferty: (X/df)^(1/3) is ~ N(1 - 2/(9 df), 2/(9 df)) for X ~ chi2(df)."""
+    v = 2.0 / (9.0 * df)
+    return ((stat / df) ** (1.0 / 3.0) - (1.0 - v)) / math.sqrt(v)
+
+
+def inclusion_stat(counts: torch.Tensor, trials: int, k: int) -> tuple[float, int]:
+    """Chi-square statistic for per-item inclusion counts of k-of-n sampling without
+    replacement over ``trials`` independent draws.
+
+    count_i ~ T*p with Var = T p (1-p), p = k/n, and the counts sum to T*k exactly, so
+    the covariance is T p (1-p) n/(n-1) (I - 11^T/n): the quadratic form reduces to
+    (n-1)/n * sum (O-E)^2 / (T p (1-p)) ~ chi2(n-1).
+    """
+    n = counts.numel()
+    p = k / n
+    expected = trials * p
+    stat = float(((counts.double() - expected) ** 2).sum()) / (trials * p * (1 - p)) * (n - 1) / n
+    return stat, n - 1
+
+
+def multinomial_stat(counts: torch.Tensor, trials: int) -> tuple[float, int]:
+    expected = trials / counts.numel()
+    return float(((counts.double() - expected) ** 2).sum() / expected), counts.numel() - 1
+
+
+def budget(num_local: int, rate: str) -> int:
+    """floor(r * C_q) for the decimal r, exactly."""
+    return math.floor(Fraction(rate) * num_local)
+
+
+def check_active(active, positives, num_local, rate):
+    assert active.dtype == torch.int64
+    expected_size = max(budget(num_local, rate), positives.numel())
+    assert active.numel() == expected_size
+    if active.numel():
+        assert int(active.min()) >= 0 and int(active.max()) < num_local
+        assert bool((active[1:] > active[:-1]).all()), "not sorted / not unique"
+    assert set(positives.tolist()) <= set(active.tolist())
+
+
+# ---------------------------------------------------------------- basic contract
+@pytest.mark.parametrize("num_local,rate,positives", [
+    (1021, "0.1", [0, 5, 17, 1020]),
+    (1021, "0.37", list(range(0, 1021, 97))),
+    (100, "0.29", [3, 4, 5]),          # 0.29 * 100 = 28.999999999999996 in binary
+    (10, "0.7", [9]),                   # 0.7 * 10 = 7.000000000000001 in binary
+    (37, "0.5", []),                    # no positives at all
+    (37, "0.03", []),                   # budget 1
+    (37, "0.02", []),                   # budget 0: empty active set
+    (7, "0.5", [0, 1, 2, 3, 4, 5, 6]),  # every class positive
+])
+@pytest.mark.parametrize("step", [0, 1, 12345])
+def test_active_set_contract(num_local, rate, positives, step):
+    pos = torch.tensor(positives, dtype=torch.int64)
+    active = sample_active(pos, num_local, float(rate), seed=11, step=step, rank=0)
+    check_active(active, pos, num_local, rate)
+
+
+def test_positives_exceeding_budget_give_exactly_the_positives():
+    pos = torch.tensor([1, 4, 8, 15, 16, 23, 42, 99, 100, 500, 1020])
+    active = sample_active(pos, 1021, 0.005, seed=0, step=3, rank=2)  # budget 5 < 11
+    assert torch.equal(active, pos)
+    # exactly at the budget: also only the positives
+    active = sample_active(pos[:5], 1021, 0.005, seed=0, step=3, rank=2)
+    assert torch.equal(active, pos[:5])
+
+
+def test_rate_one_returns_every_class():
+    pos = torch.tensor([2, 30])
+    for num_local in (1, 37, 1021):
+        active = sample_active(pos[pos < num_local], num_local, 1.0, seed=5, step=9, rank=1)
+        assert torch.equal(active, torch.arange(num_local))
+
+
+@pytest.mark.parametrize("space,num_draw", [
+    (400, 100),   # 4 * draw == pool: dense (permutation prefix)
+    (401, 100),   # 4 * draw < pool: sparse (i.i.d. draws + dedup)
+    (4001, 1000),  # sparse with many collisions
+    (10**6, 999),  # very sparse
+    (50, 49),      # all but one
+    (50, 50),      # everything
+])
+def test_both_regimes_produce_valid_sets(space, num_draw):
+    """Pool of negatives = ``space``; positives are spread over the classes."""
+    num_pos = 7
+    num_local = space + num_pos
+    pos = torch.linspace(0, num_local - 1, num_pos).round().long().unique()
+    assert pos.numel() == num_pos
+    rate = Fraction(num_draw + num_pos, num_local)
+    rate_f = float(rate)
+    for step in range(5):
+        active = sample_active(pos, num_local, rate_f, seed=3, step=step, rank=0)
+        assert active.numel() == num_draw + num_pos
+        assert bool((active[1:] > active[:-1]).all())
+        assert int(active.min()) >= 0 and int(active.max()) < num_local
+        assert set(pos.tolist()) <= set(active.tolist())
+
+
+# ---------------------------------------------------------------- determinism
+def test_pure_function_of_seed_step_rank_positives():
+    pos = torch.tensor([3, 77, 500])
+    kw = dict(seed=123, step=7, rank=1)
+    a = sample_active(pos, 1021, 0.2, **kw)
+    b = sample_active(pos.clone(), 1021, 0.2, **kw)
+    torch.manual_seed(999)  # global RNG state must not matter
+    c = sample_active(torch.tensor([3, 77, 500]), 1021, 0.2, **kw)
+    assert torch.equal(a, b) and torch.equal(a, c)
+    for change in (dict(seed=124), dict(step=8), dict(rank=0)):
+        other = sample_active(pos, 1021, 0.2, **{**kw, **change})
+        check_active(other, pos, 1021, "0.2")
+        assert not torch.equal(a, other), f"{change} did not change the draw"
+
+
+def test_distinct_steps_give_distinct_sets():
+    pos = torch.tensor([10])
+    seen = {tuple(sample_active(pos, 1021, 0.05, seed=0, step=s, rank=0).tolist()) for s in range(50)}
+    assert len(seen) == 50
+
+
+# ---------------------------------------------------------------- uniformity
+@pytest.mark.parametrize("num_local,rate,positives,regime", [
+    (64, "0.3125", [0, 7, 30, 63], "dense"),           # 16 negatives of 60
+    (256, "0.125", [1, 2, 100, 200, 255], "sparse"),   # 27 negatives of 251
+])
+def test_negatives_uniform_inclusion_frequency(num_local, rate, positives, regime):
+    pos = torch.tensor(positives)
+    num_neg = budget(num_local, rate) - len(positives)
+    pool = num_local - len(positives)
+    assert (4 * num_neg >= pool) == (regime == "dense")
+    trials = 3000
+    counts = torch.zeros(num_local, dtype=torch.int64)
+    for step in range(trials):
+        active = sample_active(pos, num_local, float(rate), seed=2024, step=step, rank=3)
+        counts[active] += 1
+    assert bool((counts[pos] == trials).all())
+    neg_mask = torch.ones(num_local, dtype=torch.bool)
+    neg_mask[pos] = False
+    neg_counts = counts[neg_mask]
+    assert int(neg_counts.sum()) == trials * num_neg
+    stat, df = inclusion_stat(neg_counts, trials, num_neg)
+    assert chi2_z(stat, df) < Z_MAX, (stat, df)
+    # Power check of the same statistic: a sampler that favours the first negatives
+    # by only 15 % is rejected, so the acceptance above means something.
+    biased = neg_counts.double().clone()
+    shift = 0.15 * trials * num_neg / pool
+    biased[: pool // 2] += shift
+    biased[pool // 2: 2 * (pool // 2)] -= shift
+    stat_b, _ = inclusion_stat(biased, trials, num_neg)
+    assert chi2_z(stat_b, df) > Z_MAX
+
+
+@pytest.mark.parametrize("num_local,rate,positives,trials,regime", [
+    (8, "0.625", [2, 5], 4000, "dense"),      # 3 negatives of 6: 20 subsets
+    (16, "0.3125", [3, 9], 36400, "sparse"),  # 3 negatives of 14: 364 subsets
+])
+def test_every_negative_subset_equally_likely(num_local, rate, positives, trials, regime):
+    """Uniform without replacement <=> every k-subset of the pool equally likely.
+    This also covers pairwise inclusion: each pair lies in the same number of subsets."""
+    pos = torch.tensor(positives)
+    pool = [c for c in range(num_local) if c not in positives]
+    k = budget(num_local, rate) - len(positives)
+    assert (4 * k >= len(pool)) == (regime == "dense")
+    subsets = {s: i for i, s in enumerate(itertools.combinations(pool, k))}
+    counts = torch.zeros(len(subsets), dtype=torch.int64)
+    pair_counts = {}
+    for step in range(trials):
+        active = sample_active(pos, num_local, float(rate), seed=77, step=step, rank=0).tolist()
+        negs = tuple(c for c in active if c not in positives)
+        counts[subsets[negs]] += 1
+        for pair in itertools.combinations(negs, 2):
+            pair_counts[pair] = pair_counts.get(pair, 0) + 1
+    stat, df = multinomial_stat(counts, trials)
+    assert chi2_z(stat, df) < Z_MAX, (stat, df)
+    # pairwise inclusion: P({i, j} subset of negatives) = k(k-1) / (n(n-1))
+    n = len(pool)
+    p_pair = k * (k - 1) / (n * (n - 1))
+    assert len(pair_counts) == n * (n - 1) // 2
+    worst = max(abs(c - trials * p_pair) / math.sqrt(trials * p_pair * (1 - p_pair))
+                for c in pair_counts.values())
+    assert worst < 5.0, worst
+
+
+# ---------------------------------------------------------------- cost vs C_q
+def test_cost_does_not_grow_with_num_local():
+    """|S| = 1000 from C_q = 2**40: an O(C_q) sampler would need terabytes."""
+    num_local = 2 ** 40
+    pos = torch.tensor([0, 5, 2 ** 39, 2 ** 40 - 1])
+    rate = 1000 / 2 ** 40   # exact in binary: floor(r * C_q) = 1000
+    start = time.perf_counter()
+    active = sample_active(pos, num_local, rate, seed=1, step=0, rank=0)
+    elapsed = time.perf_counter() - start
+    assert active.numel() == 1000
+    assert bool((active[1:] > active[:-1]).all())
+    assert int(active.max()) < num_local and int(active.min()) >= 0
+    assert set(pos.tolist()) <= set(active.tolist())
+    # The negatives spread over the whole range, not just near the positives.
+    negs = active[~torch.isin(active, pos)].double() / num_local
+    assert 0.4 < float(negs.mean()) < 0.6
+    assert elapsed < 2.0, elapsed
+    # Same for a mid-sized pool, timed against the huge one loosely.
+    t0 = time.perf_counter()
+    for step in range(20):
+        sample_active(pos, 2 ** 40, rate, seed=1, step=step, rank=0)
+    t_big = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for step in range(20):
+        sample_active(pos[:3], 2 ** 20, 1000 / 2 ** 20, seed=1, step=step, rank=0)
+    t_small = time.perf_counter() - t0
+    assert t_big < 20 * t_small + 0.5, (t_big, t_small)
+
+
+# ---------------------------------------------------------------- remap
+def test_remap_labels_maps_to_columns():
+    gen = torch.Generator().manual_seed(5)
+    num_local = 1021
+    labels = torch.randint(-1, num_local, (37,), generator=gen)
+    labels[::5] = -1
+    pos = torch.unique(labels[labels >= 0])
+    active = sample_active(pos, num_local, 0.1, seed=0, step=4, rank=0)
+    cols = remap_labels(labels, active)
+    assert cols.shape == labels.shape
+    owned = labels >= 0
+    assert bool((cols[~owned] == -1).all())
+    assert torch.equal(active[cols[owned]], labels[owned])
+    # brute force: column = index in the sorted list
+    listed = active.tolist()
+    assert cols[owned].tolist() == [listed.index(v) for v in labels[owned].tolist()]
+
+
+# ---------------------------------------------------------------- head level
+def _train_steps(head, steps, gen, n=37):
+    for _ in range(steps):
+        x = torch.randn(n, head.embedding_size, generator=gen)
+        y = torch.randint(0, head.num_classes, (n,), generator=gen)
+        head(x, y).backward()
+        head.step(0.1)
+
+
+def test_head_resume_samples_the_same_sets():
+    gen = torch.Generator().manual_seed(0)
+    kw = dict(sample_rate=0.2, margin=ArcFace(16.0, 0.3), seed=31)
+    head = PartialFC(1021, 7, **kw)
+    _train_steps(head, 3, gen)
+    assert head.sample_step == 3
+    sd = head.state_dict()
+    resumed = PartialFC(1021, 7, **{**kw, "seed": 0})  # the seed comes from the checkpoint
+    resumed.load_state_dict(sd)
+    assert resumed.sample_step == 3
+    labels = torch.randint(0, 1021, (37,), generator=gen)
+    for step in (None, 0, 3, 4, 99):
+        a = head.active_set(labels, step)
+        b = resumed.active_set(labels, step)
+        assert torch.equal(a, b)
+        check_active(a, torch.unique(labels), 1021, "0.2")
+    assert not torch.equal(head.active_set(labels, 3), head.active_set(labels, 4))
+    # The next training forward of both uses the sets of sample_step 3, then 4.
+    x = torch.randn(37, 7, generator=gen)
+    for h in (head, resumed):
+        h(x, labels).backward()
+        h.step(0.1)
+        assert h.sample_step == 4
+    assert torch.equal(head.centers(), resumed.centers())
+
+
+def test_head_active_set_ignores_foreign_labels():
+    head = PartialFC(1021, 7, sample_rate=0.05, seed=4)
+    local = torch.tensor([-1, 3, -1, 900, 3])
+    active = head.active_set(local, 2)
+    check_active(active, torch.tensor([3, 900]), 1021, "0.05")
+    assert torch.equal(active, sample_active(torch.tensor([3, 900]), 1021, 0.05, seed=4, step=2, rank=0))
+    assert PartialFC(13, 3, sample_rate=1.0).active_set(local[local < 13]) is None
