@@ -35,6 +35,34 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def _checked_arguments(num_classes, embedding_size, sample_rate, margin, filter_threshold, seed, compute_dtype,
+                       dtype, optimizer, optimizer_kwargs):
+    """Local validation of the constructor's arguments; returns (margin, row optimizer)."""
+    for name, value in (("num_classes", num_classes), ("embedding_size", embedding_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) \
+            or not 0.0 < sample_rate <= 1.0 or math.isnan(sample_rate):
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    margin = ArcFace() if margin is None else margin
+    if not isinstance(margin, Margin):
+        raise TypeError(f"margin must be a ds_pfc Margin (ArcFace, CosFace, CombinedMargin), got {margin!r}")
+    check_filter_threshold(filter_threshold)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be in [0, 2**63) (it is stored as int64), got {seed}")
+    if compute_dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {compute_dtype!r}")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
+    if isinstance(optimizer, RowOptimizer):
+        if optimizer_kwargs:
+            raise TypeError(f"optimizer is a RowOptimizer instance; unexpected arguments {sorted(optimizer_kwargs)}")
+        return margin, optimizer
+    return margin, make_row_optimizer(optimizer, **optimizer_kwargs)
+
+
 class PartialFC(nn.Module):
     """Partial FC head: class-sharded centers, positive-preserving sampling, exact
     distributed margin softmax, sparse row updates.
@@ -90,36 +118,20 @@ class PartialFC(nn.Module):
         **optimizer_kwargs,
     ):
         super().__init__()
-        for name, value in (("num_classes", num_classes), ("embedding_size", embedding_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) \
-                or not 0.0 < sample_rate <= 1.0 or math.isnan(sample_rate):
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
-        margin = ArcFace() if margin is None else margin
-        if not isinstance(margin, Margin):
-            raise TypeError(f"margin must be a ds_pfc Margin (ArcFace, CosFace, CombinedMargin), got {margin!r}")
-        check_filter_threshold(filter_threshold)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        if not 0 <= seed < 2 ** 63:
-            raise ValueError(f"seed must be in [0, 2**63) (it is stored as int64), got {seed}")
-        if compute_dtype not in _COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {compute_dtype!r}")
-        if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
-        if isinstance(optimizer, RowOptimizer):
-            if optimizer_kwargs:
-                raise TypeError(f"optimizer is a RowOptimizer instance; unexpected arguments {sorted(optimizer_kwargs)}")
-            row_optimizer = optimizer
-        else:
-            row_optimizer = make_row_optimizer(optimizer, **optimizer_kwargs)
-
         self.group = group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
         self.device = torch.device("cpu" if device is None else device)
-        self._check_agreement(num_classes, embedding_size, sample_rate)
+        try:
+            margin, row_optimizer = _checked_arguments(
+                num_classes, embedding_size, sample_rate, margin, filter_threshold, seed, compute_dtype, dtype,
+                optimizer, optimizer_kwargs)
+            error = None
+        except (TypeError, ValueError) as err:
+            error = err
+        # Every rank takes part in the agreement check even when its own arguments are
+        # bad, so that one rank's error never leaves the others waiting in a collective.
+        self._check_agreement(error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin)
 
         self.num_classes, self.embedding_size = num_classes, embedding_size
         self.sample_rate = float(sample_rate)
@@ -144,14 +156,29 @@ class PartialFC(nn.Module):
             width = embedding_size if width == "d" else width
             self.bank.add_state(name, width, dtype if state_dtype == torch.float32 else state_dtype)
 
-    def _check_agreement(self, num_classes, embedding_size, sample_rate):
-        table = collectives.all_gather_scalars([num_classes, embedding_size, sample_rate], self.group,
-                                               device=self.device)
-        for col, name in enumerate(("num_classes", "embedding_size", "sample_rate")):
+    def _check_agreement(self, error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin):
+        if error is None:
+            row = [1.0, num_classes, embedding_size, sample_rate, seed >> 32, seed & 0xFFFFFFFF,
+                   -2.0 if filter_threshold is None else filter_threshold,
+                   margin.scale, margin.m1, margin.m2, margin.m3, float(margin.straight_through)]
+        else:
+            row = [0.0] + [float("nan")] * 11
+        table = collectives.all_gather_scalars(row, self.group, device=self.device)
+        if error is not None:
+            raise error
+        failed = [q for q, ok in enumerate(table[:, 0].tolist()) if ok != 1.0]
+        if failed:
+            raise ValueError(f"ranks {failed} of the group rejected their PartialFC arguments (see their errors)")
+        names = ("num_classes", "embedding_size", "sample_rate", "seed", "seed", "filter_threshold",
+                 "margin", "margin", "margin", "margin", "margin")
+        for col, name in enumerate(names, start=1):
             values = table[:, col].tolist()
             if any(v != values[0] for v in values):
-                raise ValueError(f"{name} differs between ranks of the group: {values}; every rank "
-                                 "must construct the head with the same value")
+                shown = {"num_classes": num_classes, "embedding_size": embedding_size, "sample_rate": sample_rate,
+                         "seed": seed, "filter_threshold": filter_threshold, "margin": margin}[name]
+                raise ValueError(f"{name} differs between ranks of the group (this rank {self.rank} has "
+                                 f"{shown!r}; column values {values}); every rank must construct the head "
+                                 "with the same value")
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, embedding_size={self.embedding_size}, "
