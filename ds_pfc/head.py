@@ -237,23 +237,26 @@ class PartialFC(nn.Module):
         Returns the number of rows updated."""
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
             raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
-        pending = [(rows, c.grad) for rows, c in self._pending if c.grad is not None]
+        pending = [(rows, c.grad, c) for rows, c in self._pending if c.grad is not None]
         self._pending = []
         if not pending:
             return 0
+        staged = None
         if len(pending) == 1:
-            rows, grad = pending[0]
-        elif any(rows is None for rows, _ in pending):
+            # The staged rows still hold the bank's values: nothing wrote them since.
+            rows, grad, staged = pending[0]
+            staged = staged.detach()
+        elif any(rows is None for rows, _, _ in pending):
             rows = None
             grad = torch.zeros(self.num_local, self.embedding_size, dtype=self.dtype, device=self.device)
-            for r, g in pending:
+            for r, g, _ in pending:
                 grad.add_(g) if r is None else grad.index_add_(0, r, g)
         else:
-            rows = torch.unique(torch.cat([r for r, _ in pending]))
+            rows = torch.unique(torch.cat([r for r, _, _ in pending]))
             grad = torch.zeros(rows.numel(), self.embedding_size, dtype=self.dtype, device=self.device)
-            for r, g in pending:
+            for r, g, _ in pending:
                 grad.index_add_(0, torch.searchsorted(rows, r), g)
-        self.optimizer.update(self.bank, rows, grad.to(self.dtype), float(lr))
+        self.optimizer.update(self.bank, rows, grad.to(self.dtype), float(lr), staged_weight=staged)
         self.step_count += 1
         return self.num_local if rows is None else rows.numel()
 

@@ -46,14 +46,21 @@ class RowOptimizer(ABC):
     #: (state name, width relative to the embedding: "d" for [C, d], 0 for [C], dtype)
     state_specs: tuple = ()
 
-    def update(self, bank: ClassBank, rows: torch.Tensor | None, grad: torch.Tensor, lr: float) -> None:
-        """Apply one step to ``rows`` (``None``: all rows) with gradient ``grad``."""
+    def update(self, bank: ClassBank, rows: torch.Tensor | None, grad: torch.Tensor, lr: float,
+               staged_weight: torch.Tensor | None = None) -> None:
+        """Apply one step to ``rows`` (``None``: all rows) with gradient ``grad``.
+
+        ``staged_weight``: the current values of those rows when the caller already
+        holds them (the forward staged them), which saves reading them again.
+        """
         for ids, part in _chunks(rows, bank.num_rows, grad.shape[1], grad.device):
-            self.update_rows(bank, ids, grad[part], lr)
+            weight = None if staged_weight is None else staged_weight[part].clone()
+            self.update_rows(bank, ids, grad[part], lr, weight)
 
     @abstractmethod
-    def update_rows(self, bank: ClassBank, rows: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
-        """One step on a chunk of rows: read, update, write back."""
+    def update_rows(self, bank: ClassBank, rows: torch.Tensor, grad: torch.Tensor, lr: float,
+                    weight: torch.Tensor | None) -> None:
+        """One step on a chunk of rows: read (unless ``weight`` is given), update, write back."""
 
     @abstractmethod
     def config(self) -> dict:
@@ -78,8 +85,8 @@ class RowSGD(RowOptimizer):
     def config(self):
         return {"momentum": self.momentum, "weight_decay": self.weight_decay, "nesterov": self.nesterov}
 
-    def update_rows(self, bank, rows, grad, lr):
-        weight = bank.read("weight", rows)
+    def update_rows(self, bank, rows, grad, lr, weight=None):
+        weight = bank.read("weight", rows) if weight is None else weight
         step = grad.add(weight, alpha=self.weight_decay) if self.weight_decay else grad
         if self.momentum:
             buf = bank.read("momentum_buffer", rows).mul_(self.momentum).add_(step)
@@ -104,9 +111,9 @@ class RowAdamW(RowOptimizer):
     def config(self):
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
 
-    def update_rows(self, bank, rows, grad, lr):
+    def update_rows(self, bank, rows, grad, lr, weight=None):
         beta1, beta2 = self.betas
-        weight = bank.read("weight", rows)
+        weight = bank.read("weight", rows) if weight is None else weight
         steps = bank.read("step", rows) + 1
         exp_avg = bank.read("exp_avg", rows).mul(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq = bank.read("exp_avg_sq", rows).mul(beta2).addcmul_(grad, grad, value=1 - beta2)

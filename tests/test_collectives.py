@@ -214,10 +214,10 @@ class _Capture(RowOptimizer):
     def __init__(self):
         self.calls = []
 
-    def update(self, bank, rows, grad, lr):
+    def update(self, bank, rows, grad, lr, staged_weight=None):
         self.calls.append((rows, grad.clone()))
 
-    def update_rows(self, bank, rows, grad, lr):
+    def update_rows(self, bank, rows, grad, lr, weight=None):
         raise AssertionError("not reached: update() is overridden")
 
     def config(self):

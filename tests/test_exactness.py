@@ -160,10 +160,10 @@ class CaptureRows(RowOptimizer):
     def __init__(self):
         self.calls = []
 
-    def update(self, bank, rows, grad, lr):
+    def update(self, bank, rows, grad, lr, staged_weight=None):
         self.calls.append((None if rows is None else rows.clone(), grad.clone()))
 
-    def update_rows(self, bank, rows, grad, lr):  # chunked path; update() above replaces it
+    def update_rows(self, bank, rows, grad, lr, weight=None):  # chunked path; update() above replaces it
         raise AssertionError("CaptureRows.update_rows is not expected to be called")
 
     def config(self):

@@ -29,7 +29,8 @@ class ClassBank(ABC):
     @abstractmethod
     def add_state(self, name: str, width: int, dtype: torch.dtype, init: torch.Tensor | None = None) -> None:
         """Create state ``name`` of shape ``[num_rows, width]`` (``[num_rows]`` if
-        ``width == 0``), zero-filled unless ``init`` is given."""
+        ``width == 0``), zero-filled unless ``init`` is given. The bank may keep
+        ``init`` itself rather than a copy: the caller must not reuse it."""
 
     @abstractmethod
     def state_names(self) -> list[str]:

@@ -24,7 +24,9 @@ class DeviceBank(ClassBank):
         else:
             if tuple(init.shape) != shape:
                 raise ValueError(f"init for state {name!r} must have shape {shape}, got {tuple(init.shape)}")
-            tensor = init.to(device=self.device, dtype=dtype).clone()
+            # The bank takes ownership of ``init`` when it already has the right
+            # device and dtype: at millions of rows a copy would double peak memory.
+            tensor = init.to(device=self.device, dtype=dtype)
         self._states[name] = tensor
 
     def state_names(self):
