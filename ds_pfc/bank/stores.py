@@ -1,0 +1,128 @@
+"""Row stores: where one state tensor of a bank lives.
+
+A store holds ``[num_rows, width]`` values (``[num_rows]`` when ``width == 0``) in its
+storage dtype and moves whole rows in and out. ``gather`` returns rows on the
+store's side (device memory for the device tier, host memory for the others, pinned
+when CUDA is available); the bank moves them to the compute device and converts
+dtypes. Row ids passed to a store are sorted, unique, int64 on the CPU.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+__all__ = ["RowStore", "DeviceStore", "HostStore", "pinned_empty"]
+
+
+def pinned_empty(shape, dtype) -> torch.Tensor:
+    """A host tensor, page-locked when CUDA is available (plain memory otherwise:
+    pinning needs a CUDA driver)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+class RowStore(ABC):
+    """``num_rows`` rows of ``width`` values of ``dtype`` in one tier."""
+
+    tier: str = "?"
+
+    def __init__(self, num_rows: int, width: int, dtype: torch.dtype):
+        self.num_rows, self.width, self.dtype = num_rows, width, dtype
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return () if self.width == 0 else (self.width,)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_rows,) + self.row_shape
+
+    def row_bytes(self) -> int:
+        return max(self.width, 1) * torch.empty((), dtype=self.dtype).element_size()
+
+    @abstractmethod
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Values of ``rows`` (sorted unique CPU int64), ``[len(rows), *row_shape]``."""
+
+    @abstractmethod
+    def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``values`` (any device, any float dtype) into ``rows``."""
+
+    @abstractmethod
+    def read_all(self) -> torch.Tensor:
+        """All rows as a new tensor in the storage dtype."""
+
+    @abstractmethod
+    def write_all(self, values: torch.Tensor) -> None:
+        """Replace all rows."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes this store keeps resident in its tier."""
+
+    def flush(self) -> None:
+        """Make every completed scatter durable (a no-op in memory)."""
+
+    def close(self) -> None:
+        """Release resources; the store must not be used afterwards."""
+
+
+class DeviceStore(RowStore):
+    """Rows in memory of the compute device."""
+
+    tier = "device"
+
+    def __init__(self, num_rows, width, dtype, device, init: torch.Tensor | None = None):
+        super().__init__(num_rows, width, dtype)
+        self.device = torch.device(device)
+        if init is None:
+            self.data = torch.zeros(self.shape, dtype=dtype, device=self.device)
+        else:
+            self.data = init.to(device=self.device, dtype=dtype)
+
+    def gather(self, rows):
+        return self.data.index_select(0, rows.to(self.device))
+
+    def scatter(self, rows, values):
+        self.data.index_copy_(0, rows.to(self.device), values.to(device=self.device, dtype=self.dtype))
+
+    def read_all(self):
+        return self.data.clone()
+
+    def write_all(self, values):
+        self.data.copy_(values)
+
+    def nbytes(self):
+        return self.data.numel() * self.data.element_size()
+
+
+class HostStore(RowStore):
+    """Rows in host memory: page-locked when CUDA is available, so that staged rows
+    copy to the GPU asynchronously. Gathers and scatters run on torch's intra-op
+    thread pool (``torch.set_num_threads``)."""
+
+    tier = "host"
+
+    def __init__(self, num_rows, width, dtype, init: torch.Tensor | None = None):
+        super().__init__(num_rows, width, dtype)
+        self.data = pinned_empty(self.shape, dtype)
+        if init is None:
+            self.data.zero_()
+        else:
+            self.data.copy_(init)
+
+    def gather(self, rows):
+        out = pinned_empty((rows.numel(),) + self.row_shape, self.dtype)
+        return torch.index_select(self.data, 0, rows, out=out)
+
+    def scatter(self, rows, values):
+        self.data.index_copy_(0, rows, values.to(device="cpu", dtype=self.dtype))
+
+    def read_all(self):
+        return self.data.clone()
+
+    def write_all(self, values):
+        self.data.copy_(values)
+
+    def nbytes(self):
+        return self.data.numel() * self.data.element_size()
