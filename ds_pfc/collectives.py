@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_size", "rank", "all_gather_batch", "all_reduce_", "all_gather_scalars"]
+__all__ = ["world_size", "rank", "all_gather_batch", "all_gather_rows", "all_reduce_", "all_gather_scalars"]
 
 # torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep both spellings working.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -90,6 +90,18 @@ class _AllGatherRows(torch.autograd.Function):
         out = grad.new_empty((longest,) + tuple(grad.shape[1:]))
         _reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=group)
         return out[: sizes[me]], None, None
+
+
+def all_gather_rows(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather (no autograd) of every rank's ``tensor [N_q, ...]`` in rank order.
+    forward: 1 all-gather of sizes, 1 of rows."""
+    k = world_size(group)
+    if k == 1:
+        return tensor
+    counts = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
+    all_counts = counts.new_empty(k)
+    _all_gather_tensor(all_counts, counts, group=group)
+    return _gather_rows(tensor, [int(n) for n in all_counts.tolist()], group)
 
 
 def all_gather_batch(embeddings: torch.Tensor, labels: torch.Tensor, group=None):

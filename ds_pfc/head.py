@@ -9,7 +9,8 @@ from torch import nn
 
 from . import collectives
 from ._checks import check_embeddings, check_labels, check_values
-from .bank import ClassBank, DeviceBank, initial_centers
+from .bank import ClassBank, DeviceBank, TieredBank, initial_centers
+from .bank.slots import SlotBank, Stager, merge_slots
 from .functional import CrossEntropyOutput, check_filter_threshold
 from .margins import ArcFace, Margin
 from .optim import RowOptimizer, make_row_optimizer
@@ -146,15 +147,18 @@ class PartialFC(nn.Module):
         self.seed = seed
         self.sample_step = 0   # forward passes taken in training mode: drives the sampler
         self.step_count = 0    # optimizer steps taken
-        self._pending: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        self._pending: list[tuple] = []   # (active rows, staged centers leaf, slot or None)
+        self.last_step_traffic: dict[str, int] = {}
 
-        self.bank = (bank or DeviceBank)(self.num_local, self.device)
-        init = initial_centers(seed, self.class_start, self.num_local, embedding_size, init_std,
-                               device=self.device)
-        self.bank.add_state("weight", embedding_size, dtype, init=init)
+        self.bank = (bank or DeviceBank)(self.num_local, self.device, class_start=self.class_start)
+        start = self.class_start
+        self.bank.add_state("weight", embedding_size, dtype, init=lambda lo, hi: initial_centers(
+            seed, start + lo, hi - lo, embedding_size, init_std, device=self.device))
         for name, width, state_dtype in row_optimizer.state_specs:
             width = embedding_size if width == "d" else width
             self.bank.add_state(name, width, dtype if state_dtype == torch.float32 else state_dtype)
+        # Tiered banks stage rows into slots and can prefetch the next step's rows.
+        self._stager = Stager(self.bank) if isinstance(self.bank, TieredBank) else None
 
     def _check_agreement(self, error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin):
         if error is None:
@@ -214,20 +218,54 @@ class PartialFC(nn.Module):
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
         target_col = local if active is None else remap_labels(local, active)
-        centers = self.bank.read("weight", active).detach()
+        slot = None
+        if self._stager is None:
+            centers = self.bank.read("weight", active).detach()
+        else:
+            rows = torch.arange(self.num_local, device=self.device) if active is None else active
+            live = [p[2] for p in self._pending]
+            if training:
+                slot = self._stager.take(rows, self.sample_step, live)
+            slot = slot or self._stager.stage(rows)
+            centers = slot.states["weight"].detach()
         if training:
             centers.requires_grad_(True)
         result = margin_softmax_cross_entropy(
             x, centers, target_col, self.margin, filter_threshold=self.filter_threshold,
             group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details)
         if training:
-            self._pending.append((active, centers))
+            self._pending.append((active, centers, slot))
             self.sample_step += 1
         if not return_details:
             return result.loss
         offset = sum(sizes[: self.rank])
         return CrossEntropyOutput(result.loss, result.per_sample[offset: offset + sizes[self.rank]],
                                   result.correct.mean())
+
+    def prefetch(self, next_labels: torch.Tensor) -> None:
+        """Lookahead: this rank's labels of the *next* training forward.
+
+        A collective over the head's group (every rank calls it at the same point,
+        e.g. right after ``loss.backward()`` or while the backbone runs). With a
+        tiered bank the next active set is computed now and its rows are staged in
+        the background, stale-free (see :mod:`ds_pfc.bank.slots`); the next forward
+        must then use exactly these labels or the prefetch is discarded. With the
+        device bank there is nothing to stage and this returns at once.
+        """
+        if self._stager is None:
+            return
+        check_labels(next_labels, next_labels.shape[0] if isinstance(next_labels, torch.Tensor) else 0,
+                     name="next_labels")
+        if next_labels.device != self.device:
+            raise ValueError(f"next_labels must be on the head's device {self.device}, got {next_labels.device}")
+        y = collectives.all_gather_rows(next_labels, self.group)
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
+            raise ValueError(f"next_labels must lie in [0, {self.num_classes}), got values in "
+                             f"[{int(y.min())}, {int(y.max())}]")
+        local = self.partition.to_local(y, self.rank)
+        active = self.active_set(local)
+        rows = torch.arange(self.num_local, device=self.device) if active is None else active
+        self._stager.prefetch(rows, self.sample_step, [p[2] for p in self._pending])
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
@@ -237,7 +275,9 @@ class PartialFC(nn.Module):
         Returns the number of rows updated."""
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
             raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
-        pending = [(rows, c.grad, c) for rows, c in self._pending if c.grad is not None]
+        if self._stager is not None:
+            return self._step_slots(float(lr))
+        pending = [(rows, c.grad, c) for rows, c, _ in self._pending if c.grad is not None]
         self._pending = []
         if not pending:
             return 0
@@ -260,14 +300,59 @@ class PartialFC(nn.Module):
         self.step_count += 1
         return self.num_local if rows is None else rows.numel()
 
+    def _step_slots(self, lr: float) -> int:
+        pending = [(c.grad, slot) for _, c, slot in self._pending if c.grad is not None]
+        self._pending = []
+        if not pending:
+            return 0
+        if len(pending) == 1:
+            grad, slot = pending[0]
+        else:
+            slot, inverse = merge_slots([s for _, s in pending])
+            grad = torch.zeros(slot.rows.numel(), self.embedding_size, dtype=self.dtype, device=self.device)
+            offset = 0
+            for g, s in pending:       # in order, as the device path accumulates
+                grad.index_add_(0, inverse[offset: offset + g.shape[0]], g)
+                offset += g.shape[0]
+        self.optimizer.update(SlotBank(slot), None, grad.to(self.dtype), lr)
+        self._stager.after_step(slot)
+        self.step_count += 1
+        self.last_step_traffic = self.bank.reset_traffic()
+        return slot.rows.numel()
+
+    def memory_report(self) -> dict:
+        """Bytes of head state resident per tier, and bytes the bank moved during the
+        last step (rows staged in, rows written back)."""
+        resident = dict(self.bank.resident_bytes())
+        staged = sum(t.numel() * t.element_size() for _, _, slot in self._pending if slot is not None
+                     for t in slot.states.values())
+        resident["staged"] = staged
+        return {"resident": resident, "last_step": dict(self.last_step_traffic)}
+
+    def flush(self) -> None:
+        """Wait until every write-back has landed in the bank (and on disk)."""
+        if self._stager is not None:
+            self._stager.drain()
+            self.bank.flush()
+
+    def close(self) -> None:
+        """Finish write-backs and release the bank (NVMe files are flushed and closed)."""
+        if self._stager is not None:
+            self._stager.close()
+            self.bank.close()
+            self._stager = None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated since the last step."""
         self._pending = []
+        if self._stager is not None:
+            self._stager.discard()
         super().zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ state
     def centers(self) -> torch.Tensor:
         """This rank's shard ``[C_q, d]`` (a copy), row i = global class class_start + i."""
+        self.flush()
         return self.bank.export("weight")
 
     def load_centers(self, centers: torch.Tensor) -> None:
@@ -278,7 +363,15 @@ class PartialFC(nn.Module):
                              f"(classes [{self.class_start}, {self.class_end})), got {tuple(centers.shape)}")
         if not bool(torch.isfinite(centers).all()):
             raise ValueError("centers contain NaN or Inf values")
+        self.flush()
+        self._drop_staged()
         self.bank.load("weight", centers.to(device=self.device, dtype=self.dtype))
+
+    def _drop_staged(self) -> None:
+        """Forget staged and prefetched rows: the bank is about to be replaced."""
+        self._pending = []
+        if self._stager is not None:
+            self._stager.discard()
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of head state per tier (the bank's report)."""
@@ -293,6 +386,7 @@ class PartialFC(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        self.flush()
         destination[prefix + "meta"] = self._meta()
         for name in self.bank.state_names():
             destination[prefix + name] = self.bank.export(name)
@@ -322,7 +416,8 @@ class PartialFC(nn.Module):
             if tuple(t.shape) != (self.num_local,) + expected:
                 raise ValueError(f"state_dict[{prefix + name!r}] must have shape "
                                  f"{(self.num_local,) + expected}, got {tuple(t.shape)}")
+        self.flush()
+        self._drop_staged()
         for name, t in tensors.items():
             self.bank.load(name, t.to(self.device))
         self.seed, self.sample_step, self.step_count = meta["seed"], meta["sample_step"], meta["step_count"]
-        self._pending = []

@@ -29,8 +29,10 @@ class ClassBank(ABC):
     @abstractmethod
     def add_state(self, name: str, width: int, dtype: torch.dtype, init: torch.Tensor | None = None) -> None:
         """Create state ``name`` of shape ``[num_rows, width]`` (``[num_rows]`` if
-        ``width == 0``), zero-filled unless ``init`` is given. The bank may keep
-        ``init`` itself rather than a copy: the caller must not reuse it."""
+        ``width == 0``), zero-filled unless ``init`` is given: a tensor (the bank may
+        keep it rather than a copy: the caller must not reuse it) or a function
+        ``init(lo, hi) -> rows [lo, hi)`` so that a bank larger than memory is filled
+        a chunk at a time."""
 
     @abstractmethod
     def state_names(self) -> list[str]:

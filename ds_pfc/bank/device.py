@@ -11,7 +11,7 @@ __all__ = ["DeviceBank"]
 class DeviceBank(ClassBank):
     """All state in memory of ``device`` (GPU memory, or plain memory on CPU)."""
 
-    def __init__(self, num_rows: int, device="cpu"):
+    def __init__(self, num_rows: int, device="cpu", class_start: int = 0):
         super().__init__(num_rows, device)
         self._states: dict[str, torch.Tensor] = {}
 
@@ -19,6 +19,8 @@ class DeviceBank(ClassBank):
         if name in self._states:
             raise ValueError(f"state {name!r} already exists")
         shape = (self.num_rows,) if width == 0 else (self.num_rows, width)
+        if callable(init):
+            init = init(0, self.num_rows)
         if init is None:
             tensor = torch.zeros(shape, dtype=dtype, device=self.device)
         else:

@@ -28,6 +28,9 @@ class RowStore(ABC):
 
     def __init__(self, num_rows: int, width: int, dtype: torch.dtype):
         self.num_rows, self.width, self.dtype = num_rows, width, dtype
+        # Completed scatters per row. The bank counts the writes it *issued*; a row
+        # whose counts differ is stale (its write-back has not landed) or torn.
+        self.versions = torch.zeros(num_rows, dtype=torch.int32)
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -85,12 +88,14 @@ class DeviceStore(RowStore):
 
     def scatter(self, rows, values):
         self.data.index_copy_(0, rows.to(self.device), values.to(device=self.device, dtype=self.dtype))
+        self.versions[rows] += 1
 
     def read_all(self):
         return self.data.clone()
 
     def write_all(self, values):
         self.data.copy_(values)
+        self.versions += 1
 
     def nbytes(self):
         return self.data.numel() * self.data.element_size()
@@ -117,12 +122,14 @@ class HostStore(RowStore):
 
     def scatter(self, rows, values):
         self.data.index_copy_(0, rows, values.to(device="cpu", dtype=self.dtype))
+        self.versions[rows] += 1
 
     def read_all(self):
         return self.data.clone()
 
     def write_all(self, values):
         self.data.copy_(values)
+        self.versions += 1
 
     def nbytes(self):
         return self.data.numel() * self.data.element_size()

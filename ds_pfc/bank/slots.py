@@ -1,0 +1,260 @@
+"""Staging slots and the double-buffered, stale-free prefetcher (paper: Figure
+async_pipeline, "Asynchronous hierarchical class storage").
+
+A :class:`Slot` holds the active rows ``S`` of every bank state on the compute
+device; the forward reads its centers, the row optimizer updates it in place, and it
+is then written back. With lookahead labels the next step's slot B is built while
+step t runs on slot A:
+
+1. ``prefetch`` (during step t): ``S(t+1)`` is known. Cold rows ``S(t+1) \\ S(t)``
+   are fetched into B at once by the I/O worker (on GPU: on a side stream).
+2. ``after_step`` (optimizer step t done): the overlapping rows ``S(t) ∩ S(t+1)`` are
+   copied from A into B, never earlier (before the step they would be stale); then A
+   is written back asynchronously. Every write is counted as *issued* at once and
+   as *completed* by the store when it lands (per-row versions).
+3. ``take`` (forward t+1): B is exposed only when both paths finished (the ready
+   gate: futures on CPU, plus a CUDA event the compute stream waits on).
+
+All bank I/O runs on one worker thread, in submission order: a write-back is always
+complete before any later read of the same rows, so reads find current versions;
+the version check turns any violation (a lost, late or torn write) into a
+:class:`~ds_pfc.bank.tiered.StaleRowError`. Slot A stays alive (and, on GPU, its
+memory is marked in use by the side stream) until its readers and its write-back
+finished, so it is never reused early. Without lookahead, ``stage`` reads
+synchronously through the same worker and gives identical results.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .base import ClassBank
+from .tiered import TieredBank
+
+__all__ = ["Slot", "SlotBank", "Stager", "merge_slots"]
+
+
+class Slot:
+    """Rows ``rows`` (sorted local ids) of every state, on the compute device."""
+
+    def __init__(self, rows: torch.Tensor, states: dict[str, torch.Tensor]):
+        self.rows = rows
+        self.rows_cpu = rows.to("cpu")
+        self.states = states
+        self._futures: list[Future] = []
+        self._event = None           # CUDA: recorded on the side stream when B is complete
+        self.overlap = None          # (positions in this slot, their rows): filled after the step
+
+    def wait(self) -> "Slot":
+        """The ready gate: block until the cold fetch and the overlap patch finished."""
+        for fut in self._futures:
+            fut.result()              # re-raises a StaleRowError or an I/O error here
+        self._futures = []
+        if self._event is not None:
+            torch.cuda.current_stream(self.rows.device).wait_event(self._event)
+            self._event = None
+        return self
+
+
+class SlotBank(ClassBank):
+    """A slot seen as a bank of ``len(slot.rows)`` rows, for the row optimizer."""
+
+    def __init__(self, slot: Slot):
+        super().__init__(slot.rows.numel(), slot.rows.device)
+        self.slot = slot
+
+    def add_state(self, name, width, dtype, init=None):
+        raise NotImplementedError("a slot holds the states of its bank")
+
+    def state_names(self):
+        return list(self.slot.states)
+
+    def read(self, name, rows):
+        state = self.slot.states[name]
+        return state if rows is None else state.index_select(0, rows)
+
+    def write(self, name, rows, values):
+        state = self.slot.states[name]
+        if rows is None:
+            state.copy_(values)
+        else:
+            state.index_copy_(0, rows, values.to(state.dtype))
+
+    def export(self, name):
+        return self.slot.states[name].clone()
+
+    def resident_bytes(self):
+        return {"device": sum(t.numel() * t.element_size() for t in self.slot.states.values()), "host": 0, "nvme": 0}
+
+
+def merge_slots(slots: list[Slot]) -> tuple[Slot, torch.Tensor]:
+    """One slot over the union of ``slots``' rows (they hold equal values where they
+    overlap: no step ran between them) and, per row of the concatenation, its
+    position in the union (for summing gradients)."""
+    all_rows = torch.cat([s.rows for s in slots])
+    rows, inverse = torch.unique(all_rows, return_inverse=True)
+    first = torch.empty(rows.numel(), dtype=torch.long, device=rows.device)
+    first.scatter_(0, inverse, torch.arange(all_rows.numel(), device=rows.device))
+    states = {name: torch.cat([s.states[name] for s in slots]).index_select(0, first) for name in slots[0].states}
+    return Slot(rows, states), inverse
+
+
+class Stager:
+    """Stages bank rows into slots, prefetches the next slot, writes slots back."""
+
+    def __init__(self, bank: TieredBank):
+        self.bank = bank
+        self.device = bank.device
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_pfc-bank-io")
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._next: tuple[object, Slot] | None = None
+        self._writebacks: list[Future] = []
+        # Test hook: copy overlapping rows at prefetch time, *before* the optimizer
+        # step. This is the ordering bug the pipeline exists to avoid.
+        self.patch_before_step = False
+
+    # ---------------------------------------------------------------- reads
+    def _fetch(self, slot: Slot, positions: torch.Tensor | None, rows_cpu: torch.Tensor) -> None:
+        """(I/O worker) read ``rows_cpu`` of every state into ``slot`` at ``positions``."""
+        stream = torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext()
+        with stream:
+            for name, dst in slot.states.items():
+                values = self.bank.read(name, rows_cpu)
+                if positions is None:
+                    dst.copy_(values, non_blocking=True)
+                else:
+                    dst.index_copy_(0, positions, values)
+            if self._stream is not None:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                event.synchronize()
+
+    def _empty_slot(self, rows: torch.Tensor) -> Slot:
+        states = {}
+        for name in self.bank.state_names():
+            store = self.bank.store(name)
+            states[name] = torch.empty((rows.numel(),) + store.row_shape, dtype=self.bank._logical[name],
+                                       device=self.device)
+        return Slot(rows, states)
+
+    def stage(self, rows: torch.Tensor) -> Slot:
+        """Synchronous staging of ``rows`` (sorted local ids on the device)."""
+        slot = self._empty_slot(rows)
+        self._io.submit(self._fetch, slot, None, slot.rows_cpu).result()
+        return slot
+
+    def prefetch(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
+        """Start building the slot for the forward identified by ``key`` while the
+        ``live`` slots (staged, not yet stepped) are still in use."""
+        slot = self._empty_slot(rows)
+        live_rows = torch.cat([s.rows_cpu for s in live]) if live else torch.empty(0, dtype=torch.long)
+        in_live = torch.isin(slot.rows_cpu, live_rows)
+        cold = torch.nonzero(~in_live).squeeze(1)
+        overlap = torch.nonzero(in_live).squeeze(1)
+        if cold.numel():
+            slot._futures.append(self._io.submit(self._fetch, slot, cold.to(self.device), slot.rows_cpu[cold]))
+        if overlap.numel():
+            slot.overlap = (overlap.to(self.device), slot.rows[overlap.to(self.device)])
+            if self.patch_before_step:
+                self._patch(slot, live)
+        self._next = (key, slot)
+
+    def take(self, rows: torch.Tensor, key, live: list[Slot]) -> Slot | None:
+        """The prefetched slot for ``key`` once ready, or None if there is none."""
+        if self._next is None:
+            return None
+        next_key, slot = self._next
+        self._next = None
+        if next_key != key or not torch.equal(slot.rows, rows):
+            slot.wait()                     # drop it, but surface its errors
+            return None
+        if slot.overlap is not None:        # no step since prefetch: live values are current
+            self._patch(slot, live)
+        return slot.wait()
+
+    def _patch(self, slot: Slot, sources: list[Slot]) -> None:
+        """Copy ``slot``'s overlapping rows from ``sources`` (after their update)."""
+        positions, rows = slot.overlap
+        slot.overlap = None
+        for src in sources:
+            hit = torch.isin(rows, src.rows)
+            if not bool(hit.any()):
+                continue
+            src_pos = torch.searchsorted(src.rows, rows[hit])
+            dst_pos = positions[hit]
+            if self._stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+                self._stream.wait_event(ready)
+                with torch.cuda.stream(self._stream):
+                    for name, dst in slot.states.items():
+                        dst.index_copy_(0, dst_pos, src.states[name].index_select(0, src_pos))
+                    slot._event = torch.cuda.Event()
+                    slot._event.record(self._stream)
+            else:
+                for name, dst in slot.states.items():
+                    dst.index_copy_(0, dst_pos, src.states[name].index_select(0, src_pos))
+            rows, positions = rows[~hit], positions[~hit]
+        assert rows.numel() == 0, "overlapping rows missing from the updated slots"
+
+    def discard(self) -> None:
+        """Drop the prefetched slot (after surfacing its errors)."""
+        if self._next is not None:
+            _, slot = self._next
+            self._next = None
+            slot.wait()
+
+    # ---------------------------------------------------------------- writes
+    def after_step(self, updated: Slot) -> None:
+        """``updated`` holds the optimizer's new values: patch the prefetched slot's
+        overlap from it, then write it back asynchronously."""
+        if self._next is not None and self._next[1].overlap is not None:
+            self._patch(self._next[1], [updated])
+        for name in updated.states:
+            self.bank.note_issued(name, updated.rows_cpu)
+        if self._stream is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            for t in updated.states.values():
+                t.record_stream(self._stream)
+            host = {}
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(done)
+                for name, t in updated.states.items():
+                    host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host[name].copy_(t, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self._stream)
+            self._writebacks.append(self._io.submit(self._write_back, updated.rows_cpu, host, copied))
+        else:
+            self._writebacks.append(self._io.submit(self._write_back, updated.rows_cpu, updated.states, None))
+        self._writebacks = [f for f in self._writebacks if not f.done() or f.exception() is not None]
+
+    def _write_back(self, rows_cpu, states, copied) -> None:
+        if copied is not None:
+            copied.synchronize()
+        for name, values in states.items():
+            store = self.bank.store(name)
+            store.scatter(rows_cpu, values)
+            self.bank.bytes_out += values.numel() * torch.empty((), dtype=store.dtype).element_size()
+
+    def drain(self) -> None:
+        """Wait for every write-back; re-raise the first failure."""
+        pending, self._writebacks = self._writebacks, []
+        for fut in pending:
+            fut.result()
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self._io.shutdown(wait=True)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,220 @@
+"""Tiered bank: each state tensor placed on the device, in host memory or on NVMe.
+
+With the centers and their optimizer state off the device, device-resident head
+memory is O(|S_q| d) (the staged rows) instead of O(C_q d). Each state is placed
+independently, with its own storage dtype: e.g. weights in host memory as bfloat16
+and momentum on the device as float32. Rows always reach the compute device in the
+state's own (logical) dtype; a lower storage dtype rounds on every write-back.
+
+Per-row versions: the bank counts the writes it has *issued* for every row and
+state; every store counts the writes that *completed*. A staged read of a row whose
+counts differ would train on an old value (a write-back that has not landed, or a
+torn one) and raises :class:`StaleRowError` instead.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .base import ClassBank
+from .stores import DeviceStore, HostStore, RowStore
+
+__all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS"]
+
+TIERS = ("device", "host", "nvme")
+
+
+class StaleRowError(RuntimeError):
+    """A staged row's stored version is not the version the bank last wrote."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one state lives: ``tier`` in ("device", "host", "nvme") and its storage
+    ``dtype`` (None: the state's own dtype, float32 for centers and moments)."""
+
+    tier: str = "device"
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {self.dtype!r}")
+
+    @classmethod
+    def parse(cls, value) -> "Placement":
+        """``Placement``, a tier name, or ``(tier, dtype)``."""
+        if isinstance(value, Placement):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            return cls(value[0], value[1])
+        raise TypeError(f"a placement must be a Placement, a tier name or (tier, dtype), got {value!r}")
+
+
+class TieredBank(ClassBank):
+    """Bank whose states live in per-state :mod:`stores <ds_pfc.bank.stores>`.
+
+    Build it through :meth:`factory` and pass that to ``PartialFC(bank=...)``.
+    ``nvme_dir`` holds one file per state, named by state and class range, so the
+    ranks of a job can share a directory. ``resume=True`` reopens existing NVMe
+    files (their contents win over the initial values) instead of creating them.
+    """
+
+    def __init__(self, num_rows: int, device, *, placements: dict[str, Placement] | None = None,
+                 default: Placement = Placement(), nvme_dir: str | None = None, class_start: int = 0,
+                 resume: bool = False, nvme_options: dict | None = None):
+        super().__init__(num_rows, device)
+        self.placements = dict(placements or {})
+        self.default = default
+        self.nvme_dir, self.class_start, self.resume = nvme_dir, class_start, resume
+        self.nvme_options = dict(nvme_options or {})
+        self._stores: dict[str, RowStore] = {}
+        self._logical: dict[str, torch.dtype] = {}
+        self._issued: dict[str, torch.Tensor] = {}
+        self.bytes_in = 0    # staged into the device since the last reset_traffic()
+        self.bytes_out = 0   # written back since the last reset_traffic()
+        needs_dir = any(p.tier == "nvme" for p in [default, *self.placements.values()])
+        if needs_dir and nvme_dir is None:
+            raise ValueError("nvme_dir is required when a state is placed on the nvme tier")
+
+    @classmethod
+    def factory(cls, placements: dict | None = None, *, default="device", nvme_dir: str | None = None,
+                resume: bool = False, nvme_options: dict | None = None) -> Callable[..., "TieredBank"]:
+        """A ``bank=`` argument for :class:`~ds_pfc.PartialFC`.
+
+        ``placements`` maps state names (``"weight"``, ``"momentum_buffer"``,
+        ``"exp_avg"``, ``"exp_avg_sq"``, ``"step"``) to a placement; others get
+        ``default``. Example: ``TieredBank.factory({"weight": ("host", torch.bfloat16)},
+        default="device")``.
+        """
+        parsed = {name: Placement.parse(p) for name, p in (placements or {}).items()}
+        default = Placement.parse(default)
+        if nvme_dir is not None and not os.path.isdir(nvme_dir):
+            raise FileNotFoundError(f"nvme_dir {nvme_dir!r} is not a directory")
+
+        def make(num_rows, device, class_start=0):
+            return cls(num_rows, device, placements=parsed, default=default, nvme_dir=nvme_dir,
+                       class_start=class_start, resume=resume, nvme_options=nvme_options)
+        return make
+
+    # ---------------------------------------------------------------- states
+    def placement(self, name: str) -> Placement:
+        return self.placements.get(name, self.default)
+
+    def nvme_path(self, name: str) -> str:
+        return os.path.join(self.nvme_dir, f"{name}-{self.class_start}-{self.class_start + self.num_rows}.bank")
+
+    def add_state(self, name, width, dtype, init=None):
+        if name in self._stores:
+            raise ValueError(f"state {name!r} already exists")
+        place = self.placement(name)
+        storage = place.dtype or dtype
+        if place.tier == "device":
+            store = DeviceStore(self.num_rows, width, storage, self.device)
+        elif place.tier == "host":
+            store = HostStore(self.num_rows, width, storage)
+        else:
+            from .nvme import NvmeStore
+            path = self.nvme_path(name)
+            if self.resume and os.path.exists(path):
+                store = NvmeStore(path, self.num_rows, width, storage, create=False, **self.nvme_options)
+                init = None
+            else:
+                store = NvmeStore(path, self.num_rows, width, storage, create=True, **self.nvme_options)
+        if init is not None:
+            _write_init(store, init, self.num_rows)
+        self._stores[name] = store
+        self._logical[name] = dtype
+        self._issued[name] = store.versions.clone()
+
+    def state_names(self):
+        return list(self._stores)
+
+    def store(self, name: str) -> RowStore:
+        try:
+            return self._stores[name]
+        except KeyError:
+            raise KeyError(f"bank has no state {name!r}; it holds {self.state_names()}") from None
+
+    # ---------------------------------------------------------------- rows
+    def _ids(self, rows):
+        if rows is None:
+            return torch.arange(self.num_rows)
+        return rows.to("cpu", torch.int64)
+
+    def check_versions(self, name: str, rows_cpu: torch.Tensor) -> None:
+        """Raise :class:`StaleRowError` if a stored row is not the last one written."""
+        store = self.store(name)
+        stored, issued = store.versions[rows_cpu], self._issued[name][rows_cpu]
+        if not torch.equal(stored.to(torch.int64), issued.to(torch.int64)):
+            bad = torch.nonzero(stored.to(torch.int64) != issued.to(torch.int64)).squeeze(1)[:5]
+            raise StaleRowError(
+                f"state {name!r}, local rows {rows_cpu[bad].tolist()} (classes "
+                f"{(rows_cpu[bad] + self.class_start).tolist()}): stored versions {stored[bad].tolist()} but "
+                f"{issued[bad].tolist()} writes were issued; a write-back did not land or a row is torn")
+
+    def read(self, name, rows):
+        ids = self._ids(rows)
+        store = self.store(name)
+        self.check_versions(name, ids)
+        values = store.gather(ids)
+        self.bytes_in += values.numel() * values.element_size()
+        return values.to(self.device, non_blocking=True).to(self._logical[name])
+
+    def write(self, name, rows, values):
+        ids = self._ids(rows)
+        self.note_issued(name, ids)
+        self.store(name).scatter(ids, values)
+        self.bytes_out += values.numel() * torch.empty((), dtype=self.store(name).dtype).element_size()
+
+    def note_issued(self, name: str, rows_cpu: torch.Tensor) -> None:
+        """Count a write of ``rows`` as issued (before it lands, for async write-back)."""
+        self._issued[name][rows_cpu] += 1
+
+    def export(self, name):
+        return self.store(name).read_all().to(self._logical[name])
+
+    def load(self, name, tensor):
+        store = self.store(name)
+        self._issued[name] += 1
+        _write_init(store, lambda lo, hi: tensor[lo:hi], self.num_rows)
+        store.versions.copy_(self._issued[name])
+
+    def resident_bytes(self):
+        out = {tier: 0 for tier in TIERS}
+        for name, store in self._stores.items():
+            out[store.tier] += store.nbytes()
+            out["host"] += 2 * store.versions.numel() * store.versions.element_size()
+        return out
+
+    def reset_traffic(self) -> dict[str, int]:
+        """Bytes staged in and written back since the last call; resets the counters."""
+        moved = {"staged_in": self.bytes_in, "written_back": self.bytes_out}
+        self.bytes_in = self.bytes_out = 0
+        return moved
+
+    def flush(self) -> None:
+        for store in self._stores.values():
+            store.flush()
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            store.close()
+
+
+def _write_init(store: RowStore, init, num_rows: int, chunk_rows: int = 1 << 16) -> None:
+    """Fill ``store`` from a tensor or ``init(lo, hi)`` in chunks of rows, so a bank
+    larger than memory never materialises whole."""
+    if isinstance(init, torch.Tensor):
+        store.write_all(init)
+        return
+    for lo in range(0, num_rows, chunk_rows):
+        hi = min(num_rows, lo + chunk_rows)
+        store.scatter(torch.arange(lo, hi), init(lo, hi))
+    store.versions.zero_()
