@@ -377,6 +377,23 @@ class PartialFC(nn.Module):
         """Bytes of head state per tier (the bank's report)."""
         return self.bank.resident_bytes()
 
+    def training_state(self) -> dict:
+        """Everything but the bank: class range, sampler state and step counters.
+
+        With an NVMe bank the bank files are the checkpoint of the rows; this small
+        dict completes it (``TieredBank.factory(..., resume=True)`` reopens them)."""
+        return dict(zip(self._META_FIELDS, self._meta().tolist()))
+
+    def load_training_state(self, state: dict) -> None:
+        """Restore :meth:`training_state` (checked against this head's class range)."""
+        for key in ("num_classes", "embedding_size", "class_start", "num_local"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(f"state is for {key}={state.get(key)} but this head has {key}={getattr(self, key)}")
+        self.flush()
+        self._drop_staged()
+        self.seed, self.sample_step, self.step_count = int(state["seed"]), int(state["sample_step"]), \
+            int(state["step_count"])
+
     def _meta(self) -> torch.Tensor:
         return torch.tensor([self.num_classes, self.embedding_size, self.class_start, self.num_local,
                              self.world_size, self.seed, self.sample_step, self.step_count], dtype=torch.int64)
