@@ -92,6 +92,46 @@ def run_case(case: dict) -> dict:
             "loss": float(loss)}
 
 
+def storage_effect(steps: int = 300, classes: int = 5000, seed: int = 0) -> list[dict]:
+    """Train the synthetic-identity task with each storage dtype placement and report
+    the final loss and held-out verification accuracy (same data, same seed)."""
+    from .. import CosFace, PartialFC
+    from ..bank import TieredBank
+    from ..data import SyntheticIdentities, verification_accuracy
+    variants = [("float32 (device bank)", None),
+                ("weight bf16 (host)", TieredBank.factory({"weight": ("host", torch.bfloat16)}, default="host")),
+                ("weight+momentum bf16 (host)", TieredBank.factory(default=("host", torch.bfloat16)))]
+    out = []
+    for name, bank in variants:
+        torch.manual_seed(seed)
+        data = SyntheticIdentities(classes + 1000, seed=seed)
+        backbone = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128),
+                                       torch.nn.BatchNorm1d(128))
+        head = PartialFC(classes, 128, sample_rate=0.1, margin=CosFace(32.0, 0.3), bank=bank,
+                         compute_dtype=torch.bfloat16, seed=seed)
+        opt = torch.optim.SGD(backbone.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        gen = torch.Generator().manual_seed(seed + 7)
+        losses = []
+        for step in range(steps):
+            lr = 0.05 * (1 - step / steps)
+            labels = torch.randint(0, classes, (256,), generator=gen)
+            loss = head(backbone(data.sample(labels)), labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            head.step(lr)
+            losses.append(loss.item())
+        head.close()
+        tail = losses[-30:]
+        out.append({"storage": name, "final_loss": sum(tail) / len(tail),
+                     "verification": verification_accuracy(backbone, data, classes)})
+        print(f"  {name}: loss {out[-1]['final_loss']:.3f}, held-out verification {out[-1]['verification']:.3f}",
+              flush=True)
+    return out
+
+
 def copy_bandwidth(device) -> float:
     src = torch.ones(64 << 20, device=device)
     dst = torch.empty_like(src)
@@ -120,10 +160,19 @@ def main(argv=None) -> int:
     p.add_argument("--nvme-dir", default=None, help="directory for NVMe bank files (default: a temp dir)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
+    p.add_argument("--storage-effect", action="store_true",
+                   help="instead: train the synthetic-identity task with float32 vs bfloat16 storage")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
         print(json.dumps(run_case(json.loads(args.case))))
+        return 0
+    if args.storage_effect:
+        print("training the synthetic-identity task (5000 classes, 300 steps) per storage dtype ...", flush=True)
+        results = storage_effect()
+        out = args.out or os.path.join("benchmarks", "results", f"bank-storage-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        write_json(out, "bank-storage-effect", vars(args), results)
+        print(f"wrote {out}")
         return 0
 
     device = torch.device(args.device)
