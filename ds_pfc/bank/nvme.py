@@ -264,9 +264,9 @@ class NvmeStore(RowStore):
             raise
         os.close(fd)
         self._stamp = secrets.randbits(63)
-        self._setup(queue_depth, stage_bytes)
         self.versions = torch.zeros(self.num_rows, dtype=torch.int64)
         try:
+            self._setup(queue_depth, stage_bytes)
             if init is not None and self.num_rows:
                 self._write_rows(torch.arange(self.num_rows), init)
             self._dirty = True
@@ -276,7 +276,11 @@ class NvmeStore(RowStore):
                 raise OSError(errno.EIO, f"NvmeStore: {self.path!r} is {size} bytes after creation, "
                               f"expected {self._file_bytes}")
         except BaseException:
+            self._dirty = False  # never mark a half-written file clean
             self.close()
+            for p in (self.path, self.versions_path):
+                if os.path.exists(p):
+                    os.unlink(p)
             raise
 
     def _open(self, block_rows, allow_dirty, queue_depth, stage_bytes):
@@ -366,11 +370,12 @@ class NvmeStore(RowStore):
             if strict:
                 raise ValueError(f"NvmeStore: versions file {vp!r}: {problem}")
             return torch.zeros(self.num_rows, dtype=torch.int64)
+        if self.num_rows == 0:
+            return torch.zeros(0, dtype=torch.int64)
         return torch.frombuffer(bytearray(payload), dtype=torch.int64).clone()
 
     def _setup(self, queue_depth, stage_bytes):
         """The aio handle and the page-locked buffers."""
-        global _LOCKED_BYTES
         op = load_aio_op()
         self._handle = op.aio_handle(AIO_BLOCK_SIZE, queue_depth, False, True, self.intra_op_parallelism)
         self._pending = 0
@@ -395,6 +400,11 @@ class NvmeStore(RowStore):
             # [slot, row in block, element]: the used part of each staged block
             self._stage_rows = self._stage.view(self.dtype).as_strided(
                 (self._stage_blocks, self.block_rows, self._row_elems), (block_elems, self._row_elems, 1))
+            # Faster picking when a padded block is a whole number of rows: staging as
+            # [slot * rows_per_slot + row in block, element], for index_select/index_copy_.
+            self._slot_rows = block_elems // self._row_elems if block_elems % self._row_elems == 0 else 0
+            if self._slot_rows:
+                self._stage_flat = self._stage.view(self.dtype).view(-1, self._row_elems)
         else:
             self._stage = None
 
@@ -501,8 +511,11 @@ class NvmeStore(RowStore):
             if i0 == i1:
                 continue
             self._io(self._requests(self._runs(ub[i0:i1], list(range(i1 - i0)))), read=True)
-            slots = inverse[r0:r1] - i0
-            flat[r0:r1] = self._stage_rows[slots, rows[r0:r1] - blk[r0:r1] * self.block_rows]
+            slots, inb = inverse[r0:r1] - i0, rows[r0:r1] - blk[r0:r1] * self.block_rows
+            if self._slot_rows:
+                torch.index_select(self._stage_flat, 0, slots * self._slot_rows + inb, out=flat[r0:r1])
+            else:
+                flat[r0:r1] = self._stage_rows[slots, inb]
         if perm is not None:
             out.view(n, self._row_elems)[perm] = flat
         return out
@@ -552,8 +565,11 @@ class NvmeStore(RowStore):
                 self._io(self._requests(self._runs([ub[i] for i in need], [i - i0 for i in need])), read=True)
             if phantom and ub[i1 - 1] == last:
                 self._stage_rows[i1 - 1 - i0, br - phantom:] = 0
-            slots = inverse[r0:r1] - i0
-            self._stage_rows[slots, rows[r0:r1] - blk[r0:r1] * br] = values[r0:r1]
+            slots, inb = inverse[r0:r1] - i0, rows[r0:r1] - blk[r0:r1] * br
+            if self._slot_rows:
+                self._stage_flat.index_copy_(0, slots * self._slot_rows + inb, values[r0:r1])
+            else:
+                self._stage_rows[slots, inb] = values[r0:r1]
             self._io(self._requests(self._runs(ub[i0:i1], list(range(i1 - i0)))), read=False)
 
     def read_all(self) -> torch.Tensor:
@@ -613,7 +629,7 @@ class NvmeStore(RowStore):
                 self.flush()
         finally:
             self._closed = True
-            self._stage = self._stage_rows = self._hdr_buf = None
+            self._stage = self._stage_rows = self._stage_flat = self._hdr_buf = None
             for t in self._locked:
                 _LOCKED_BYTES -= t.numel() * t.element_size()
                 self._handle.free_cpu_locked_tensor(t)

@@ -187,10 +187,18 @@ class TieredBank(ClassBank):
         store.versions.copy_(self._issued[name])
 
     def resident_bytes(self):
+        """Bytes per tier: rows held on the device, in host memory (rows, version
+        counters, NVMe staging buffers) and in NVMe files."""
         out = {tier: 0 for tier in TIERS}
         for name, store in self._stores.items():
-            out[store.tier] += store.nbytes()
-            out["host"] += 2 * store.versions.numel() * store.versions.element_size()
+            issued = self._issued[name]
+            out["host"] += issued.numel() * issued.element_size()
+            if store.tier == "nvme":
+                out["nvme"] += store.file_bytes()
+                out["host"] += store.nbytes()          # its buffers and version counters
+            else:
+                out[store.tier] += store.nbytes()
+                out["host"] += store.versions.numel() * store.versions.element_size()
         return out
 
     def reset_traffic(self) -> dict[str, int]:

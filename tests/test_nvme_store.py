@@ -1,0 +1,376 @@
+"""NvmeStore: a file-backed row store through DeepSpeed's async I/O op.
+
+Reference: a plain torch tensor updated with ``index_copy_`` by the test itself (and
+a per-row count of scatters), never read back from the store. Every file-format error
+is provoked on files the test writes or damages itself.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import time
+import zlib
+from collections import namedtuple
+
+import pytest
+import torch
+
+try:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    _AIO_OK = AsyncIOBuilder().is_compatible()
+except Exception:  # pragma: no cover
+    AsyncIOBuilder, _AIO_OK = None, False
+
+pytestmark = pytest.mark.skipif(
+    not _AIO_OK, reason="DeepSpeed's async_io op is not compatible here (libaio missing: "
+                        "apt-get install libaio-dev)")
+
+from ds_pfc.bank import nvme  # noqa: E402
+from ds_pfc.bank.nvme import DirtyStoreError, NvmeStore  # noqa: E402
+
+R = 1021
+
+
+def rand_values(shape, dtype, gen):
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    return torch.randint(-(2 ** 40), 2 ** 40, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def row_shape(width):
+    return () if width == 0 else (width,)
+
+
+Case = namedtuple("Case", "width dtype block_rows iop stage_bytes")
+CASES = [
+    Case(7, torch.float32, None, 1, 16 << 20),     # default block size: one block holds all
+    Case(7, torch.float32, 100, 2, 8192),          # 100 does not divide 1021; one block per batch
+    Case(0, torch.int64, 37, 1, 3 * 8192),         # 1-D rows, several blocks per batch
+    Case(0, torch.bfloat16, 1000, 2, 16 << 20),    # last block has 21 real rows
+    Case(512, torch.bfloat16, 3, 1, 5 * 4096),     # rows of 1 KiB, padded blocks, 5 per batch
+    Case(512, torch.float32, None, 2, 1 << 20),    # rows of 2 KiB, default blocks
+    Case(7, torch.int64, 1, 1, 4 * 4096),          # one row per block
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"w{c.width}-{str(c.dtype)[6:]}-br{c.block_rows}-p{c.iop}")
+def test_random_rounds_match_reference(tmp_path, case):
+    gen = torch.Generator().manual_seed(1234 + case.width)
+    shape = (R,) + row_shape(case.width)
+    ref = rand_values(shape, case.dtype, gen)
+    counts = torch.zeros(R, dtype=torch.int64)
+    path = tmp_path / "bank.bin"
+    store = NvmeStore(path, R, case.width, case.dtype, create=True, init=ref.clone(),
+                      block_rows=case.block_rows, intra_op_parallelism=case.iop, stage_bytes=case.stage_bytes)
+    assert store.tier == "nvme"
+    align = 1024 * case.iop
+    assert store.file_bytes() % align == 0 and os.path.getsize(path) == store.file_bytes()
+    assert store._block_bytes % align == 0 and store._data_offset % align == 0
+    assert torch.equal(store.read_all(), ref)
+    for step in range(40):
+        k = int(torch.randint(0, R + 1, (), generator=gen)) if step % 5 else [0, 1, R][step // 5 % 3]
+        rows = torch.randperm(R, generator=gen)[:k].sort().values
+        got = store.gather(rows)
+        assert got.dtype == case.dtype and tuple(got.shape) == (k,) + row_shape(case.width)
+        assert torch.equal(got, ref[rows])
+        # scatter another random set, values given in another dtype (floats: float64)
+        rows = torch.randperm(R, generator=gen)[:int(torch.randint(0, R // 3, (), generator=gen))].sort().values
+        vals = rand_values((len(rows),) + row_shape(case.width), case.dtype, gen)
+        given = vals.to(torch.float64) if case.dtype.is_floating_point else vals
+        store.scatter(rows, given)
+        ref.index_copy_(0, rows, vals)
+        counts[rows] += 1
+        assert torch.equal(store.versions, counts)
+    assert torch.equal(store.read_all(), ref)
+    store.close()
+    with NvmeStore(path, R, case.width, case.dtype, create=False, intra_op_parallelism=case.iop) as again:
+        assert torch.equal(again.read_all(), ref)
+        assert torch.equal(again.versions, counts)
+        assert again.block_rows == store.block_rows
+
+
+def test_zero_fill_and_init_conversion(tmp_path):
+    with NvmeStore(tmp_path / "z.bin", R, 7, torch.float32, create=True) as s:
+        assert torch.equal(s.read_all(), torch.zeros(R, 7))
+        assert torch.equal(s.versions, torch.zeros(R, dtype=torch.int64))
+    init = torch.randn(R, 7, dtype=torch.float64)
+    with NvmeStore(tmp_path / "i.bin", R, 7, torch.bfloat16, create=True, init=init) as s:
+        assert torch.equal(s.read_all(), init.to(torch.bfloat16))
+
+
+def test_versions_count_scatters_and_write_all(tmp_path):
+    with NvmeStore(tmp_path / "v.bin", R, 0, torch.float32, create=True, block_rows=64) as s:
+        expect = torch.zeros(R, dtype=torch.int64)
+        for times, rows in [(3, torch.tensor([0, 63, 64, 1020])), (1, torch.arange(64, 128)), (2, torch.tensor([5]))]:
+            for _ in range(times):
+                s.scatter(rows, torch.ones(len(rows)))
+            expect[rows] += times
+        s.gather(torch.arange(R))  # reads do not count
+        assert torch.equal(s.versions, expect)
+        new = torch.arange(R, dtype=torch.float32)
+        s.write_all(new)
+        assert torch.equal(s.versions, expect + 1)
+        assert torch.equal(s.read_all(), new)
+        # a full block (64..127) and the partial last block, written without reading
+        s.scatter(torch.arange(960, R), -torch.ones(R - 960))
+        s.scatter(torch.arange(64, 128), torch.full((64,), 7.0))
+        new[960:] = -1
+        new[64:128] = 7
+        assert torch.equal(s.read_all(), new)
+
+
+def test_unsorted_gather_and_duplicate_scatter(tmp_path):
+    init = torch.randn(R, 3)
+    with NvmeStore(tmp_path / "u.bin", R, 3, torch.float32, create=True, init=init, block_rows=50) as s:
+        rows = torch.tensor([900, 3, 3, 500, 0])
+        assert torch.equal(s.gather(rows), init[rows])
+        with pytest.raises(ValueError, match="unique"):
+            s.scatter(torch.tensor([4, 2, 4]), torch.zeros(3, 3))
+        s.scatter(torch.tensor([7, 2]), torch.ones(2, 3))  # unsorted but unique: fine
+        init[[7, 2]] = 1
+        assert torch.equal(s.read_all(), init)
+
+
+def test_reopen_after_more_writes_and_flush(tmp_path):
+    path = tmp_path / "r.bin"
+    init = torch.randn(R, 512).to(torch.bfloat16)
+    s = NvmeStore(path, R, 512, torch.bfloat16, create=True, init=init)
+    s.scatter(torch.tensor([1, 2, 1000]), torch.zeros(3, 512))
+    s.flush()
+    s.flush()  # nothing new: no-op
+    init[[1, 2, 1000]] = 0
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        s.gather(torch.tensor([0]))
+    assert s.nbytes() == 0
+    with NvmeStore(path, R, 512, torch.bfloat16, create=False) as s2:
+        assert torch.equal(s2.read_all(), init)
+        assert s2.versions.sum() == 3 and s2.versions[[1, 2, 1000]].tolist() == [1, 1, 1]
+        s2.scatter(torch.tensor([2]), torch.ones(1, 512))
+    with NvmeStore(path, R, 512, torch.bfloat16, create=False) as s3:
+        assert s3.versions[[1, 2, 1000]].tolist() == [1, 2, 1]
+        assert torch.equal(s3.gather(torch.tensor([2]))[0], torch.ones(512, dtype=torch.bfloat16))
+
+
+def test_create_overwrites_existing_file(tmp_path):
+    path = tmp_path / "o.bin"
+    with NvmeStore(path, R, 7, torch.float32, create=True, init=torch.ones(R, 7)) as s:
+        s.scatter(torch.tensor([0]), torch.zeros(1, 7))
+    with NvmeStore(path, 10, 2, torch.int64, create=True) as s:
+        assert torch.equal(s.read_all(), torch.zeros(10, 2, dtype=torch.int64))
+        assert s.versions.tolist() == [0] * 10
+
+
+def test_dirty_file_detected(tmp_path):
+    path, copy = tmp_path / "d.bin", tmp_path / "copy.bin"
+    init = torch.randn(R, 7)
+    s = NvmeStore(path, R, 7, torch.float32, create=True, init=init, block_rows=100)
+    s.scatter(torch.tensor([10, 20]), torch.zeros(2, 7))
+    s.flush()
+    s.scatter(torch.tensor([20, 30]), torch.ones(2, 7))
+    # a "crash" now: the data and the (older) versions file as they are on disk
+    shutil.copyfile(path, copy)
+    shutil.copyfile(str(path) + ".versions", str(copy) + ".versions")
+    s.close()
+    with pytest.raises(DirtyStoreError, match="dirty.*allow_dirty"):
+        NvmeStore(copy, R, 7, torch.float32, create=False)
+    with NvmeStore(copy, R, 7, torch.float32, create=False, allow_dirty=True) as d:
+        assert d.opened_dirty
+        assert d.gather(torch.tensor([20, 30])).eq(1).all()            # the unflushed data
+        assert d.versions[[10, 20, 30]].tolist() == [1, 1, 0]          # versions lag it
+    with NvmeStore(copy, R, 7, torch.float32, create=False) as c:     # accepted: clean now
+        assert not c.opened_dirty and c.versions[[10, 20, 30]].tolist() == [1, 1, 0]
+    with NvmeStore(path, R, 7, torch.float32, create=False) as c:
+        assert c.versions[[10, 20, 30]].tolist() == [1, 2, 1]
+
+
+def test_versions_file_problems(tmp_path):
+    path = tmp_path / "s.bin"
+    vpath = str(path) + ".versions"
+    with NvmeStore(path, R, 7, torch.float32, create=True) as s:
+        s.scatter(torch.tensor([1]), torch.ones(1, 7))
+    old = open(vpath, "rb").read()
+    with NvmeStore(path, R, 7, torch.float32, create=False) as s:
+        s.scatter(torch.tensor([1]), torch.ones(1, 7))
+    with open(vpath, "wb") as f:  # an older versions file next to newer data
+        f.write(old)
+    with pytest.raises(ValueError, match="stale"):
+        NvmeStore(path, R, 7, torch.float32, create=False)
+    with open(vpath, "r+b") as f:  # corrupted payload
+        f.seek(40)
+        f.write(b"\xff")
+    with pytest.raises(ValueError, match="CRC"):
+        NvmeStore(path, R, 7, torch.float32, create=False)
+    os.unlink(vpath)
+    with pytest.raises(FileNotFoundError, match="versions"):
+        NvmeStore(path, R, 7, torch.float32, create=False)
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.bin"):
+        NvmeStore(tmp_path / "nope.bin", R, 7, torch.float32, create=False)
+    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+        NvmeStore(tmp_path / "no_such_dir" / "x.bin", R, 7, torch.float32, create=True)
+    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+        NvmeStore(tmp_path / "no_such_dir" / "x.bin", R, 7, torch.float32, create=False)
+
+
+def test_truncated_file(tmp_path):
+    path = tmp_path / "t.bin"
+    with NvmeStore(path, R, 7, torch.float32, create=True, block_rows=100) as s:
+        full = s.file_bytes()
+    os.truncate(path, full - 4096)
+    with pytest.raises(ValueError, match=rf"t\.bin.*truncated.*expected {full} bytes, found {full - 4096}"):
+        NvmeStore(path, R, 7, torch.float32, create=False)
+    os.truncate(path, 100)  # not even a whole header
+    with pytest.raises(ValueError, match="truncated"):
+        NvmeStore(path, R, 7, torch.float32, create=False)
+    # truncated while open: an error, not the op's abort
+    path2 = tmp_path / "t2.bin"
+    s = NvmeStore(path2, R, 7, torch.float32, create=True, block_rows=100)
+    os.truncate(path2, 8192)
+    with pytest.raises(ValueError, match="truncated"):
+        s.gather(torch.tensor([1020]))
+    with pytest.raises(ValueError, match="truncated"):
+        s.scatter(torch.tensor([1020]), torch.zeros(1, 7))
+    s.close()
+
+
+def test_header_for_another_store(tmp_path):
+    path = tmp_path / "f.bin"
+    NvmeStore(path, R, 7, torch.float32, create=True, block_rows=100).close()
+    with pytest.raises(ValueError) as e:
+        NvmeStore(path, 1000, 8, torch.bfloat16, create=False)
+    msg = str(e.value)
+    for part in ["num_rows: expected 1000, found 1021", "width: expected 8, found 7",
+                 "dtype: expected bfloat16, found float32"]:
+        assert part in msg, msg
+    with pytest.raises(ValueError, match="block_rows: expected 64, found 100"):
+        NvmeStore(path, R, 7, torch.float32, create=False, block_rows=64)
+    # created with intra_op_parallelism=1: 4 KiB alignment cannot serve 2 threads
+    with pytest.raises(ValueError, match="intra_op_parallelism=2"):
+        NvmeStore(path, R, 7, torch.float32, create=False, intra_op_parallelism=2)
+    NvmeStore(path, R, 7, torch.float32, create=False, block_rows=100).close()
+
+
+def test_not_a_bank_file(tmp_path):
+    for name, data in [("garbage.bin", os.urandom(70000)), ("empty.bin", b""), ("short.bin", b"DSP")]:
+        p = tmp_path / name
+        p.write_bytes(data)
+        with pytest.raises(ValueError, match="bad magic"):
+            NvmeStore(p, R, 7, torch.float32, create=False)
+    # right magic, damaged header fields
+    path = tmp_path / "crc.bin"
+    NvmeStore(path, R, 7, torch.float32, create=True).close()
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"\x01")
+    with pytest.raises(ValueError, match="corrupted header"):
+        NvmeStore(path, R, 7, torch.float32, create=False)
+    # a consistent header of an unknown future format version
+    path = tmp_path / "ver.bin"
+    NvmeStore(path, R, 7, torch.float32, create=True).close()
+    raw = bytearray(open(path, "rb").read(nvme._HEADER.size))
+    raw[8:12] = struct.pack("<I", 99)
+    with open(path, "r+b") as f:
+        f.write(raw + struct.pack("<I", zlib.crc32(bytes(raw))))
+    with pytest.raises(ValueError, match="format version 99"):
+        NvmeStore(path, R, 7, torch.float32, create=False)
+
+
+def test_full_disk(tmp_path, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 ** 9, 10 ** 9 - 5000, 5000))
+    path = tmp_path / "big.bin"
+    with pytest.raises(OSError, match=r"not enough free disk space.*big\.bin.*needs \d+ bytes, 5000 bytes free"):
+        NvmeStore(path, R, 512, torch.float32, create=True)
+    assert not path.exists()
+
+
+def test_aio_unavailable(tmp_path, monkeypatch):
+    monkeypatch.setattr(nvme, "_AIO_OP", None)
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    with pytest.raises(RuntimeError, match="libaio-dev"):
+        NvmeStore(tmp_path / "a.bin", R, 7, torch.float32, create=True)
+    assert not (tmp_path / "a.bin").exists()
+
+
+def test_argument_validation(tmp_path):
+    p = tmp_path / "arg.bin"
+    bad = [
+        (dict(num_rows=-1), ValueError, "num_rows"), (dict(num_rows=1.5), TypeError, "num_rows"),
+        (dict(num_rows=True), TypeError, "num_rows"), (dict(width=-2), ValueError, "width"),
+        (dict(dtype=torch.complex64), ValueError, "dtype"), (dict(dtype="float32"), TypeError, "dtype"),
+        (dict(block_rows=0), ValueError, "block_rows"), (dict(intra_op_parallelism=0), ValueError,
+                                                         "intra_op_parallelism"),
+        (dict(queue_depth=0), ValueError, "queue_depth"), (dict(init=torch.zeros(3, 7)), ValueError, "init"),
+        (dict(path=3), TypeError, "path"),
+    ]
+    for change, exc, word in bad:
+        kw = dict(path=p, num_rows=R, width=7, dtype=torch.float32)
+        kw.update(change)
+        with pytest.raises(exc, match=word):
+            NvmeStore(kw.pop("path"), kw.pop("num_rows"), kw.pop("width"), kw.pop("dtype"), create=True, **kw)
+    assert not p.exists()
+    with NvmeStore(p, R, 7, torch.float32, create=True) as s:
+        with pytest.raises(ValueError, match="rows must lie in"):
+            s.gather(torch.tensor([R]))
+        with pytest.raises(ValueError, match="rows must lie in"):
+            s.scatter(torch.tensor([-1]), torch.zeros(1, 7))
+        with pytest.raises(TypeError, match="rows"):
+            s.gather(torch.tensor([1.0]))
+        with pytest.raises(ValueError, match="values must have shape"):
+            s.scatter(torch.tensor([1]), torch.zeros(1, 8))
+        with pytest.raises(ValueError, match="values must have shape"):
+            s.write_all(torch.zeros(R, 6))
+
+
+def test_empty_store_and_memory_accounting(tmp_path):
+    with NvmeStore(tmp_path / "e.bin", 0, 7, torch.float32, create=True) as s:
+        assert s.read_all().shape == (0, 7) and s.gather(torch.empty(0, dtype=torch.int64)).shape == (0, 7)
+        s.write_all(torch.zeros(0, 7))
+    with NvmeStore(tmp_path / "e.bin", 0, 7, torch.float32, create=False) as s:
+        assert s.versions.numel() == 0
+    with NvmeStore(tmp_path / "m.bin", 4096, 512, torch.float32, create=True, stage_bytes=1 << 20) as s:
+        # host memory: 1 MiB staging + one header buffer + versions, not the 8 MiB file
+        assert s.file_bytes() == os.path.getsize(tmp_path / "m.bin") > 8 << 20
+        assert s.nbytes() == (1 << 20) + 4096 + 8 * 4096
+
+
+def test_throughput_report(tmp_path, capsys):
+    """Printed, not asserted: a gather of 10% random rows of a 16 MiB store."""
+    rows_n, width = 8192, 512
+    init = torch.randn(rows_n, width)
+    with NvmeStore(tmp_path / "p.bin", rows_n, width, torch.float32, create=True, init=init) as s:
+        rows = torch.randperm(rows_n)[: rows_n // 10].sort().values
+        t = time.perf_counter()
+        got = s.gather(rows)
+        tg = time.perf_counter() - t
+        assert torch.equal(got, init[rows])
+        t = time.perf_counter()
+        s.scatter(rows, got)
+        ts = time.perf_counter() - t
+    with capsys.disabled():
+        print(f"\n[nvme] 16 MiB store, {len(rows)} random rows of 2 KiB: gather {tg * 1e3:.1f} ms, "
+              f"scatter {ts * 1e3:.1f} ms")
+
+
+def test_locked_memory_limit(tmp_path, monkeypatch):
+    """Without CAP_IPC_LOCK the op's mlock failure would abort the process: the store
+    shrinks its staging to RLIMIT_MEMLOCK, or refuses with an error."""
+    init = torch.randn(R, 7)
+    monkeypatch.setattr(nvme, "_lock_budget", lambda: 4096 + 2 * 4096)
+    with NvmeStore(tmp_path / "l.bin", R, 7, torch.float32, create=True, init=init, block_rows=100) as s:
+        assert s._stage_blocks == 2 and s.nbytes() == 3 * 4096 + 8 * R
+        rows = torch.arange(0, R, 3)
+        s.scatter(rows, torch.zeros(len(rows), 7))
+        init[rows] = 0
+        assert torch.equal(s.read_all(), init)
+    monkeypatch.setattr(nvme, "_lock_budget", lambda: 6000)
+    with pytest.raises(RuntimeError, match="RLIMIT_MEMLOCK"):
+        NvmeStore(tmp_path / "l2.bin", R, 7, torch.float32, create=True, block_rows=100)
+    assert not (tmp_path / "l2.bin").exists()
+    with pytest.raises(RuntimeError, match="RLIMIT_MEMLOCK"):
+        NvmeStore(tmp_path / "l.bin", R, 7, torch.float32, create=False)
