@@ -158,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--nvme-dir", default=None, help="directory for NVMe bank files (default: a temp dir)")
+    p.add_argument("--nvme-block-rows", type=int, default=None, help="rows per NVMe block (default ~128 KiB)")
+    p.add_argument("--prefetch", choices=["both", "on", "off"], default="both")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     p.add_argument("--storage-effect", action="store_true",
@@ -181,12 +183,14 @@ def main(argv=None) -> int:
     cases = []
     for window in [float(w) for w in args.windows.split(",")]:
         for tier in args.tiers.split(","):
-            for prefetch in ([False] if tier == "device-bank" else [False, True]):
+            modes = {"both": [False, True], "on": [True], "off": [False]}[args.prefetch]
+            for prefetch in ([False] if tier == "device-bank" else modes):
                 case = {"tier": tier, "prefetch": prefetch, "window_ms": window, "window_kind": args.window_kind,
                         "classes": args.classes, "dim": args.dim, "batch": args.batch,
                         "sample_rate": args.sample_rate, "storage": args.storage, "compute": args.compute,
                         "steps": args.steps, "warmup": args.warmup, "device": args.device,
-                        "nvme_dir": args.nvme_dir}
+                        "nvme_dir": args.nvme_dir,
+                        "nvme_options": {"block_rows": args.nvme_block_rows} if args.nvme_block_rows else None}
                 if tier == "mixed":
                     case["placements"] = {"weight": "host"}
                 cases.append(case)
@@ -227,6 +231,10 @@ def main(argv=None) -> int:
     print()
     print(format_table(["tier", "prefetch", "window ms", "step ms [min-max]", "x device", "extra ms",
                         "MiB moved/step", "GB/s (sync)", "resident MiB dev/host/nvme", "peak MiB"], rows))
+    for r in results:
+        if "step" in r:
+            print(f"{r['tier']} prefetch={r['prefetch']} window={r['window_ms']:.0f}: "
+                  f"{1 / r['step']['median']:.3f} steps/s, bank built in {r['build_s']:.0f} s")
     out = args.out or os.path.join("benchmarks", "results", f"bank-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     write_json(out, "bank", vars(args), results, {"copy_gbps": bandwidth})
     print(f"\nwrote {out}")
