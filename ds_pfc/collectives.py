@@ -12,7 +12,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_size", "rank", "all_gather_batch", "all_gather_rows", "all_reduce_", "all_gather_scalars"]
+__all__ = ["world_size", "rank", "gather_sizes", "all_gather_batch", "all_gather_rows", "all_reduce_",
+           "all_gather_scalars"]
 
 # torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep both spellings working.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -92,32 +93,52 @@ class _AllGatherRows(torch.autograd.Function):
         return out[: sizes[me]], None, None
 
 
-def all_gather_rows(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def gather_sizes(num_rows: int, group=None, device=None, error: Exception | None = None,
+                 what: str = "input") -> list[int]:
+    """Every rank's row count, and whether every rank's input passed its checks.
+
+    A rank whose input failed its local checks passes its ``error``: it still joins
+    this all-gather (so no other rank waits forever in a later collective) and then
+    raises it; the other ranks raise a ``ValueError`` naming the failed ranks. Nothing
+    has been changed on any rank at that point.
+    """
+    if world_size(group) == 1:
+        if error is not None:
+            raise error
+        return [num_rows]
+    row = torch.tensor([[num_rows, int(error is None)]], dtype=torch.int64, device=device)
+    table = row.new_empty(world_size(group), 2)
+    _all_gather_tensor(table, row, group=group)
+    if error is not None:
+        raise error
+    failed = [q for q, ok in enumerate(table[:, 1].tolist()) if not ok]
+    if failed:
+        raise ValueError(f"{what}: ranks {failed} of the group rejected their {what} (see their errors); "
+                         "nothing was changed on any rank")
+    return [int(n) for n in table[:, 0].tolist()]
+
+
+def all_gather_rows(tensor: torch.Tensor, group=None, sizes: list[int] | None = None) -> torch.Tensor:
     """All-gather (no autograd) of every rank's ``tensor [N_q, ...]`` in rank order.
-    forward: 1 all-gather of sizes, 1 of rows."""
-    k = world_size(group)
-    if k == 1:
+    forward: 1 all-gather of sizes (unless given), 1 of rows."""
+    if world_size(group) == 1:
         return tensor
-    counts = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
-    all_counts = counts.new_empty(k)
-    _all_gather_tensor(all_counts, counts, group=group)
-    return _gather_rows(tensor, [int(n) for n in all_counts.tolist()], group)
+    sizes = gather_sizes(tensor.shape[0], group, tensor.device) if sizes is None else sizes
+    return _gather_rows(tensor, sizes, group)
 
 
-def all_gather_batch(embeddings: torch.Tensor, labels: torch.Tensor, group=None):
+def all_gather_batch(embeddings: torch.Tensor, labels: torch.Tensor, group=None, sizes: list[int] | None = None):
     """Gather every rank's ``embeddings [N_q, d]`` and ``labels [N_q]`` in rank order.
 
     Returns ``(embeddings [N_total, d], labels [N_total], sizes)`` where ``sizes[q]``
-    is rank ``q``'s batch. forward: 1 all-gather of sizes, 1 of embeddings, 1 of
-    labels; backward: 1 reduce-scatter of the embedding gradient (sum).
+    is rank ``q``'s batch. forward: 1 all-gather of sizes (unless ``sizes`` from
+    :func:`gather_sizes` is given), 1 of embeddings, 1 of labels; backward: 1
+    reduce-scatter of the embedding gradient (sum).
     """
     k = world_size(group)
     if k == 1:
         return embeddings, labels, [embeddings.shape[0]]
-    counts = torch.tensor([embeddings.shape[0]], dtype=torch.int64, device=embeddings.device)
-    all_counts = counts.new_empty(k)
-    _all_gather_tensor(all_counts, counts, group=group)
-    sizes = [int(n) for n in all_counts.tolist()]
+    sizes = gather_sizes(embeddings.shape[0], group, embeddings.device) if sizes is None else sizes
     gathered = _AllGatherRows.apply(embeddings, sizes, group)
     gathered_labels = _gather_rows(labels, sizes, group)
     return gathered, gathered_labels, sizes

@@ -46,17 +46,24 @@ def margin_cross_entropy(
 
     Returns the loss, or with ``return_details=True`` a :class:`CrossEntropyOutput`.
     """
-    if not isinstance(margin, Margin):
-        raise TypeError(f"margin must be a ds_pfc Margin (ArcFace, CosFace, CombinedMargin), got {margin!r}")
-    check_embeddings(embeddings)
-    check_labels(labels, embeddings.shape[0])
-    check_embeddings(centers, embeddings.shape[1], name="centers")
-    if isinstance(class_start, bool) or not isinstance(class_start, int) or class_start < 0:
-        raise ValueError(f"class_start must be a non-negative int, got {class_start!r}")
-    check_filter_threshold(filter_threshold)
-    check_values(embeddings, labels, None)
+    try:
+        if not isinstance(margin, Margin):
+            raise TypeError(f"margin must be a ds_pfc Margin (ArcFace, CosFace, CombinedMargin), got {margin!r}")
+        check_embeddings(embeddings)
+        check_labels(labels, embeddings.shape[0])
+        check_embeddings(centers, embeddings.shape[1], name="centers")
+        if isinstance(class_start, bool) or not isinstance(class_start, int) or class_start < 0:
+            raise ValueError(f"class_start must be a non-negative int, got {class_start!r}")
+        check_filter_threshold(filter_threshold)
+        check_values(embeddings, labels, None)
+        error = None
+    except (TypeError, ValueError) as err:
+        error = err
+    device = embeddings.device if isinstance(embeddings, torch.Tensor) else None
+    sizes = collectives.gather_sizes(embeddings.shape[0] if error is None else 0, group, device, error,
+                                     what="embeddings/labels")
 
-    x, y, sizes = collectives.all_gather_batch(embeddings, labels, group)
+    x, y, sizes = collectives.all_gather_batch(embeddings, labels, group, sizes)
     if x.shape[0] == 0:
         raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
     local = y.long() - class_start

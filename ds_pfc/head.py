@@ -158,7 +158,11 @@ class PartialFC(nn.Module):
             width = embedding_size if width == "d" else width
             self.bank.add_state(name, width, dtype if state_dtype == torch.float32 else state_dtype)
         # Tiered banks stage rows into slots and can prefetch the next step's rows.
-        self._stager = Stager(self.bank) if isinstance(self.bank, TieredBank) else None
+        self._stager = None
+        if isinstance(self.bank, TieredBank):
+            self.bank.check_placements()
+            self._stager = Stager(self.bank)
+        self._closed = False
 
     def _check_agreement(self, error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin):
         if error is None:
@@ -202,17 +206,25 @@ class PartialFC(nn.Module):
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, *, return_details: bool = False):
         """Mean margin-softmax loss over the global batch (same value on every rank)."""
-        check_embeddings(embeddings, self.embedding_size)
-        check_labels(labels, embeddings.shape[0])
-        for name, t in (("embeddings", embeddings), ("labels", labels)):
-            if t.device != self.device:
-                raise ValueError(f"{name} must be on the head's device {self.device}, got {t.device}")
-        check_values(embeddings, labels, self.num_classes)
+        self._check_open()
+        try:
+            check_embeddings(embeddings, self.embedding_size)
+            check_labels(labels, embeddings.shape[0])
+            for name, t in (("embeddings", embeddings), ("labels", labels)):
+                if t.device != self.device:
+                    raise ValueError(f"{name} must be on the head's device {self.device}, got {t.device}")
+            check_values(embeddings, labels, self.num_classes)
+            error = None
+        except (TypeError, ValueError) as err:
+            error = err
+        # Every rank joins this gather even with bad input, so none is left waiting.
+        sizes = collectives.gather_sizes(embeddings.shape[0] if error is None else 0, self.group, self.device, error,
+                                         what="embeddings/labels")
 
         training = self.training and torch.is_grad_enabled()
         if self.data_parallel_grad and self.world_size > 1:
             embeddings = _ScaleGrad.apply(embeddings, float(self.world_size))
-        x, y, sizes = collectives.all_gather_batch(embeddings, labels, self.group)
+        x, y, sizes = collectives.all_gather_batch(embeddings, labels, self.group, sizes)
         if x.shape[0] == 0:
             raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
         local = self.partition.to_local(y, self.rank)
@@ -252,16 +264,29 @@ class PartialFC(nn.Module):
         must then use exactly these labels or the prefetch is discarded. With the
         device bank there is nothing to stage and this returns at once.
         """
-        if self._stager is None:
+        self._check_open()
+        try:
+            if not isinstance(next_labels, torch.Tensor):
+                raise TypeError(f"next_labels must be a torch.Tensor, got {type(next_labels).__name__}")
+            if next_labels.dim() != 1:
+                raise ValueError(f"next_labels must be a 1-d tensor of global class ids, got shape "
+                                 f"{tuple(next_labels.shape)}")
+            check_labels(next_labels, next_labels.shape[0], name="next_labels")
+            if next_labels.device != self.device:
+                raise ValueError(f"next_labels must be on the head's device {self.device}, got {next_labels.device}")
+            if next_labels.numel() and (int(next_labels.min()) < 0 or int(next_labels.max()) >= self.num_classes):
+                raise ValueError(f"next_labels must lie in [0, {self.num_classes}), got values in "
+                                 f"[{int(next_labels.min())}, {int(next_labels.max())}]")
+            error = None
+        except (TypeError, ValueError) as err:
+            error = err
+        if self._stager is None:        # nothing to stage: no collective either
+            if error is not None:
+                raise error
             return
-        check_labels(next_labels, next_labels.shape[0] if isinstance(next_labels, torch.Tensor) else 0,
-                     name="next_labels")
-        if next_labels.device != self.device:
-            raise ValueError(f"next_labels must be on the head's device {self.device}, got {next_labels.device}")
-        y = collectives.all_gather_rows(next_labels, self.group)
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
-            raise ValueError(f"next_labels must lie in [0, {self.num_classes}), got values in "
-                             f"[{int(y.min())}, {int(y.max())}]")
+        sizes = collectives.gather_sizes(next_labels.shape[0] if error is None else 0, self.group, self.device, error,
+                                         what="next_labels")
+        y = collectives.all_gather_rows(next_labels, self.group, sizes)
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
         rows = torch.arange(self.num_local, device=self.device) if active is None else active
@@ -273,6 +298,7 @@ class PartialFC(nn.Module):
         """Apply the row optimizer to the union of the rows activated since the last
         step, with the gradients accumulated over those forward/backward passes.
         Returns the number of rows updated."""
+        self._check_open()
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
             raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
         if self._stager is not None:
@@ -331,16 +357,23 @@ class PartialFC(nn.Module):
 
     def flush(self) -> None:
         """Wait until every write-back has landed in the bank (and on disk)."""
-        if self._stager is not None:
+        if self._stager is not None and not self._closed:
             self._stager.drain()
             self.bank.flush()
 
     def close(self) -> None:
-        """Finish write-backs and release the bank (NVMe files are flushed and closed)."""
-        if self._stager is not None:
-            self._stager.close()
-            self.bank.close()
-            self._stager = None
+        """Finish write-backs and release the bank (NVMe files are flushed and closed).
+        The head cannot train afterwards."""
+        if self._stager is not None and not self._closed:
+            try:
+                self._stager.close()
+            finally:
+                self.bank.close()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this PartialFC is closed; build a new one (resume=True reopens NVMe banks)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated since the last step."""

@@ -7,6 +7,7 @@ fails the calling test with that rank's traceback.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 
@@ -17,7 +18,9 @@ import torch.multiprocessing as mp
 
 def _entry(rank, world_size, init_file, out_dir, fn, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    # A collective that some rank never joins fails after 2 minutes instead of hanging.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))

@@ -184,6 +184,20 @@ def _disagree_ranks(rank, world_size):
             out[name] = str(err)
     head = ds_pfc.PartialFC(100, 8)   # agreeing ranks still construct afterwards
     out["ok"] = (head.class_start, head.class_end)
+    # Bad forward input on one rank only: every rank must fail (none may wait forever
+    # in the gather) and nothing changes, so the next good step runs in lockstep.
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank))
+    y = torch.arange(5) * 7
+    bad = x.clone()
+    if rank == 1:
+        bad[2, 3] = float("nan")
+    try:
+        head(bad, y)
+        out["nan_on_one_rank"] = None
+    except ValueError as err:
+        out["nan_on_one_rank"] = str(err)
+    loss = float(head(x, y))
+    out["after"] = (head.sample_step, loss)
     return out
 
 
@@ -193,6 +207,10 @@ def test_ranks_disagreeing_at_construction_fail_on_every_rank():
     expected_values = {"num_classes": ("100", "101"), "embedding_size": ("8", "9"), "sample_rate": ("0.5", "0.25"),
                        "seed": ("3.0", "7.0"), "filter_threshold": ("0.4",), "margin": ()}
     for q, r in enumerate(results):
+        nan = r["nan_on_one_rank"]
+        assert nan is not None, f"rank {q}: no error when rank 1 passed NaN embeddings"
+        assert ("NaN" in nan) if q == 1 else ("ranks [1]" in nan and "embeddings" in nan), nan
+        assert r["after"][0] == 1 and r["after"][1] == results[0]["after"][1], "ranks out of step after the error"
         invalid = r["invalid_on_one_rank"]
         assert invalid is not None, f"rank {q}: no error when rank 1 passed sample_rate=1.5"
         if q == 1:

@@ -110,6 +110,7 @@ class Stager:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._next: tuple[object, Slot] | None = None
         self._writebacks: list[Future] = []
+        self._failure: BaseException | None = None   # a failed write-back, sticky
         # Test hook: copy overlapping rows at prefetch time, *before* the optimizer
         # step. This is the ordering bug the pipeline exists to avoid.
         self.patch_before_step = False
@@ -140,6 +141,7 @@ class Stager:
 
     def stage(self, rows: torch.Tensor) -> Slot:
         """Synchronous staging of ``rows`` (sorted local ids on the device)."""
+        self.raise_failed()
         slot = self._empty_slot(rows)
         self._io.submit(self._fetch, slot, None, slot.rows_cpu).result()
         return slot
@@ -147,6 +149,8 @@ class Stager:
     def prefetch(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
         """Start building the slot for the forward identified by ``key`` while the
         ``live`` slots (staged, not yet stepped) are still in use."""
+        self.raise_failed()
+        self.discard()                      # a second lookahead replaces the first
         slot = self._empty_slot(rows)
         live_rows = torch.cat([s.rows_cpu for s in live]) if live else torch.empty(0, dtype=torch.long)
         in_live = torch.isin(slot.rows_cpu, live_rows)
@@ -162,6 +166,7 @@ class Stager:
 
     def take(self, rows: torch.Tensor, key, live: list[Slot]) -> Slot | None:
         """The prefetched slot for ``key`` once ready, or None if there is none."""
+        self.raise_failed()
         if self._next is None:
             return None
         next_key, slot = self._next
@@ -172,6 +177,12 @@ class Stager:
         if slot.overlap is not None:        # no step since prefetch: live values are current
             self._patch(slot, live)
         return slot.wait()
+
+    def _as_stored(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """``values`` as a read from the bank would return them after a write-back:
+        rounded through the state's storage dtype."""
+        storage = self.bank.store(name).dtype
+        return values if storage == values.dtype else values.to(storage).to(values.dtype)
 
     def _patch(self, slot: Slot, sources: list[Slot]) -> None:
         """Copy ``slot``'s overlapping rows from ``sources`` (after their update)."""
@@ -189,12 +200,12 @@ class Stager:
                 self._stream.wait_event(ready)
                 with torch.cuda.stream(self._stream):
                     for name, dst in slot.states.items():
-                        dst.index_copy_(0, dst_pos, src.states[name].index_select(0, src_pos))
+                        dst.index_copy_(0, dst_pos, self._as_stored(name, src.states[name].index_select(0, src_pos)))
                     slot._event = torch.cuda.Event()
                     slot._event.record(self._stream)
             else:
                 for name, dst in slot.states.items():
-                    dst.index_copy_(0, dst_pos, src.states[name].index_select(0, src_pos))
+                    dst.index_copy_(0, dst_pos, self._as_stored(name, src.states[name].index_select(0, src_pos)))
             rows, positions = rows[~hit], positions[~hit]
         assert rows.numel() == 0, "overlapping rows missing from the updated slots"
 
@@ -237,17 +248,35 @@ class Stager:
         for name, values in states.items():
             store = self.bank.store(name)
             store.scatter(rows_cpu, values)
-            self.bank.bytes_out += values.numel() * torch.empty((), dtype=store.dtype).element_size()
+            self.bank.count_traffic(out=values.numel() * torch.empty((), dtype=store.dtype).element_size())
 
     def drain(self) -> None:
-        """Wait for every write-back; re-raise the first failure."""
+        """Wait for every write-back and for the prefetch in flight (the stores are
+        then idle); re-raise a write-back failure."""
         pending, self._writebacks = self._writebacks, []
         for fut in pending:
-            fut.result()
+            if fut.exception() is not None and self._failure is None:
+                self._failure = fut.exception()
+        self.raise_failed()
+        if self._next is not None:
+            for fut in self._next[1]._futures:
+                fut.result()
+
+    def raise_failed(self) -> None:
+        """Re-raise the original error of a failed write-back as soon as it is known,
+        and at every later use: the bank no longer holds those rows' last values."""
+        if self._failure is None:
+            for fut in self._writebacks:
+                if fut.done() and fut.exception() is not None:
+                    self._failure = fut.exception()
+                    break
+        if self._failure is not None:
+            raise self._failure
 
     def close(self) -> None:
         try:
-            self.drain()
+            if self._failure is None:
+                self.drain()
         finally:
             self._io.shutdown(wait=True)
 

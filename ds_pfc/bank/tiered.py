@@ -14,6 +14,7 @@ torn one) and raises :class:`StaleRowError` instead.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -79,6 +80,7 @@ class TieredBank(ClassBank):
         self._issued: dict[str, torch.Tensor] = {}
         self.bytes_in = 0    # staged into the device since the last reset_traffic()
         self.bytes_out = 0   # written back since the last reset_traffic()
+        self._traffic_lock = threading.Lock()   # the I/O worker counts too
         needs_dir = any(p.tier == "nvme" for p in [default, *self.placements.values()])
         if needs_dir and nvme_dir is None:
             raise ValueError("nvme_dir is required when a state is placed on the nvme tier")
@@ -114,7 +116,13 @@ class TieredBank(ClassBank):
         if name in self._stores:
             raise ValueError(f"state {name!r} already exists")
         place = self.placement(name)
-        storage = place.dtype or dtype
+        # A storage dtype applies to floating states; counters (AdamW's "step") keep
+        # their own dtype unless a placement names them explicitly.
+        storage = dtype if (place.dtype is None or (not dtype.is_floating_point and name not in self.placements)) \
+            else place.dtype
+        if dtype.is_floating_point != storage.is_floating_point:
+            raise ValueError(f"state {name!r} is {dtype}; its storage dtype must be "
+                             f"{'a floating' if dtype.is_floating_point else 'an integer'} dtype, got {storage}")
         if place.tier == "device":
             store = DeviceStore(self.num_rows, width, storage, self.device)
         elif place.tier == "host":
@@ -135,6 +143,18 @@ class TieredBank(ClassBank):
 
     def state_names(self):
         return list(self._stores)
+
+    def check_placements(self) -> None:
+        """Every placement must name a state the bank holds (catches misspellings)."""
+        unknown = sorted(set(self.placements) - set(self._stores))
+        if unknown:
+            raise ValueError(f"placements name states {unknown} that this bank does not hold; "
+                             f"it holds {self.state_names()}")
+
+    def count_traffic(self, staged_in: int = 0, out: int = 0) -> None:
+        with self._traffic_lock:
+            self.bytes_in += staged_in
+            self.bytes_out += out
 
     def store(self, name: str) -> RowStore:
         try:
@@ -164,14 +184,14 @@ class TieredBank(ClassBank):
         store = self.store(name)
         self.check_versions(name, ids)
         values = store.gather(ids)
-        self.bytes_in += values.numel() * values.element_size()
+        self.count_traffic(staged_in=values.numel() * values.element_size())
         return values.to(self.device, non_blocking=True).to(self._logical[name])
 
     def write(self, name, rows, values):
         ids = self._ids(rows)
         self.note_issued(name, ids)
         self.store(name).scatter(ids, values)
-        self.bytes_out += values.numel() * torch.empty((), dtype=self.store(name).dtype).element_size()
+        self.count_traffic(out=values.numel() * torch.empty((), dtype=self.store(name).dtype).element_size())
 
     def note_issued(self, name: str, rows_cpu: torch.Tensor) -> None:
         """Count a write of ``rows`` as issued (before it lands, for async write-back)."""
@@ -203,8 +223,9 @@ class TieredBank(ClassBank):
 
     def reset_traffic(self) -> dict[str, int]:
         """Bytes staged in and written back since the last call; resets the counters."""
-        moved = {"staged_in": self.bytes_in, "written_back": self.bytes_out}
-        self.bytes_in = self.bytes_out = 0
+        with self._traffic_lock:
+            moved = {"staged_in": self.bytes_in, "written_back": self.bytes_out}
+            self.bytes_in = self.bytes_out = 0
         return moved
 
     def flush(self) -> None:
