@@ -238,7 +238,7 @@ class PartialFC(nn.Module):
             live = [p[2] for p in self._pending]
             if training:
                 slot = self._stager.take(rows, self.sample_step, live)
-            slot = slot or self._stager.stage(rows)
+            slot = slot or self._stager.stage(rows, pooled=training)
             centers = slot.states["weight"].detach()
         if training:
             centers.requires_grad_(True)
@@ -335,6 +335,8 @@ class PartialFC(nn.Module):
             grad, slot = pending[0]
         else:
             slot, inverse = merge_slots([s for _, s in pending])
+            for _, s in pending:        # their rows now live in the merged slot
+                self._stager.release(s)
             grad = torch.zeros(slot.rows.numel(), self.embedding_size, dtype=self.dtype, device=self.device)
             offset = 0
             for g, s in pending:       # in order, as the device path accumulates

@@ -25,6 +25,7 @@ synchronously through the same worker and gives identical results.
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -45,6 +46,7 @@ class Slot:
         self._futures: list[Future] = []
         self._event = None           # CUDA: recorded on the side stream when B is complete
         self.overlap = None          # (positions in this slot, their rows): filled after the step
+        self.buffers = None          # the pooled full-capacity tensors behind ``states``
 
     def wait(self) -> "Slot":
         """The ready gate: block until the cold fetch and the overlap patch finished."""
@@ -111,6 +113,9 @@ class Stager:
         self._next: tuple[object, Slot] | None = None
         self._writebacks: list[Future] = []
         self._failure: BaseException | None = None   # a failed write-back, sticky
+        self._pool: list[dict[str, torch.Tensor]] = []
+        self._pool_lock = threading.Lock()
+        self._stage_buffers: dict[str, torch.Tensor] = {}
         # Test hook: copy overlapping rows at prefetch time, *before* the optimizer
         # step. This is the ordering bug the pipeline exists to avoid.
         self.patch_before_step = False
@@ -121,28 +126,61 @@ class Stager:
         stream = torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext()
         with stream:
             for name, dst in slot.states.items():
-                values = self.bank.read(name, rows_cpu)
+                values = self.bank.read(name, rows_cpu, staging=self._staging(name, rows_cpu.numel()))
                 if positions is None:
                     dst.copy_(values, non_blocking=True)
                 else:
-                    dst.index_copy_(0, positions, values)
+                    dst.index_copy_(0, positions, values.to(dst.dtype))
             if self._stream is not None:
                 event = torch.cuda.Event()
                 event.record(self._stream)
                 event.synchronize()
 
-    def _empty_slot(self, rows: torch.Tensor) -> Slot:
-        states = {}
-        for name in self.bank.state_names():
-            store = self.bank.store(name)
-            states[name] = torch.empty((rows.numel(),) + store.row_shape, dtype=self.bank._logical[name],
-                                       device=self.device)
-        return Slot(rows, states)
+    def _staging(self, name: str, num: int) -> torch.Tensor:
+        """(I/O worker) a reusable store-side buffer for ``num`` rows of ``name``.
+        One worker uses it and waits for its copies, so one buffer per state is enough."""
+        store = self.bank.store(name)
+        buf = self._stage_buffers.get(name)
+        if buf is None or buf.shape[0] < num:
+            from .stores import pinned_empty
+            buf = pinned_empty((num,) + store.row_shape, store.dtype) if store.tier != "device" else \
+                torch.empty((num,) + store.row_shape, dtype=store.dtype, device=self.device)
+            self._stage_buffers[name] = buf
+        return buf[:num]
 
-    def stage(self, rows: torch.Tensor) -> Slot:
-        """Synchronous staging of ``rows`` (sorted local ids on the device)."""
+    def _empty_slot(self, rows: torch.Tensor, pooled: bool = True) -> Slot:
+        """A slot for ``rows``. Pooled slots reuse the buffers of slots whose
+        write-back finished (the double buffer: A while B fills, then B while A
+        drains), so steady-state staging allocates nothing."""
+        num = rows.numel()
+        buffers = None
+        if pooled:
+            with self._pool_lock:
+                for i, candidate in enumerate(self._pool):
+                    if next(iter(candidate.values())).shape[0] >= num:
+                        buffers = self._pool.pop(i)
+                        break
+        if buffers is None:
+            buffers = {name: torch.empty((num,) + self.bank.store(name).row_shape, dtype=self.bank._logical[name],
+                                         device=self.device) for name in self.bank.state_names()}
+        slot = Slot(rows, {name: t[:num] for name, t in buffers.items()})
+        slot.buffers = buffers if pooled else None
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Return a slot's buffers to the pool: only once its readers and its
+        write-back are done."""
+        buffers, slot.buffers = slot.buffers, None
+        if buffers is not None:
+            with self._pool_lock:
+                self._pool.append(buffers)
+                del self._pool[:-3]         # slots A and B and one spare
+
+    def stage(self, rows: torch.Tensor, pooled: bool = True) -> Slot:
+        """Synchronous staging of ``rows`` (sorted local ids on the device).
+        ``pooled=False`` for slots that are never stepped (evaluation)."""
         self.raise_failed()
-        slot = self._empty_slot(rows)
+        slot = self._empty_slot(rows, pooled)
         self._io.submit(self._fetch, slot, None, slot.rows_cpu).result()
         return slot
 
@@ -173,6 +211,7 @@ class Stager:
         self._next = None
         if next_key != key or not torch.equal(slot.rows, rows):
             slot.wait()                     # drop it, but surface its errors
+            self.release(slot)
             return None
         if slot.overlap is not None:        # no step since prefetch: live values are current
             self._patch(slot, live)
@@ -215,6 +254,7 @@ class Stager:
             _, slot = self._next
             self._next = None
             slot.wait()
+            self.release(slot)
 
     # ---------------------------------------------------------------- writes
     def after_step(self, updated: Slot) -> None:
@@ -237,9 +277,12 @@ class Stager:
                     host[name].copy_(t, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(self._stream)
-            self._writebacks.append(self._io.submit(self._write_back, updated.rows_cpu, host, copied))
+            future = self._io.submit(self._write_back, updated.rows_cpu, host, copied)
         else:
-            self._writebacks.append(self._io.submit(self._write_back, updated.rows_cpu, updated.states, None))
+            future = self._io.submit(self._write_back, updated.rows_cpu, updated.states, None)
+        # Slot A goes back to the pool only when its write-back has finished.
+        future.add_done_callback(lambda _f, slot=updated: self.release(slot))
+        self._writebacks.append(future)
         self._writebacks = [f for f in self._writebacks if not f.done() or f.exception() is not None]
 
     def _write_back(self, rows_cpu, states, copied) -> None:

@@ -47,6 +47,11 @@ class RowStore(ABC):
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Values of ``rows`` (sorted unique CPU int64), ``[len(rows), *row_shape]``."""
 
+    def gather_into(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`gather` into ``out`` (contiguous, storage dtype, the store's side)
+        where the store can; returns the values (``out`` or a new tensor)."""
+        return self.gather(rows)
+
     @abstractmethod
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``values`` (any device, any float dtype) into ``rows``."""
@@ -117,7 +122,9 @@ class HostStore(RowStore):
             self.data.copy_(init)
 
     def gather(self, rows):
-        out = pinned_empty((rows.numel(),) + self.row_shape, self.dtype)
+        return self.gather_into(rows, pinned_empty((rows.numel(),) + self.row_shape, self.dtype))
+
+    def gather_into(self, rows, out):
         return torch.index_select(self.data, 0, rows, out=out)
 
     def scatter(self, rows, values):

@@ -179,11 +179,13 @@ class TieredBank(ClassBank):
                 f"{(rows_cpu[bad] + self.class_start).tolist()}): stored versions {stored[bad].tolist()} but "
                 f"{issued[bad].tolist()} writes were issued; a write-back did not land or a row is torn")
 
-    def read(self, name, rows):
+    def read(self, name, rows, staging: torch.Tensor | None = None):
+        """Rows of ``name`` on the device, in its logical dtype, version-checked.
+        ``staging``: a reusable buffer on the store's side to gather into."""
         ids = self._ids(rows)
         store = self.store(name)
         self.check_versions(name, ids)
-        values = store.gather(ids)
+        values = store.gather(ids) if staging is None else store.gather_into(ids, staging)
         self.count_traffic(staged_in=values.numel() * values.element_size())
         return values.to(self.device, non_blocking=True).to(self._logical[name])
 
