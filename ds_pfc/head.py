@@ -163,6 +163,7 @@ class PartialFC(nn.Module):
             self.bank.check_placements()
             self._stager = Stager(self.bank)
         self._closed = False
+        self._lookahead = None   # (sample_step, gathered labels, active set) of the last prefetch
 
     def _check_agreement(self, error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin):
         if error is None:
@@ -228,7 +229,11 @@ class PartialFC(nn.Module):
         if x.shape[0] == 0:
             raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
         local = self.partition.to_local(y, self.rank)
-        active = self.active_set(local)
+        lookahead, self._lookahead = self._lookahead, None
+        if training and lookahead is not None and lookahead[0] == self.sample_step and torch.equal(lookahead[1], y):
+            active = lookahead[2]           # prefetch sampled this step's set already
+        else:
+            active = self.active_set(local)
         target_col = local if active is None else remap_labels(local, active)
         slot = None
         if self._stager is None:
@@ -290,6 +295,7 @@ class PartialFC(nn.Module):
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
         rows = torch.arange(self.num_local, device=self.device) if active is None else active
+        self._lookahead = (self.sample_step, y, active)
         self._stager.prefetch(rows, self.sample_step, [p[2] for p in self._pending])
 
     # ------------------------------------------------------------------ update
@@ -405,6 +411,7 @@ class PartialFC(nn.Module):
     def _drop_staged(self) -> None:
         """Forget staged and prefetched rows: the bank is about to be replaced."""
         self._pending = []
+        self._lookahead = None
         if self._stager is not None:
             self._stager.discard()
 

@@ -1,7 +1,7 @@
 """Bank benchmark: step time of the device, host and NVMe tiers, with and without
 prefetch, around a simulated backbone window.
 
-Every iteration is ``forward, backward, [prefetch(next labels)], step, window``: the
+Every iteration is ``forward, backward, step, [prefetch(next labels)], window``: the
 window stands for the backbone's forward and backward of the next batch (``sleep``:
 the accelerator computes and the host is idle, as on a GPU; ``compute``: the host's
 cores are busy with matrix products). With prefetch the next step's rows move while
@@ -72,9 +72,11 @@ def run_case(case: dict) -> dict:
             with Timer(device) as t:
                 loss = head(x, labels[it])
                 loss.backward()
+                head.step(0.1)
+                # The lookahead goes out as the next batch's backbone starts: its rows
+                # move during that window (on a GPU machine the host is idle then).
                 if prefetch:
                     head.prefetch(labels[it + 1])
-                head.step(0.1)
                 _window(case["window_kind"], case["window_ms"], device)
             if it >= case["warmup"]:
                 steps.append(t.seconds)
