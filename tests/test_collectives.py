@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import ds_pfc
 from ds_pfc import collectives
-from ds_pfc.optim import RowOptimizer
+from _capture import CaptureRows
 from _dist import run_ranks
 
 # Per-rank batch sizes tried in one spawn: uneven, with empty ranks, even (no padding).
@@ -208,22 +208,6 @@ def _close(actual, expected, what, tol=1e-10):
                                    msg=lambda m: f"{what}: {m}")
 
 
-class _Capture(RowOptimizer):
-    state_specs = ()
-
-    def __init__(self):
-        self.calls = []
-
-    def update(self, bank, rows, grad, lr, staged_weight=None):
-        self.calls.append((rows, grad.clone()))
-
-    def update_rows(self, bank, rows, grad, lr, weight=None):
-        raise AssertionError("not reached: update() is overridden")
-
-    def config(self):
-        return {}
-
-
 # Ranks 0 and 2 form one group, rank 1 a group of its own.
 SUB_SIZES = {0: 4, 2: 3}      # batch sizes of the members of [0, 2], in group-rank order
 SOLO_SIZE = 5
@@ -250,7 +234,7 @@ def _subgroup_ranks(rank, world_size):
         loss.backward()
         out["functional"] = (loss.detach(), x.grad, w.grad)
 
-        capture = _Capture()
+        capture = CaptureRows()
         head = ds_pfc.PartialFC(SUB_C, SUB_D, margin=ds_pfc.ArcFace(64.0, 0.5), group=pair,
                                 dtype=torch.float64, optimizer=capture)
         out["head_layout"] = (head.rank, head.world_size, head.class_start, head.class_end)

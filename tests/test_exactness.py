@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import ds_pfc
-from ds_pfc.optim import RowOptimizer
+from _capture import CaptureRows
 from _dist import run_ranks
 
 D = 16
@@ -149,25 +149,6 @@ def _assert_close(actual, expected, dtype, what, whole=None):
     tol = _tol(dtype)
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * float(whole.abs().max()),
                                msg=lambda m: f"{what}: {m}")
-
-
-class CaptureRows(RowOptimizer):
-    """A row optimizer that records what the head hands it (rows, gradient) and
-    changes nothing: the public way to observe the centers' gradient."""
-
-    state_specs = ()
-
-    def __init__(self):
-        self.calls = []
-
-    def update(self, bank, rows, grad, lr, staged_weight=None):
-        self.calls.append((None if rows is None else rows.clone(), grad.clone()))
-
-    def update_rows(self, bank, rows, grad, lr, weight=None):  # chunked path; update() above replaces it
-        raise AssertionError("CaptureRows.update_rows is not expected to be called")
-
-    def config(self):
-        return {}
 
 
 def _slice(sizes, rank):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ds_pfc
-from ds_pfc.optim import RowOptimizer
+from _capture import CaptureRows
 from _dist import run_ranks
 
 IN_FEATURES, D, C = 6, 8, 23
@@ -54,24 +54,6 @@ def _batch(sizes, seed=77):
     return inputs, labels
 
 
-class _Capture(RowOptimizer):
-    """Records the centers' gradient the head hands its optimizer; changes nothing."""
-
-    state_specs = ()
-
-    def __init__(self):
-        self.calls = []
-
-    def update(self, bank, rows, grad, lr, staged_weight=None):
-        self.calls.append((rows, grad.clone()))
-
-    def update_rows(self, bank, rows, grad, lr, weight=None):
-        raise AssertionError("not reached: update() is overridden")
-
-    def config(self):
-        return {}
-
-
 def _data_parallel_ranks(rank, world_size, sizes):
     inputs, labels = _batch(sizes)
     off = sum(sizes[:rank])
@@ -79,7 +61,7 @@ def _data_parallel_ranks(rank, world_size, sizes):
     out = {}
     for data_parallel_grad in (True, False):
         backbone = _backbone()
-        capture = _Capture()
+        capture = CaptureRows()
         kwargs = {} if data_parallel_grad else {"data_parallel_grad": False}
         head = ds_pfc.PartialFC(C, D, dtype=torch.float64, optimizer=capture, seed=3, **kwargs)
         centers = head.centers()

@@ -75,7 +75,23 @@ class RowStore(ABC):
         """Release resources; the store must not be used afterwards."""
 
 
-class DeviceStore(RowStore):
+class _MemoryStore(RowStore):
+    """A store whose rows are one tensor, ``self.data``."""
+
+    data: torch.Tensor
+
+    def read_all(self):
+        return self.data.clone()
+
+    def write_all(self, values):
+        self.data.copy_(values)
+        self.versions += 1
+
+    def nbytes(self):
+        return self.data.numel() * self.data.element_size()
+
+
+class DeviceStore(_MemoryStore):
     """Rows in memory of the compute device."""
 
     tier = "device"
@@ -95,18 +111,8 @@ class DeviceStore(RowStore):
         self.data.index_copy_(0, rows.to(self.device), values.to(device=self.device, dtype=self.dtype))
         self.versions[rows] += 1
 
-    def read_all(self):
-        return self.data.clone()
 
-    def write_all(self, values):
-        self.data.copy_(values)
-        self.versions += 1
-
-    def nbytes(self):
-        return self.data.numel() * self.data.element_size()
-
-
-class HostStore(RowStore):
+class HostStore(_MemoryStore):
     """Rows in host memory: page-locked when CUDA is available, so that staged rows
     copy to the GPU asynchronously. Gathers and scatters run on torch's intra-op
     thread pool (``torch.set_num_threads``)."""
@@ -130,13 +136,3 @@ class HostStore(RowStore):
     def scatter(self, rows, values):
         self.data.index_copy_(0, rows, values.to(device="cpu", dtype=self.dtype))
         self.versions[rows] += 1
-
-    def read_all(self):
-        return self.data.clone()
-
-    def write_all(self, values):
-        self.data.copy_(values)
-        self.versions += 1
-
-    def nbytes(self):
-        return self.data.numel() * self.data.element_size()
