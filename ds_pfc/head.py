@@ -355,8 +355,9 @@ class PartialFC(nn.Module):
         return slot.rows.numel()
 
     def memory_report(self) -> dict:
-        """Bytes of head state resident per tier, and bytes the bank moved during the
-        last step (rows staged in, rows written back)."""
+        """Bytes of head state resident per tier, and the bytes the bank was asked to
+        move between the previous step and the last one (rows staged in, including
+        a prefetch issued in that interval, and the last step's write-back)."""
         resident = dict(self.bank.resident_bytes())
         staged = sum(t.numel() * t.element_size() for _, _, slot in self._pending if slot is not None
                      for t in slot.states.values())

@@ -176,11 +176,16 @@ class Stager:
                 self._pool.append(buffers)
                 del self._pool[:-3]         # slots A and B and one spare
 
+    def _row_bytes(self) -> int:
+        """Bytes one row of every state takes in its store."""
+        return sum(self.bank.store(name).row_bytes() for name in self.bank.state_names())
+
     def stage(self, rows: torch.Tensor, pooled: bool = True) -> Slot:
         """Synchronous staging of ``rows`` (sorted local ids on the device).
         ``pooled=False`` for slots that are never stepped (evaluation)."""
         self.raise_failed()
         slot = self._empty_slot(rows, pooled)
+        self.bank.count_traffic(staged_in=rows.numel() * self._row_bytes())
         self._io.submit(self._fetch, slot, None, slot.rows_cpu).result()
         return slot
 
@@ -195,6 +200,9 @@ class Stager:
         cold = torch.nonzero(~in_live).squeeze(1)
         overlap = torch.nonzero(in_live).squeeze(1)
         if cold.numel():
+            # Traffic is counted when a transfer is issued, so each step's report is
+            # deterministic however fast the worker is.
+            self.bank.count_traffic(staged_in=cold.numel() * self._row_bytes())
             slot._futures.append(self._io.submit(self._fetch, slot, cold.to(self.device), slot.rows_cpu[cold]))
         if overlap.numel():
             slot.overlap = (overlap.to(self.device), slot.rows[overlap.to(self.device)])
@@ -264,6 +272,7 @@ class Stager:
             self._patch(self._next[1], [updated])
         for name in updated.states:
             self.bank.note_issued(name, updated.rows_cpu)
+        self.bank.count_traffic(out=updated.rows_cpu.numel() * self._row_bytes())
         if self._stream is not None:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
@@ -291,7 +300,7 @@ class Stager:
         for name, values in states.items():
             store = self.bank.store(name)
             store.scatter(rows_cpu, values)
-            self.bank.count_traffic(out=values.numel() * torch.empty((), dtype=store.dtype).element_size())
+
 
     def drain(self) -> None:
         """Wait for every write-back and for the prefetch in flight (the stores are

@@ -78,8 +78,10 @@ class TieredBank(ClassBank):
         self._stores: dict[str, RowStore] = {}
         self._logical: dict[str, torch.dtype] = {}
         self._issued: dict[str, torch.Tensor] = {}
-        self.bytes_in = 0    # staged into the device since the last reset_traffic()
-        self.bytes_out = 0   # written back since the last reset_traffic()
+        # Bytes the stager issued since the last reset_traffic(): rows staged in, rows
+        # written back (counted when issued, not when the asynchronous I/O lands).
+        self.bytes_in = 0
+        self.bytes_out = 0
         self._traffic_lock = threading.Lock()   # the I/O worker counts too
         needs_dir = any(p.tier == "nvme" for p in [default, *self.placements.values()])
         if needs_dir and nvme_dir is None:
@@ -186,7 +188,6 @@ class TieredBank(ClassBank):
         store = self.store(name)
         self.check_versions(name, ids)
         values = store.gather(ids) if staging is None else store.gather_into(ids, staging)
-        self.count_traffic(staged_in=values.numel() * values.element_size())
         return values.to(self.device, non_blocking=True).to(self._logical[name])
 
     def write(self, name, rows, values):
