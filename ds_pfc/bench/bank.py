@@ -91,7 +91,7 @@ def run_case(case: dict) -> dict:
             shutil.rmtree(workdir, ignore_errors=True)
     return {**case, "build_s": build_s, "step": summarize(steps), "bytes_per_step": sum(moved) / max(len(moved), 1),
             "resident": report["resident"], "peak_bytes": peak_memory_bytes(device), "base_bytes": base,
-            "loss": float(loss)}
+            "loss": loss.item()}
 
 
 def storage_effect(steps: int = 300, classes: int = 5000, seed: int = 0) -> list[dict]:

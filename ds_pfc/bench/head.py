@@ -130,7 +130,7 @@ def run_case(case: dict) -> dict:
             fwd.append(t_f.seconds), bwd.append(t_b.seconds), upd.append(t_u.seconds)
             total.append(t_f.seconds + t_b.seconds + t_u.seconds)
     active = max(math.floor(rate * num_classes + 1e-9), 1)
-    return {**case, "active": active, "build_s": build_s, "loss": float(loss), "step": summarize(total),
+    return {**case, "active": active, "build_s": build_s, "loss": loss.item(), "step": summarize(total),
             "forward": summarize(fwd), "backward": summarize(bwd), "update": summarize(upd),
             "peak_bytes": peak_memory_bytes(device), "base_bytes": base_mem}
 

@@ -1,0 +1,309 @@
+"""Typed configuration of the ``ds_pfc`` block of a DeepSpeed JSON config.
+
+The JSON a job runs with is DeepSpeed's own config plus one ``"ds_pfc"`` block. The
+block is parsed into kw-only dataclasses; every key is checked: an unknown key is an
+error naming the key, where it was found and the keys allowed there. DeepSpeed
+silently accepts unknown *top-level* keys (a typo such as
+``train_micro_batch_size_per_gpuu`` is ignored), so :func:`split_config` warns about
+them.
+
+    ds_config, pfc = split_config(json.load(open(path)))
+    head = pfc.head.build(group=None, device=device)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["MarginConfig", "OptimizerConfig", "BankConfig", "HeadConfig", "DsPfcConfig", "split_config",
+           "from_dict", "DEEPSPEED_TOP_LEVEL_KEYS", "ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A ``ds_pfc`` config value or key is wrong; the message names it and the fix."""
+
+
+# Top-level keys DeepSpeed 0.19 reads; anything else is most likely a typo.
+DEEPSPEED_TOP_LEVEL_KEYS = frozenset("""
+train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps steps_per_print optimizer
+scheduler fp16 bf16 amp torch_autocast gradient_clipping prescale_gradients gradient_predivide_factor
+gradient_allreduce_op zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
+activation_checkpointing wall_clock_breakdown memory_breakdown flops_profiler tensorboard wandb csv_monitor
+comet monitor_config elasticity communication_data_type seq_parallel_communication_data_type aio
+data_efficiency data_types checkpoint autotuning pipeline compression_training curriculum_learning
+eigenvalue progressive_layer_drop quantize_training sparse_attention dataloader_drop_last compile
+nebula weight_quantization hybrid_engine load_universal_checkpoint use_node_local_storage timers
+tensor_parallel dump_state disable_allgather disable_python_gc log_level lower_precision_safe_modules
+managed_gradient_accumulation use_data_before_expert_parallelism vocabulary_size sparse_gradients
+expert_parallel zenflow graph_harvesting mics_shard_size mics_hierarchical_params_gather
+""".split())
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+
+
+def _dtype(name: str, where: str, allowed=("fp32", "bf16", "fp16")) -> torch.dtype:
+    if name not in _DTYPES or not any(_DTYPES[a] == _DTYPES[name] for a in allowed):
+        raise ConfigError(f"{where} must be one of {list(allowed)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def _number(value, where: str, low=None, high=None, low_open=False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ConfigError(f"{where} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ConfigError(f"{where} must be <= {high}, got {value}")
+
+
+@dataclass(kw_only=True)
+class MarginConfig:
+    """The target-logit margin."""
+
+    type: str = "arcface"
+    """arcface (``cos(theta + m)``), cosface (``cos(theta) - m``) or combined
+    (``cos(m1 theta + m2) - m3``)."""
+    scale: float = 64.0
+    """Logit scale ``s``."""
+    margin: float | None = None
+    """arcface/cosface margin (default 0.5 for arcface, 0.4 for cosface)."""
+    m1: float = 1.0
+    """combined: multiplicative angular margin."""
+    m2: float = 0.5
+    """combined: additive angular margin."""
+    m3: float = 0.0
+    """combined: additive cosine margin."""
+    straight_through: bool = False
+    """arcface: back-propagate as if the margin were a constant shift (arcface_torch)."""
+
+    def __post_init__(self):
+        if self.type not in ("arcface", "cosface", "combined"):
+            raise ConfigError(f"ds_pfc.head.margin.type must be arcface, cosface or combined, got {self.type!r}")
+        _number(self.scale, "ds_pfc.head.margin.scale", low=0, low_open=True)
+        if self.type != "combined" and any(getattr(self, k) != d for k, d in (("m1", 1.0), ("m2", 0.5), ("m3", 0.0))):
+            raise ConfigError(f"ds_pfc.head.margin: m1/m2/m3 only apply to type 'combined' (type is {self.type!r}); "
+                              "use 'margin'")
+        if self.type == "combined" and self.margin is not None:
+            raise ConfigError("ds_pfc.head.margin.margin does not apply to type 'combined'; use m1, m2, m3")
+
+    def build(self):
+        from .margins import ArcFace, CombinedMargin, CosFace
+        try:
+            if self.type == "arcface":
+                return ArcFace(self.scale, 0.5 if self.margin is None else self.margin,
+                               straight_through=self.straight_through)
+            if self.type == "cosface":
+                return CosFace(self.scale, 0.4 if self.margin is None else self.margin)
+            return CombinedMargin(self.scale, self.m1, self.m2, self.m3, straight_through=self.straight_through)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"ds_pfc.head.margin: {err}") from None
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """The head's sparse row optimizer. Its learning rate follows the engine's,
+    times ``lr_ratio``."""
+
+    type: str = "sgd"
+    """sgd or adamw."""
+    lr_ratio: float = 1.0
+    """Head learning rate = engine learning rate x lr_ratio."""
+    momentum: float = 0.9
+    """sgd momentum."""
+    nesterov: bool = False
+    """sgd Nesterov momentum."""
+    weight_decay: float | None = None
+    """Default 5e-4 for sgd, 0.01 for adamw."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """adamw betas."""
+    eps: float = 1e-8
+    """adamw epsilon."""
+
+    def __post_init__(self):
+        if self.type not in ("sgd", "adamw"):
+            raise ConfigError(f"ds_pfc.head.optimizer.type must be sgd or adamw, got {self.type!r}")
+        _number(self.lr_ratio, "ds_pfc.head.optimizer.lr_ratio", low=0)
+        self.betas = tuple(self.betas)
+
+    def kwargs(self) -> dict:
+        if self.type == "sgd":
+            return {"momentum": self.momentum, "nesterov": self.nesterov,
+                    "weight_decay": 5e-4 if self.weight_decay is None else self.weight_decay}
+        return {"betas": self.betas, "eps": self.eps, "weight_decay": 0.01 if self.weight_decay is None
+                else self.weight_decay}
+
+
+@dataclass(kw_only=True)
+class BankConfig:
+    """Where the centers and their optimizer state live (see ds_pfc.bank.TieredBank)."""
+
+    default: str | list = "device"
+    """Tier for states not named in ``placements``: device, host or nvme, or [tier, dtype]."""
+    placements: dict = field(default_factory=dict)
+    """State name (weight, momentum_buffer, exp_avg, exp_avg_sq, step) -> tier or [tier, dtype]."""
+    nvme_dir: str | None = None
+    """Directory of the NVMe bank files (required when a state is on nvme)."""
+    resume: bool = False
+    """Reopen existing NVMe bank files instead of creating them."""
+
+    def _placement(self, value, where):
+        from .bank.tiered import TIERS
+        if isinstance(value, str):
+            tier, dtype = value, None
+        elif isinstance(value, (list, tuple)) and len(value) == 2:
+            tier, dtype = value[0], _dtype(value[1], f"{where}[1]", ("fp32", "bf16", "fp16", "fp64"))
+        else:
+            raise ConfigError(f"{where} must be a tier name or [tier, dtype], got {value!r}")
+        if tier not in TIERS:
+            raise ConfigError(f"{where} tier must be one of {list(TIERS)}, got {tier!r}")
+        return (tier, dtype)
+
+    def __post_init__(self):
+        self._placement(self.default, "ds_pfc.head.bank.default")
+        if not isinstance(self.placements, dict):
+            raise ConfigError(f"ds_pfc.head.bank.placements must be an object, got {self.placements!r}")
+        for name, value in self.placements.items():
+            self._placement(value, f"ds_pfc.head.bank.placements.{name}")
+
+    def is_default(self) -> bool:
+        return self.default == "device" and not self.placements
+
+    def build(self):
+        """The ``bank=`` factory for PartialFC (None: the device bank)."""
+        if self.is_default():
+            return None
+        from .bank import TieredBank
+        try:
+            return TieredBank.factory(
+                {n: self._placement(v, n) for n, v in self.placements.items()},
+                default=self._placement(self.default, "default"), nvme_dir=self.nvme_dir, resume=self.resume)
+        except (TypeError, ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"ds_pfc.head.bank: {err}") from None
+
+
+@dataclass(kw_only=True)
+class HeadConfig:
+    """One Partial FC head."""
+
+    num_classes: int
+    """C, the number of classes (identities)."""
+    embedding_size: int = 512
+    """d, the embedding size the backbone produces."""
+    sample_rate: float = 1.0
+    """r in (0, 1]: positives plus uniform negatives up to floor(r C_q) per rank."""
+    filter_threshold: float | None = None
+    """PFC* conflict filter tau (None: off)."""
+    seed: int = 0
+    """Seeds the initial centers (per class id) and the sampler."""
+    compute_dtype: str = "fp32"
+    """GEMM dtype: fp32, bf16 or fp16 (float32 accumulation and softmax)."""
+    margin: MarginConfig = field(default_factory=MarginConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    bank: BankConfig = field(default_factory=BankConfig)
+
+    def __post_init__(self):
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 1:
+            raise ConfigError(f"ds_pfc.head.num_classes must be a positive integer, got {self.num_classes!r}")
+        if isinstance(self.embedding_size, bool) or not isinstance(self.embedding_size, int) or self.embedding_size < 1:
+            raise ConfigError(f"ds_pfc.head.embedding_size must be a positive integer, got {self.embedding_size!r}")
+        _number(self.sample_rate, "ds_pfc.head.sample_rate", low=0, high=1, low_open=True)
+        if self.filter_threshold is not None:
+            _number(self.filter_threshold, "ds_pfc.head.filter_threshold", low=-1, high=1)
+        _dtype(self.compute_dtype, "ds_pfc.head.compute_dtype")
+
+    def build(self, *, group=None, device=None, data_parallel_grad: bool = True):
+        """A :class:`~ds_pfc.PartialFC` for this config."""
+        from .head import PartialFC
+        compute = _dtype(self.compute_dtype, "ds_pfc.head.compute_dtype")
+        return PartialFC(self.num_classes, self.embedding_size, sample_rate=self.sample_rate,
+                         margin=self.margin.build(), filter_threshold=self.filter_threshold, group=group,
+                         device=device, seed=self.seed, optimizer=self.optimizer.type,
+                         compute_dtype=None if compute == torch.float32 else compute,
+                         data_parallel_grad=data_parallel_grad, bank=self.bank.build(), **self.optimizer.kwargs())
+
+
+@dataclass(kw_only=True)
+class DsPfcConfig:
+    """The ``ds_pfc`` block. Further sections (data, backbone, evaluation,
+    checkpointing) are added as the training app grows."""
+
+    head: HeadConfig
+    """The identity head."""
+
+
+def _field_types(cls) -> dict[str, typing.Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def from_dict(cls, data, where: str = "ds_pfc"):
+    """Build dataclass ``cls`` from a JSON object, strictly: unknown keys, missing
+    required keys and values of the wrong type are :class:`ConfigError`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be an object, got {type(data).__name__}")
+    types = _field_types(cls)
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {unknown}; "
+                          f"allowed keys are {sorted(types)}")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data]
+    if missing:
+        raise ConfigError(f"{where}: missing required key{'s' if len(missing) > 1 else ''} {missing}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = types[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = from_dict(hint, value, f"{where}.{name}")
+        else:
+            kwargs[name] = _check_type(value, hint, f"{where}.{name}")
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _check_type(value, hint, where):
+    origin = typing.get_origin(hint)
+    options = typing.get_args(hint) if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) \
+        else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return value
+        base = typing.get_origin(option) or option
+        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if base is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if base in (str, bool, dict) and isinstance(value, base):
+            return value
+        if base in (tuple, list) and isinstance(value, (list, tuple)):
+            return value
+    names = [getattr(o, "__name__", str(o)) for o in options]
+    raise ConfigError(f"{where} must be {' or '.join(names)}, got {value!r}")
+
+
+def split_config(config: dict) -> tuple[dict, DsPfcConfig]:
+    """Split a job's JSON into DeepSpeed's config and the parsed ``ds_pfc`` block.
+
+    Warns about top-level keys DeepSpeed does not read and about a missing
+    ``gradient_clipping`` (DeepSpeed's default clips at 1.0)."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"the config must be a JSON object, got {type(config).__name__}")
+    if "ds_pfc" not in config:
+        raise ConfigError("the config has no 'ds_pfc' block (the Partial FC head's settings)")
+    ds_config = {k: v for k, v in config.items() if k != "ds_pfc"}
+    unknown = sorted(set(ds_config) - DEEPSPEED_TOP_LEVEL_KEYS)
+    if unknown:
+        warnings.warn(f"top-level config keys {unknown} are not DeepSpeed keys and will be ignored by DeepSpeed "
+                      "(a typo?)", stacklevel=2)
+    if "gradient_clipping" not in ds_config:
+        warnings.warn("the config does not set gradient_clipping; DeepSpeed then clips gradients at norm 1.0. "
+                      "Set it explicitly (0.0 disables clipping).", stacklevel=2)
+    return ds_config, from_dict(DsPfcConfig, config["ds_pfc"])

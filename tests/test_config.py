@@ -1,0 +1,117 @@
+"""The ds_pfc config block: strict parsing, clear errors, warnings, and that the head
+it builds is the head the same arguments build directly."""
+import json
+import warnings
+
+import pytest
+import torch
+
+from ds_pfc import ArcFace, CombinedMargin, CosFace, PartialFC
+from ds_pfc.bank import TieredBank
+from ds_pfc.config import ConfigError, DsPfcConfig, from_dict, split_config
+
+BASE = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0}
+
+
+def _config(head: dict, **top) -> dict:
+    return {**BASE, **top, "ds_pfc": {"head": head}}
+
+
+def test_head_from_config_equals_the_directly_built_head():
+    ds, pfc = split_config(json.loads(json.dumps(_config({
+        "num_classes": 1021, "embedding_size": 7, "sample_rate": 0.3, "seed": 5, "filter_threshold": 0.4,
+        "compute_dtype": "bf16", "margin": {"type": "cosface", "scale": 32, "margin": 0.35},
+        "optimizer": {"type": "sgd", "momentum": 0.8, "weight_decay": 1e-3, "lr_ratio": 2.0}}))))
+    assert ds == BASE                                 # the block is removed, nothing else
+    head = pfc.head.build()
+    direct = PartialFC(1021, 7, sample_rate=0.3, seed=5, filter_threshold=0.4, compute_dtype=torch.bfloat16,
+                       margin=CosFace(32.0, 0.35), optimizer="sgd", momentum=0.8, weight_decay=1e-3)
+    assert torch.equal(head.centers(), direct.centers())
+    assert (head.sample_rate, head.filter_threshold, head.compute_dtype) == (0.3, 0.4, torch.bfloat16)
+    assert isinstance(head.margin, CosFace) and (head.margin.scale, head.margin.m3) == (32.0, 0.35)
+    assert (head.optimizer.momentum, head.optimizer.weight_decay) == (0.8, 1e-3)
+    assert pfc.head.optimizer.lr_ratio == 2.0
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(9, 7, generator=g), torch.randint(0, 1021, (9,), generator=g)
+    assert head(x, y).item() == direct(x, y).item()
+
+
+@pytest.mark.parametrize("margin, expected", [
+    ({}, ArcFace(64.0, 0.5)),
+    ({"type": "arcface", "margin": 0.3, "straight_through": True}, ArcFace(64.0, 0.3, straight_through=True)),
+    ({"type": "cosface"}, CosFace(64.0, 0.4)),
+    ({"type": "combined", "scale": 30, "m1": 1.1, "m2": 0.2, "m3": 0.1}, CombinedMargin(30.0, 1.1, 0.2, 0.1)),
+])
+def test_margins(margin, expected):
+    _, pfc = split_config(_config({"num_classes": 11, "margin": margin}))
+    got = pfc.head.margin.build()
+    assert type(got) is type(expected)
+    assert (got.scale, got.m1, got.m2, got.m3, got.straight_through) == \
+        (expected.scale, expected.m1, expected.m2, expected.m3, expected.straight_through)
+
+
+def test_optimizer_defaults_follow_the_type():
+    _, pfc = split_config(_config({"num_classes": 11, "optimizer": {"type": "adamw"}}))
+    head = pfc.head.build()
+    assert head.optimizer.weight_decay == 0.01 and head.optimizer.betas == (0.9, 0.999)
+    _, pfc = split_config(_config({"num_classes": 11}))
+    assert pfc.head.build().optimizer.weight_decay == 5e-4
+
+
+def test_bank_placements_build_a_tiered_bank():
+    _, pfc = split_config(_config({"num_classes": 101, "embedding_size": 4,
+                                   "bank": {"default": "host", "placements": {"weight": ["host", "bf16"]}}}))
+    head = pfc.head.build()
+    assert isinstance(head.bank, TieredBank)
+    assert head.bank.store("weight").dtype == torch.bfloat16 and head.bank.store("weight").tier == "host"
+    assert head.bank.store("momentum_buffer").tier == "host"
+    head.close()
+    _, pfc = split_config(_config({"num_classes": 101}))
+    assert pfc.head.bank.build() is None
+
+
+@pytest.mark.parametrize("head, needle", [
+    ({"num_classes": 10, "smaple_rate": 0.1}, "unknown key ['smaple_rate']"),
+    ({"num_classes": 10, "margin": {"typ": "arcface"}}, "ds_pfc.head.margin: unknown key ['typ']"),
+    ({"num_classes": 10, "optimizer": {"lr": 0.1}}, "ds_pfc.head.optimizer: unknown key ['lr']"),
+    ({"num_classes": 10, "bank": {"tier": "host"}}, "ds_pfc.head.bank: unknown key ['tier']"),
+    ({}, "missing required key ['num_classes']"),
+    ({"num_classes": "10"}, "ds_pfc.head.num_classes must be int"),
+    ({"num_classes": 0}, "ds_pfc.head.num_classes must be a positive integer"),
+    ({"num_classes": 10, "sample_rate": 0}, "ds_pfc.head.sample_rate must be > 0"),
+    ({"num_classes": 10, "sample_rate": 1.5}, "ds_pfc.head.sample_rate must be <= 1"),
+    ({"num_classes": 10, "filter_threshold": 2}, "ds_pfc.head.filter_threshold must be <= 1"),
+    ({"num_classes": 10, "compute_dtype": "int8"}, "ds_pfc.head.compute_dtype must be one of"),
+    ({"num_classes": 10, "margin": {"type": "sphere"}}, "ds_pfc.head.margin.type must be"),
+    ({"num_classes": 10, "margin": {"type": "arcface", "m3": 0.2}}, "only apply to type 'combined'"),
+    ({"num_classes": 10, "margin": {"type": "combined", "margin": 0.2}}, "does not apply to type 'combined'"),
+    ({"num_classes": 10, "optimizer": {"type": "lamb"}}, "ds_pfc.head.optimizer.type must be sgd or adamw"),
+    ({"num_classes": 10, "bank": {"default": "ssd"}}, "ds_pfc.head.bank.default tier must be one of"),
+    ({"num_classes": 10, "bank": {"placements": {"weight": ["host", "int8"]}}},
+     "ds_pfc.head.bank.placements.weight[1] must be one of"),
+])
+def test_bad_config_names_the_key(head, needle):
+    with pytest.raises(ConfigError) as err:
+        split_config(_config(head))
+    assert needle in str(err.value)
+
+
+def test_unknown_block_keys_and_missing_block():
+    with pytest.raises(ConfigError, match=r"ds_pfc: unknown key \['heads'\]; allowed keys are \['head'\]"):
+        split_config({**BASE, "ds_pfc": {"heads": {}}})
+    with pytest.raises(ConfigError, match="no 'ds_pfc' block"):
+        split_config(BASE)
+    with pytest.raises(ConfigError, match="must be an object"):
+        from_dict(DsPfcConfig, [1, 2])
+
+
+def test_top_level_typos_and_missing_clipping_warn():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split_config({"train_micro_batch_size_per_gpuu": 8, "ds_pfc": {"head": {"num_classes": 3}}})
+    messages = [str(w.message) for w in caught]
+    assert any("train_micro_batch_size_per_gpuu" in m for m in messages), messages
+    assert any("gradient_clipping" in m for m in messages), messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")        # a clean config warns about nothing
+        split_config(_config({"num_classes": 3}, bf16={"enabled": True}, zero_optimization={"stage": 1}))
