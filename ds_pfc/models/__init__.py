@@ -1,0 +1,92 @@
+"""Face-recognition backbones: [B, 3, 112, 112] aligned faces -> [B, embedding_size].
+
+``build_backbone(name, ...)`` builds one of ``BACKBONES`` (aliases in ``ALIASES``);
+``count_macs`` / ``count_flops`` measure the compute of one forward pass.
+
+Every backbone ends with a BN1d whose scale (gamma) is fixed at 1 and has
+``requires_grad=False`` (ArcFace's ``fix_gamma``); it is the only frozen parameter.
+Precision is left to the caller (DeepSpeed's fp16/bf16 casting, or ``torch.autocast``):
+the modules have no fp16 switch of their own.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .iresnet import INPUT_SHAPE, IResNet
+from .mobilefacenet import MobileFaceNet
+from .vit import ViT
+
+__all__ = ["build_backbone", "count_macs", "count_flops", "BACKBONES", "ALIASES", "INPUT_SHAPE",
+           "IResNet", "MobileFaceNet", "ViT"]
+
+_SPECS = {
+    "iresnet18": (IResNet, {"layers": (2, 2, 2, 2)}),
+    "iresnet34": (IResNet, {"layers": (3, 4, 6, 3)}),
+    "iresnet50": (IResNet, {"layers": (3, 4, 14, 3)}),
+    "iresnet100": (IResNet, {"layers": (3, 13, 30, 3)}),
+    "mobilefacenet": (MobileFaceNet, {"blocks": (1, 4, 6, 2), "scale": 2}),
+    "vit_t": (ViT, {"dim": 256, "depth": 12, "num_heads": 8}),
+    "vit_s": (ViT, {"dim": 512, "depth": 12, "num_heads": 8}),
+}
+BACKBONES = tuple(_SPECS)
+"""Canonical backbone names."""
+
+ALIASES = {"r18": "iresnet18", "r34": "iresnet34", "r50": "iresnet50", "r100": "iresnet100",
+           "mbf": "mobilefacenet"}
+"""insightface's short names."""
+
+
+def build_backbone(name: str, *, embedding_size: int = 512, width: float = 1.0, dropout: float = 0.0,
+                   **options) -> nn.Module:
+    """Build backbone ``name`` (a ``BACKBONES`` entry or an ``ALIASES`` key).
+
+    Args:
+        embedding_size: output dimension (512 published).
+        width: channel multiplier; 1.0 is the published size, smaller for CPU tests.
+        dropout: dropout probability before the embedding FC.
+        **options: constructor-specific extras, e.g. ``drop_path_rate`` and
+            ``mask_ratio`` for the ViTs (0 by default; insightface's ViT recipes use
+            0.05-0.1).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    canonical = ALIASES.get(name, name)
+    if canonical not in _SPECS:
+        raise ValueError(f"unknown backbone {name!r}; valid names: {', '.join(BACKBONES)} "
+                         f"(aliases: {', '.join(ALIASES)})")
+    cls, spec = _SPECS[canonical]
+    return cls(**spec, embedding_size=embedding_size, width=width, dropout=dropout, **options)
+
+
+def count_macs(model: nn.Module, input_size: Sequence[int] = (1, *INPUT_SHAPE)) -> int:
+    """Multiply-accumulates of one eval-mode forward pass on ``input_size``.
+
+    Counts what actually runs through convolutions, matrix products and attention
+    (``torch.utils.flop_counter``); BN, activations and additions are not counted.
+    Works on a model built under ``torch.device("meta")``, which computes nothing, so
+    the full-size models cost milliseconds. The "GFLOPs" insightface publishes for its
+    backbones are multiply-accumulates in this sense (ptflops' convention).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    param = next(model.parameters())
+    images = torch.zeros(tuple(input_size), device=param.device, dtype=param.dtype)
+    was_training = model.training
+    model.eval()
+    try:
+        # The math attention backend runs as plain matmuls, which every device counts;
+        # the fused CPU kernel has no flop formula and would count as zero.
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(images)
+    finally:
+        model.train(was_training)
+    return counter.get_total_flops() // 2
+
+
+def count_flops(model: nn.Module, input_size: Sequence[int] = (1, *INPUT_SHAPE)) -> int:
+    """Floating-point operations of one eval-mode forward pass: ``2 * count_macs``."""
+    return 2 * count_macs(model, input_size)
