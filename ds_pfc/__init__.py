@@ -1,5 +1,5 @@
 """ds_pfc: Partial FC heads for classifiers of millions of classes, on DeepSpeed."""
-from .bank import ClassBank, DeviceBank
+from .bank import ClassBank, DeviceBank, Placement, StaleRowError, TieredBank
 from .functional import margin_cross_entropy
 from .head import PartialFC
 from .margins import ArcFace, CombinedMargin, CosFace, Margin
@@ -8,6 +8,6 @@ from .partition import Partition
 
 __all__ = [
     "PartialFC", "margin_cross_entropy", "ArcFace", "CosFace", "CombinedMargin", "Margin",
-    "ClassBank", "DeviceBank", "RowSGD", "RowAdamW", "Partition",
+    "ClassBank", "DeviceBank", "TieredBank", "Placement", "StaleRowError", "RowSGD", "RowAdamW", "Partition",
 ]
 __version__ = "0.1.0"
