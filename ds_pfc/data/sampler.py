@@ -1,0 +1,147 @@
+"""Distributed sampler whose every epoch is a pure function of ``(seed, epoch)``.
+
+Insightface (notes/insightface.md 1.4) broadcasts a seed from rank 0 and pads by
+repetition. Here each rank builds the same permutation from a generator seeded by
+``(seed, epoch)`` alone, so no communication is needed, and takes the strided shard
+``perm[rank::world_size]`` of it. The position inside the epoch is explicit state
+(``consumed``) so a run stopped mid-epoch resumes with exactly the remaining indices.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["DistributedIdentitySampler", "epoch_seed"]
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """64-bit generator seed for ``(seed, epoch)``. Hashed rather than ``seed + epoch``
+    (torch's DistributedSampler) so that ``(0, 1)`` and ``(1, 0)`` differ; blake2b, not
+    Python's ``hash``, so it is the same in every process."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class DistributedIdentitySampler(Sampler[int]):
+    """Indices of this rank's shard of a per-epoch permutation of ``range(num_samples)``.
+
+    - Every rank draws the same permutation (``shuffle``) or uses ``arange`` and takes
+      ``perm[rank::world_size]``; shards are disjoint and of equal size.
+    - ``drop_last=True`` trims the permutation to a multiple of ``world_size`` (the
+      trimmed samples change every epoch); ``False`` pads it by wrapping around to its
+      start, so a few samples appear twice in the epoch.
+    - ``consumed`` counts samples of the current epoch this rank has already trained
+      on. The training loop advances it (:meth:`advance`) after each step: the sampler
+      cannot count for itself, because a DataLoader draws indices ahead of training
+      (prefetch), so the number yielded overstates what was consumed.
+    - ``__iter__`` yields the epoch's shard from position ``consumed``; ``__len__`` is
+      that remaining count.
+    """
+
+    def __init__(self, num_samples: int, *, rank: int, world_size: int, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = True):
+        self.num_samples = _check_int("num_samples", num_samples, 0)
+        self.world_size = _check_int("world_size", world_size, 1)
+        self.rank = _check_int("rank", rank, 0)
+        if rank >= world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        self.seed = seed
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        if drop_last and num_samples < world_size:
+            raise ValueError(f"num_samples={num_samples} < world_size={world_size} with drop_last=True leaves "
+                             f"every rank empty; use drop_last=False or fewer ranks")
+        if not drop_last and num_samples == 0:
+            raise ValueError("num_samples=0 cannot be padded to world_size with drop_last=False")
+        if drop_last:
+            self.num_per_rank = num_samples // world_size
+        else:
+            self.num_per_rank = math.ceil(num_samples / world_size)
+        self.total_size = self.num_per_rank * world_size
+        self.epoch = 0
+        self.consumed = 0
+
+    # -- epoch position ------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch. Moving to another epoch resets ``consumed`` to 0; setting
+        the current one again keeps it, so ``load_state_dict`` followed by the usual
+        ``set_epoch(epoch)`` at the top of the epoch loop still resumes mid-epoch."""
+        _check_int("epoch", epoch, 0)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.consumed = 0
+
+    def advance(self, num: int) -> None:
+        """Record that this rank trained on ``num`` more samples of the current epoch."""
+        _check_int("num", num, 0)
+        if self.consumed + num > self.num_per_rank:
+            raise ValueError(f"advance({num}) past the end of the epoch: consumed={self.consumed}, "
+                             f"num_per_rank={self.num_per_rank}")
+        self.consumed += num
+
+    # -- indices ---------------------------------------------------------------------
+    def epoch_permutation(self, epoch: int | None = None) -> torch.Tensor:
+        """The full (trimmed or padded) int64 order of ``epoch``, identical on all ranks."""
+        epoch = self.epoch if epoch is None else _check_int("epoch", epoch, 0)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(epoch_seed(self.seed, epoch))
+            perm = torch.randperm(self.num_samples, generator=g)
+        else:
+            perm = torch.arange(self.num_samples)
+        if self.total_size <= self.num_samples:
+            return perm[: self.total_size]
+        return perm[torch.arange(self.total_size) % self.num_samples]
+
+    def shard(self, epoch: int | None = None) -> torch.Tensor:
+        """This rank's whole shard of ``epoch`` (ignores ``consumed``)."""
+        return self.epoch_permutation(epoch)[self.rank:: self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.shard()[self.consumed:].tolist())
+
+    def __len__(self) -> int:
+        return self.num_per_rank - self.consumed
+
+    # -- checkpoint --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed, "num_samples": self.num_samples,
+                "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle,
+                "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``epoch`` and ``consumed``. The permutation must be the same one, so
+        ``num_samples``, ``seed`` and ``shuffle`` must match; ``world_size`` and
+        ``drop_last`` may change only at an epoch boundary (``consumed == 0``)."""
+        missing = {"epoch", "consumed"} - set(state)
+        if missing:
+            raise ValueError(f"sampler state lacks {sorted(missing)}; has {sorted(state)}")
+        for key in ("num_samples", "seed", "shuffle"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has "
+                                 f"{key}={getattr(self, key)!r}; the resumed order would differ")
+        epoch = _check_int("state['epoch']", state["epoch"], 0)
+        consumed = _check_int("state['consumed']", state["consumed"], 0)
+        if consumed:
+            for key in ("world_size", "drop_last"):
+                if key in state and state[key] != getattr(self, key):
+                    raise ValueError(f"cannot resume mid-epoch (consumed={consumed}) with {key}="
+                                     f"{getattr(self, key)!r}; the state was saved with {key}={state[key]!r}")
+        if consumed > self.num_per_rank:
+            raise ValueError(f"state['consumed']={consumed} > num_per_rank={self.num_per_rank}")
+        self.epoch = epoch
+        self.consumed = consumed
