@@ -1,0 +1,297 @@
+"""Per-rank safetensors checkpoints of the :class:`~ds_pfc.head.PartialFC` bank.
+
+Each rank writes its own shard ``{name}-rank{rank:05d}-of-{world:05d}.safetensors``
+holding every bank state (``weight`` and the row optimizer's states, e.g.
+``momentum_buffer`` or ``exp_avg``/``exp_avg_sq``/``step``) for its classes
+``[class_start, class_start + num_local)``, plus string metadata (class range, world
+size, sampler state, step counter, optimizer, dtypes, format version).
+
+Shards never go through DeepSpeed's ``client_state`` (that is written by one rank
+only). Because ownership is contiguous (:class:`~ds_pfc.partition.Partition`),
+resharding is exact and offline: concatenate the shards in ``class_start`` order and
+re-split with ``num_local = C // W + (r < C % W)`` (:func:`reshard`).
+
+Writes are atomic: a temporary file in the same directory, ``fsync``, ``os.replace``
+(and an ``fsync`` of the directory), so a crash leaves either the previous complete
+file or the new complete file under the final name, never a partial one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+
+import safetensors
+import safetensors.torch
+import torch
+
+from .partition import Partition
+
+__all__ = ["save_head_shard", "load_head_shard", "merge_shards", "reshard", "export_classifier",
+           "shard_file_name", "FORMAT"]
+
+FORMAT = "ds_pfc.head_shard/1"
+CLASSIFIER_FORMAT = "ds_pfc.classifier/1"
+
+# Integer metadata fields (the head's training_state() plus the rank).
+_INT_FIELDS = ("num_classes", "embedding_size", "class_start", "num_local", "world_size", "rank", "seed",
+               "sample_step", "step_count")
+# Fields every shard of one checkpoint must agree on.
+_COMMON_FIELDS = ("format", "num_classes", "embedding_size", "world_size", "seed", "sample_step", "step_count",
+                  "optimizer", "states", "dtypes")
+
+
+def shard_file_name(name: str, rank: int, world_size: int) -> str:
+    return f"{name}-rank{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def _shard_pattern(name: str) -> re.Pattern:
+    return re.compile(re.escape(name) + r"-rank(\d{5})-of-(\d{5})\.safetensors")
+
+
+def _list_shards(directory: str, name: str) -> dict[int, dict[int, str]]:
+    """``{world_size: {rank: path}}`` of the shard files of ``name`` in ``directory``."""
+    pattern = _shard_pattern(name)
+    found: dict[int, dict[int, str]] = {}
+    for entry in sorted(os.listdir(directory)):
+        m = pattern.fullmatch(entry)
+        if m:
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = os.path.join(directory, entry)
+    return found
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:   # e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> str:
+    """safetensors ``save_file`` to a temporary name next to ``path``, fsync, rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp,
+                                    metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+    return path
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _read_shard(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and parsed metadata of one shard file (ValueError if it is not one)."""
+    with safetensors.safe_open(path, framework="pt") as f:
+        raw = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if raw.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a ds_pfc head shard (format {raw.get('format')!r}, expected {FORMAT!r})")
+    try:
+        meta = dict(raw)
+        for key in _INT_FIELDS:
+            meta[key] = int(raw[key])
+        meta["states"] = json.loads(raw["states"])
+        meta["dtypes"] = json.loads(raw["dtypes"])
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{path}: malformed head shard metadata ({err!r})") from None
+    if sorted(tensors) != sorted(meta["states"]):
+        raise ValueError(f"{path}: holds tensors {sorted(tensors)} but its metadata lists {meta['states']}")
+    for key, t in tensors.items():
+        if t.dim() == 0 or t.shape[0] != meta["num_local"]:
+            raise ValueError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, expected {meta['num_local']} rows")
+        if _dtype_name(t.dtype) != meta["dtypes"].get(key):
+            raise ValueError(f"{path}: tensor {key!r} is {t.dtype}, metadata says {meta['dtypes'].get(key)}")
+    if tensors.get("weight") is None or tuple(tensors["weight"].shape[1:]) != (meta["embedding_size"],):
+        raise ValueError(f"{path}: 'weight' missing or not [num_local, {meta['embedding_size']}]")
+    return tensors, meta
+
+
+def _metadata(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    out = {"format": FORMAT, "optimizer": str(meta["optimizer"]),
+           "states": json.dumps(list(tensors)),
+           "dtypes": json.dumps({k: _dtype_name(v.dtype) for k, v in tensors.items()}),
+           "torch_version": torch.__version__}
+    for key in _INT_FIELDS:
+        out[key] = str(int(meta[key]))
+    return out
+
+
+# ---------------------------------------------------------------------- per rank
+def save_head_shard(head, directory: str, *, name: str = "head") -> str:
+    """Write this rank's shard of ``head`` to ``directory`` atomically; returns its path.
+
+    Every rank of the head's group calls it (no collective is involved). Uses
+    ``head.state_dict()``, which flushes tiered banks first."""
+    state = head.state_dict()
+    meta = dict(zip(head._META_FIELDS, state.pop("meta").tolist()))
+    meta["rank"] = head.rank
+    meta["optimizer"] = repr(head.optimizer)
+    tensors = {k: v for k, v in state.items()}
+    path = os.path.join(directory, shard_file_name(name, head.rank, head.world_size))
+    return _atomic_save(tensors, path, _metadata(meta, tensors))
+
+
+def load_head_shard(head, directory: str, *, name: str = "head") -> None:
+    """Load this rank's shard into ``head`` (all-or-nothing: on any error nothing changes).
+
+    The file for ``head.rank`` / ``head.world_size`` must exist and match the head's
+    ``num_classes``, ``embedding_size``, class range, world size, states and dtypes;
+    a checkpoint written at another world size must first go through :func:`reshard`.
+    """
+    shards = _list_shards(directory, name) if os.path.isdir(directory) else {}
+    path = shards.get(head.world_size, {}).get(head.rank)
+    if path is None:
+        if shards:
+            raise ValueError(
+                f"no shard {shard_file_name(name, head.rank, head.world_size)} in {directory}: the checkpoint "
+                f"was written with world_size={sorted(shards)} but this head has world_size={head.world_size}; "
+                f"use ds_pfc.checkpoint.reshard({directory!r}, new_dir, {head.world_size}) first")
+        raise FileNotFoundError(f"no {name!r} head shards in {directory}")
+    tensors, meta = _read_shard(path)
+    for key in ("num_classes", "embedding_size", "world_size", "class_start", "num_local"):
+        if meta[key] != getattr(head, key):
+            raise ValueError(
+                f"{path}: checkpoint has {key}={meta[key]} but this head has {key}={getattr(head, key)} "
+                f"(checkpoint classes [{meta['class_start']}, {meta['class_start'] + meta['num_local']}) of "
+                f"C={meta['num_classes']}, d={meta['embedding_size']}, world_size={meta['world_size']}); "
+                "a different C or d cannot be loaded; for another world size use ds_pfc.checkpoint.reshard")
+    if meta["rank"] != head.rank:
+        raise ValueError(f"{path}: metadata says rank={meta['rank']} but this head has rank={head.rank}")
+    names = head.bank.state_names()
+    if sorted(names) != sorted(tensors):
+        raise ValueError(f"{path}: checkpoint holds states {sorted(tensors)} ({meta['optimizer']}) but this head "
+                         f"holds {sorted(names)} (optimizer {head.optimizer})")
+    empty = torch.zeros(0, dtype=torch.long, device=head.device)
+    for key in names:
+        want = head.bank.read(key, empty).dtype
+        if tensors[key].dtype != want:
+            raise ValueError(f"{path}: state {key!r} is {tensors[key].dtype} but this head stores {want}")
+    state = dict(tensors)
+    state["meta"] = torch.tensor([meta[k] for k in head._META_FIELDS], dtype=torch.int64)
+    head.load_state_dict(state)   # validates shapes before changing anything
+
+
+# ---------------------------------------------------------------------- offline
+def merge_shards(directory: str, *, name: str = "head") -> tuple[dict[str, torch.Tensor], dict]:
+    """Read every shard and return ``(tensors, meta)`` with full ``[C, ...]`` tensors.
+
+    Checks that exactly one world size is present, that ranks ``0..W-1`` are all there,
+    that the shards agree on C, d, world size, seed, sampler/step counters, optimizer
+    and dtypes, and that their class ranges tile ``[0, C)`` contiguously in the
+    :class:`~ds_pfc.partition.Partition` layout. ``meta`` holds the common fields
+    (``world_size`` is the source world size)."""
+    shards = _list_shards(directory, name)
+    if not shards:
+        raise FileNotFoundError(f"no {name!r} head shards in {directory}")
+    if len(shards) > 1:
+        raise ValueError(f"{directory} holds {name!r} shards of several world sizes {sorted(shards)} "
+                         "(extra shards of another run?); keep one set")
+    (world, files), = shards.items()
+    missing = [r for r in range(world) if r not in files]
+    extra = sorted(r for r in files if r >= world)
+    if extra:
+        raise ValueError(f"{directory}: extra shard(s) for ranks {extra} outside world_size={world}")
+    if missing:
+        raise ValueError(f"{directory}: missing shard(s) for ranks {missing} of world_size={world}")
+    loaded = [_read_shard(files[r]) for r in range(world)]
+    first = loaded[0][1]
+    for r, (_, meta) in enumerate(loaded):
+        for key in _COMMON_FIELDS:
+            if meta[key] != first[key]:
+                raise ValueError(f"{files[r]}: {key}={meta[key]!r} differs from rank 0's {first[key]!r}")
+        if meta["rank"] != r:
+            raise ValueError(f"{files[r]}: metadata says rank={meta['rank']} but the file name says rank {r}")
+        if meta["world_size"] != world:
+            raise ValueError(f"{files[r]}: metadata says world_size={meta['world_size']} but the file name "
+                             f"says {world}")
+    C = first["num_classes"]
+    order = sorted(range(world), key=lambda r: (loaded[r][1]["class_start"], r))
+    expected = 0
+    for r in order:
+        start, count = loaded[r][1]["class_start"], loaded[r][1]["num_local"]
+        if start < expected:
+            raise ValueError(f"{files[r]}: classes [{start}, {start + count}) overlap the previous shard, "
+                             f"which ends at {expected}")
+        if start > expected:
+            raise ValueError(f"{directory}: classes [{expected}, {start}) are in no shard (gap before {files[r]})")
+        expected = start + count
+    if expected != C:
+        raise ValueError(f"{directory}: the shards cover [0, {expected}) but num_classes={C}")
+    partition = Partition(C, world)
+    for r in range(world):
+        bounds = (loaded[r][1]["class_start"], loaded[r][1]["class_start"] + loaded[r][1]["num_local"])
+        if bounds != partition.bounds(r):
+            raise ValueError(f"{files[r]}: rank {r} holds classes {bounds}, expected {partition.bounds(r)}")
+    tensors = {k: torch.cat([loaded[r][0][k] for r in order]) for k in first["states"]}
+    meta = {k: first[k] for k in _COMMON_FIELDS}
+    return tensors, meta
+
+
+def reshard(src_dir: str, dst_dir: str, world_size: int, *, name: str = "head") -> list[str]:
+    """Rewrite the checkpoint in ``src_dir`` as ``world_size`` shards in ``dst_dir``.
+
+    Exact: the merged tensors are split with :class:`~ds_pfc.partition.Partition`, so
+    centers and optimizer states are bitwise those of the original run. The metadata is
+    carried over except the class range, rank and world size. ``seed`` and
+    ``sample_step`` are carried over too, but the sampler is keyed by rank (and draws
+    from each rank's local class range), so after a world-size change the sampled
+    negative sets differ from what the original run would have drawn. That is
+    expected; resumed training is then statistically, not bitwise, equivalent.
+
+    ``dst_dir`` must differ from ``src_dir`` and hold no shards of ``name`` of another
+    world size. Returns the written paths."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if os.path.isdir(dst_dir) and os.path.samefile(src_dir, dst_dir):
+        raise ValueError("reshard: dst_dir must differ from src_dir")
+    if os.path.isdir(dst_dir):
+        other = sorted(w for w in _list_shards(dst_dir, name) if w != world_size)
+        if other:
+            raise ValueError(f"{dst_dir} already holds {name!r} shards for world_size={other}; use an empty directory")
+    tensors, meta = merge_shards(src_dir, name=name)
+    partition = Partition(meta["num_classes"], world_size)
+    paths = []
+    for rank in range(world_size):
+        start, end = partition.bounds(rank)
+        part = {k: v[start:end] for k, v in tensors.items()}
+        shard_meta = dict(meta, class_start=start, num_local=end - start, world_size=world_size, rank=rank)
+        path = os.path.join(dst_dir, shard_file_name(name, rank, world_size))
+        paths.append(_atomic_save(part, path, _metadata(shard_meta, part)))
+    return paths
+
+
+def export_classifier(directory: str, out_path: str, *, name: str = "head", include_optimizer: bool = False) -> str:
+    """Write one safetensors file with the full ``weight [C, d]`` (and, if
+    ``include_optimizer``, the optimizer states as ``optimizer.<state>``) plus metadata
+    (format, num_classes, embedding_size, seed, sample_step, step_count, optimizer,
+    source_world_size). Atomic. Returns ``out_path``."""
+    tensors, meta = merge_shards(directory, name=name)
+    out = {"weight": tensors["weight"]}
+    if include_optimizer:
+        out.update({f"optimizer.{k}": v for k, v in tensors.items() if k != "weight"})
+    metadata = {"format": CLASSIFIER_FORMAT, "optimizer": meta["optimizer"], "source_world_size": str(meta["world_size"]),
+                "dtypes": json.dumps({k: _dtype_name(v.dtype) for k, v in out.items()}),
+                "torch_version": torch.__version__}
+    for key in ("num_classes", "embedding_size", "seed", "sample_step", "step_count"):
+        metadata[key] = str(meta[key])
+    return _atomic_save(out, out_path, metadata)
