@@ -48,3 +48,12 @@ def check_values(embeddings: torch.Tensor, labels: torch.Tensor, num_classes: in
     if probe[1] < 0 or (num_classes is not None and probe[2] >= num_classes):
         raise ValueError(f"{names[1]} must lie in [0, {upper}), got values in "
                          f"[{int(probe[1])}, {int(probe[2])}]")
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    """An int (not a bool) >= ``minimum``; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value

@@ -58,6 +58,7 @@ import zlib
 
 import torch
 
+from .._checks import check_int
 from .stores import RowStore, pinned_empty
 
 __all__ = ["NvmeStore", "DirtyStoreError", "load_aio_op", "SUPPORTED_DTYPES"]
@@ -128,14 +129,6 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _fsync_path(path: str, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
@@ -169,8 +162,8 @@ class NvmeStore(RowStore):
         path = os.fspath(path)
         if not isinstance(path, str):
             raise TypeError("path must be a text path, not bytes")
-        _check_int("num_rows", num_rows, 0)
-        _check_int("width", width, 0)
+        check_int("num_rows", num_rows, 0)
+        check_int("width", width, 0)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         if dtype not in _DTYPE_NAMES:
@@ -178,10 +171,10 @@ class NvmeStore(RowStore):
         if not isinstance(create, bool):
             raise TypeError(f"create must be a bool, got {type(create).__name__}")
         if block_rows is not None:
-            _check_int("block_rows", block_rows, 1)
-        _check_int("intra_op_parallelism", intra_op_parallelism, 1)
-        _check_int("queue_depth", queue_depth, 1)
-        _check_int("stage_bytes", stage_bytes, 1)
+            check_int("block_rows", block_rows, 1)
+        check_int("intra_op_parallelism", intra_op_parallelism, 1)
+        check_int("queue_depth", queue_depth, 1)
+        check_int("stage_bytes", stage_bytes, 1)
         if init is not None:
             if not create:
                 raise ValueError("init is only used with create=True")

@@ -15,6 +15,8 @@ from typing import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from .._checks import check_int
+
 __all__ = ["DistributedIdentitySampler", "epoch_seed"]
 
 
@@ -24,14 +26,6 @@ def epoch_seed(seed: int, epoch: int) -> int:
     Python's ``hash``, so it is the same in every process."""
     digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 class DistributedIdentitySampler(Sampler[int]):
@@ -52,9 +46,9 @@ class DistributedIdentitySampler(Sampler[int]):
 
     def __init__(self, num_samples: int, *, rank: int, world_size: int, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True):
-        self.num_samples = _check_int("num_samples", num_samples, 0)
-        self.world_size = _check_int("world_size", world_size, 1)
-        self.rank = _check_int("rank", rank, 0)
+        self.num_samples = check_int("num_samples", num_samples, 0)
+        self.world_size = check_int("world_size", world_size, 1)
+        self.rank = check_int("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -80,14 +74,14 @@ class DistributedIdentitySampler(Sampler[int]):
         """Select the epoch. Moving to another epoch resets ``consumed`` to 0; setting
         the current one again keeps it, so ``load_state_dict`` followed by the usual
         ``set_epoch(epoch)`` at the top of the epoch loop still resumes mid-epoch."""
-        _check_int("epoch", epoch, 0)
+        check_int("epoch", epoch, 0)
         if epoch != self.epoch:
             self.epoch = epoch
             self.consumed = 0
 
     def advance(self, num: int) -> None:
         """Record that this rank trained on ``num`` more samples of the current epoch."""
-        _check_int("num", num, 0)
+        check_int("num", num, 0)
         if self.consumed + num > self.num_per_rank:
             raise ValueError(f"advance({num}) past the end of the epoch: consumed={self.consumed}, "
                              f"num_per_rank={self.num_per_rank}")
@@ -96,7 +90,7 @@ class DistributedIdentitySampler(Sampler[int]):
     # -- indices ---------------------------------------------------------------------
     def epoch_permutation(self, epoch: int | None = None) -> torch.Tensor:
         """The full (trimmed or padded) int64 order of ``epoch``, identical on all ranks."""
-        epoch = self.epoch if epoch is None else _check_int("epoch", epoch, 0)
+        epoch = self.epoch if epoch is None else check_int("epoch", epoch, 0)
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(epoch_seed(self.seed, epoch))
@@ -134,8 +128,8 @@ class DistributedIdentitySampler(Sampler[int]):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has "
                                  f"{key}={getattr(self, key)!r}; the resumed order would differ")
-        epoch = _check_int("state['epoch']", state["epoch"], 0)
-        consumed = _check_int("state['consumed']", state["consumed"], 0)
+        epoch = check_int("state['epoch']", state["epoch"], 0)
+        consumed = check_int("state['consumed']", state["consumed"], 0)
         if consumed:
             for key in ("world_size", "drop_last"):
                 if key in state and state[key] != getattr(self, key):

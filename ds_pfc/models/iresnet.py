@@ -73,6 +73,13 @@ def embedding_bn(num_features: int) -> nn.BatchNorm1d:
 
 # --- IResNet ------------------------------------------------------------------------
 
+def init_convs(module: nn.Module) -> None:
+    """He-normal (fan-out) initialisation of every Conv2d in ``module``."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+
 def _conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
 
@@ -142,9 +149,7 @@ class IResNet(nn.Module):
         self.fc = nn.Linear(in_channels * spatial * spatial, embedding_size)
         self.features = embedding_bn(embedding_size)
 
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        init_convs(self)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         check_images(images)

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .iresnet import check_backbone_args, check_images, embedding_bn, scaled
+from .iresnet import check_backbone_args, check_images, embedding_bn, init_convs, scaled
 
 __all__ = ["MobileFaceNet", "DepthwiseBottleneck"]
 
@@ -116,9 +116,7 @@ class MobileFaceNet(nn.Module):
         self.fc = nn.Linear(c512, embedding_size, bias=False)
         self.features = embedding_bn(embedding_size)
 
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        init_convs(self)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         check_images(images)
