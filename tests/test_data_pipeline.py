@@ -300,3 +300,40 @@ def test_missing_and_wrong_paths(tmp_path):
     (tmp_path / "f.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match="not .parquet"):
         load_image_dataset(tmp_path / "f.csv")
+
+
+@pytest.mark.parametrize("n,drop_last", [(103, True), (103, False), (96, True)])
+def test_block_shards_make_micro_batches_world_size_invariant(n, drop_last):
+    # Reference: the epoch's permutation cut into consecutive micro batches of m.
+    m = 4
+    perm = DistributedIdentitySampler(n, rank=0, world_size=1, seed=3, drop_last=drop_last).epoch_permutation(0)
+    for w in (1, 2, 4):
+        samplers = _ranks(n, w, seed=3, drop_last=drop_last, block_size=m)
+        shards = [s.shard(0) for s in samplers]
+        assert len({len(t) for t in shards}) == 1 and len(shards[0]) % m == 0
+        for q, shard in enumerate(shards):
+            for k in range(len(shard) // m):      # k-th micro batch of rank q is block k*w + q
+                block = k * w + q
+                if (block + 1) * m <= len(perm):
+                    assert shard[k * m:(k + 1) * m].tolist() == perm[block * m:(block + 1) * m].tolist()
+
+
+def test_block_resume_on_another_world_size_continues_the_epoch():
+    m, n = 3, 120
+    old = _ranks(n, 2, seed=9, block_size=m)
+    for s in old:
+        s.advance(4 * m)                 # 2 ranks x 4 blocks = 8 blocks consumed
+    consumed = set()
+    for s in old:
+        consumed.update(s.shard()[:s.consumed].tolist())
+    new = _ranks(n, 4, seed=9, block_size=m)
+    for s in new:
+        s.load_state_dict(old[0].state_dict())
+        assert s.consumed == 2 * m
+    rest = [i for s in new for i in s]
+    assert not consumed & set(rest)
+    assert sorted(consumed | set(rest)) == sorted(new[0].epoch_permutation().tolist())
+    with pytest.raises(ValueError, match="world_size=3"):    # 8 blocks do not split over 3 ranks
+        DistributedIdentitySampler(n, rank=0, world_size=3, seed=9, block_size=m).load_state_dict(old[0].state_dict())
+    with pytest.raises(ValueError, match="block_size"):
+        DistributedIdentitySampler(n, rank=0, world_size=2, seed=9, block_size=2).load_state_dict(old[0].state_dict())

@@ -2,9 +2,15 @@
 
 Insightface (notes/insightface.md 1.4) broadcasts a seed from rank 0 and pads by
 repetition. Here each rank builds the same permutation from a generator seeded by
-``(seed, epoch)`` alone, so no communication is needed, and takes the strided shard
-``perm[rank::world_size]`` of it. The position inside the epoch is explicit state
-(``consumed``) so a run stopped mid-epoch resumes with exactly the remaining indices.
+``(seed, epoch)`` alone, so no communication is needed, and takes a strided shard of
+it in blocks: with ``block_size = b`` the permutation is cut into blocks of ``b`` and
+rank ``q`` takes blocks ``q, q + W, q + 2W, ..``. With ``b`` = the micro batch, the
+``k``-th micro batch of rank ``q`` is block ``k W + q`` of the epoch, so the global
+composition of every micro batch depends on ``W x gradient accumulation`` only: one
+rank accumulating 2 micro batches sees exactly the batches two ranks see in one step
+(BatchNorm statistics included). The position inside the epoch is explicit state
+(``consumed``) so a run stopped mid-epoch resumes with exactly the remaining indices,
+also on another number of ranks when the blocks consumed so far divide evenly.
 """
 from __future__ import annotations
 
@@ -32,10 +38,11 @@ class DistributedIdentitySampler(Sampler[int]):
     """Indices of this rank's shard of a per-epoch permutation of ``range(num_samples)``.
 
     - Every rank draws the same permutation (``shuffle``) or uses ``arange`` and takes
-      ``perm[rank::world_size]``; shards are disjoint and of equal size.
-    - ``drop_last=True`` trims the permutation to a multiple of ``world_size`` (the
-      trimmed samples change every epoch); ``False`` pads it by wrapping around to its
-      start, so a few samples appear twice in the epoch.
+      blocks ``rank, rank + world_size, ..`` of ``block_size`` indices (``block_size=1``:
+      ``perm[rank::world_size]``); shards are disjoint and of equal size.
+    - ``drop_last=True`` trims the permutation to a multiple of ``world_size *
+      block_size`` (the trimmed samples change every epoch); ``False`` pads it by
+      wrapping around to its start, so a few samples appear twice in the epoch.
     - ``consumed`` counts samples of the current epoch this rank has already trained
       on. The training loop advances it (:meth:`advance`) after each step: the sampler
       cannot count for itself, because a DataLoader draws indices ahead of training
@@ -45,7 +52,7 @@ class DistributedIdentitySampler(Sampler[int]):
     """
 
     def __init__(self, num_samples: int, *, rank: int, world_size: int, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = True):
+                 shuffle: bool = True, drop_last: bool = True, block_size: int = 1):
         self.num_samples = check_int("num_samples", num_samples, 0)
         self.world_size = check_int("world_size", world_size, 1)
         self.rank = check_int("rank", rank, 0)
@@ -56,15 +63,15 @@ class DistributedIdentitySampler(Sampler[int]):
         self.seed = seed
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
-        if drop_last and num_samples < world_size:
-            raise ValueError(f"num_samples={num_samples} < world_size={world_size} with drop_last=True leaves "
-                             f"every rank empty; use drop_last=False or fewer ranks")
+        self.block_size = check_int("block_size", block_size, 1)
+        unit = world_size * self.block_size
+        if drop_last and num_samples < unit:
+            raise ValueError(f"num_samples={num_samples} < world_size x block_size={unit} with drop_last=True "
+                             f"leaves every rank empty; use drop_last=False, fewer ranks or smaller blocks")
         if not drop_last and num_samples == 0:
             raise ValueError("num_samples=0 cannot be padded to world_size with drop_last=False")
-        if drop_last:
-            self.num_per_rank = num_samples // world_size
-        else:
-            self.num_per_rank = math.ceil(num_samples / world_size)
+        blocks = num_samples // unit if drop_last else math.ceil(num_samples / unit)
+        self.num_per_rank = blocks * self.block_size
         self.total_size = self.num_per_rank * world_size
         self.epoch = 0
         self.consumed = 0
@@ -103,7 +110,8 @@ class DistributedIdentitySampler(Sampler[int]):
 
     def shard(self, epoch: int | None = None) -> torch.Tensor:
         """This rank's whole shard of ``epoch`` (ignores ``consumed``)."""
-        return self.epoch_permutation(epoch)[self.rank:: self.world_size]
+        perm = self.epoch_permutation(epoch).view(-1, self.block_size)
+        return perm[self.rank:: self.world_size].reshape(-1)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.shard()[self.consumed:].tolist())
@@ -115,12 +123,14 @@ class DistributedIdentitySampler(Sampler[int]):
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, "num_samples": self.num_samples,
                 "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle,
-                "drop_last": self.drop_last}
+                "drop_last": self.drop_last, "block_size": self.block_size}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``epoch`` and ``consumed``. The permutation must be the same one, so
-        ``num_samples``, ``seed`` and ``shuffle`` must match; ``world_size`` and
-        ``drop_last`` may change only at an epoch boundary (``consumed == 0``)."""
+        ``num_samples``, ``seed`` and ``shuffle`` must match. ``drop_last`` and
+        ``block_size`` may change only at an epoch boundary (``consumed == 0``);
+        ``world_size`` also mid-epoch when the blocks the old ranks consumed together
+        split evenly over the new ones (consumed blocks are a prefix of the epoch)."""
         missing = {"epoch", "consumed"} - set(state)
         if missing:
             raise ValueError(f"sampler state lacks {sorted(missing)}; has {sorted(state)}")
@@ -131,10 +141,21 @@ class DistributedIdentitySampler(Sampler[int]):
         epoch = check_int("state['epoch']", state["epoch"], 0)
         consumed = check_int("state['consumed']", state["consumed"], 0)
         if consumed:
-            for key in ("world_size", "drop_last"):
-                if key in state and state[key] != getattr(self, key):
+            for key in ("drop_last", "block_size"):
+                if state.get(key, 1 if key == "block_size" else self.drop_last) != getattr(self, key):
                     raise ValueError(f"cannot resume mid-epoch (consumed={consumed}) with {key}="
                                      f"{getattr(self, key)!r}; the state was saved with {key}={state[key]!r}")
+            old_world = state.get("world_size", self.world_size)
+            if old_world != self.world_size:
+                if consumed % self.block_size:
+                    raise ValueError(f"state['consumed']={consumed} is not a whole number of blocks of "
+                                     f"{self.block_size}")
+                blocks = consumed // self.block_size * old_world
+                if blocks % self.world_size:
+                    raise ValueError(f"cannot resume mid-epoch on world_size={self.world_size}: the {old_world} "
+                                     f"ranks consumed {blocks} blocks together, which {self.world_size} ranks "
+                                     f"cannot split evenly; resume on {old_world} ranks or at an epoch boundary")
+                consumed = blocks // self.world_size * self.block_size
         if consumed > self.num_per_rank:
             raise ValueError(f"state['consumed']={consumed} > num_per_rank={self.num_per_rank}")
         self.epoch = epoch
