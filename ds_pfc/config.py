@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MarginConfig", "OptimizerConfig", "BankConfig", "HeadConfig", "DsPfcConfig", "split_config",
+__all__ = ["MarginConfig", "OptimizerConfig", "BankConfig", "HeadConfig", "BackboneConfig", "SyntheticDataConfig",
+           "DataConfig", "ScheduleConfig", "TrainConfig", "EvaluationConfig", "CheckpointConfig", "DsPfcConfig",
+           "split_config",
            "from_dict", "DEEPSPEED_TOP_LEVEL_KEYS", "ConfigError"]
 
 
@@ -229,12 +231,221 @@ class HeadConfig:
 
 
 @dataclass(kw_only=True)
+class BackboneConfig:
+    """The embedding network (``ds_pfc.models.build_backbone``); its output size is
+    ``head.embedding_size``."""
+
+    name: str = "iresnet50"
+    """iresnet18/34/50/100, mobilefacenet, vit_t, vit_s (or r18/r50/r100/mbf)."""
+    width: float = 1.0
+    """Channel multiplier: 1.0 is the published network; smaller for CPU runs."""
+    dropout: float = 0.0
+    """Dropout before the embedding layer."""
+    options: dict = field(default_factory=dict)
+    """Constructor extras, e.g. ``{"drop_path_rate": 0.1}`` for the ViTs."""
+
+    def __post_init__(self):
+        from .models import ALIASES, BACKBONES
+        if ALIASES.get(self.name, self.name) not in BACKBONES:
+            raise ConfigError(f"ds_pfc.backbone.name must be one of {list(BACKBONES)} or {list(ALIASES)}, "
+                              f"got {self.name!r}")
+        _number(self.width, "ds_pfc.backbone.width", low=0, low_open=True)
+        _number(self.dropout, "ds_pfc.backbone.dropout", low=0, high=1)
+
+    def build(self, embedding_size: int):
+        from .models import build_backbone
+        try:
+            return build_backbone(self.name, embedding_size=embedding_size, width=self.width, dropout=self.dropout,
+                                  **self.options)
+        except TypeError as err:
+            raise ConfigError(f"ds_pfc.backbone.options: {err}") from None
+
+
+@dataclass(kw_only=True)
+class SyntheticDataConfig:
+    """The built-in procedural identity set (``ds_pfc.data.SyntheticFaces``)."""
+
+    identities: int | None = None
+    """Training identities (default and only allowed value: head.num_classes)."""
+    images_per_identity: int = 16
+    """Images of each training identity per epoch."""
+    held_out_identities: int = 200
+    """Further identities never trained on; verification pairs are drawn from them."""
+    image_size: int = 112
+    """Side of the square images."""
+    seed: int = 0
+    """Defines the identities' looks."""
+
+    def __post_init__(self):
+        for key in ("identities", "images_per_identity", "held_out_identities", "image_size"):
+            if getattr(self, key) is not None:
+                _positive_int(getattr(self, key), f"ds_pfc.data.synthetic.{key}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Training data, sampling and augmentation."""
+
+    source: str = "synthetic"
+    """synthetic, recordio (insightface ``train.rec`` + ``train.idx``) or hf (a ``datasets``
+    ``save_to_disk`` directory, parquet files or an image folder)."""
+    path: str | None = None
+    """recordio: the ``.rec`` file (``.idx`` beside it); hf: the dataset directory/files."""
+    split: str = "train"
+    """hf: the split to train on."""
+    image_column: str | None = None
+    """hf: image column (default: the only image/bytes column)."""
+    label_column: str | None = None
+    """hf: label column (default: the only integer column)."""
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    flip: bool = True
+    """Random horizontal flip (a pure function of seed, epoch and sample index)."""
+    shuffle: bool = True
+    """Reshuffle every epoch (a pure function of seed and epoch)."""
+    seed: int = 0
+    """Seeds shuffling and augmentation."""
+    prefetch_batches: int = 2
+    """Micro batches prepared ahead by a background thread (0: none)."""
+
+    def __post_init__(self):
+        if self.source not in ("synthetic", "recordio", "hf"):
+            raise ConfigError(f"ds_pfc.data.source must be synthetic, recordio or hf, got {self.source!r}")
+        if self.source != "synthetic" and not self.path:
+            raise ConfigError(f"ds_pfc.data.path is required for source {self.source!r}")
+        if not isinstance(self.prefetch_batches, int) or self.prefetch_batches < 0:
+            raise ConfigError(f"ds_pfc.data.prefetch_batches must be an integer >= 0, got {self.prefetch_batches!r}")
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """A learning-rate schedule DeepSpeed does not offer, stepped per optimizer step.
+    The peak learning rate is the DeepSpeed optimizer's ``lr``. Leave this out to use
+    DeepSpeed's own ``scheduler`` block (or a constant learning rate)."""
+
+    type: str = "poly"
+    """poly: linear warm-up, then ``lr (1 - t/T)^power``; step: warm-up, then
+    ``lr * gamma^k`` after the k-th milestone."""
+    warmup_epochs: float = 0.0
+    """Linear warm-up from 0 over this many epochs."""
+    power: float = 2.0
+    """poly: decay exponent."""
+    milestones: list = field(default_factory=list)
+    """step: epochs at which the learning rate is multiplied by ``gamma``."""
+    gamma: float = 0.1
+    """step: decay factor."""
+
+    def __post_init__(self):
+        if self.type not in ("poly", "step"):
+            raise ConfigError(f"ds_pfc.train.schedule.type must be poly or step, got {self.type!r}")
+        _number(self.warmup_epochs, "ds_pfc.train.schedule.warmup_epochs", low=0)
+        _number(self.power, "ds_pfc.train.schedule.power", low=0)
+        _number(self.gamma, "ds_pfc.train.schedule.gamma", low=0)
+        for m in self.milestones:
+            _number(m, "ds_pfc.train.schedule.milestones[]", low=0)
+        if list(self.milestones) != sorted(self.milestones):
+            raise ConfigError(f"ds_pfc.train.schedule.milestones must be increasing, got {self.milestones}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Length of training, schedule, logging and the output directory."""
+
+    epochs: float = 1.0
+    """Passes over the training set (fractions allowed)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides ``epochs`` when smaller)."""
+    schedule: ScheduleConfig | None = None
+    """ds_pfc's learning-rate schedule (None: DeepSpeed's ``scheduler`` block, if any)."""
+    seed: int = 0
+    """Seeds the backbone's initialisation."""
+    log_every: int = 50
+    """Optimizer steps between log lines."""
+    output_dir: str = "runs/default"
+    """Checkpoints, exports and logs go here (relative to the working directory)."""
+
+    def __post_init__(self):
+        _number(self.epochs, "ds_pfc.train.epochs", low=0, low_open=True)
+        if self.max_steps is not None:
+            _positive_int(self.max_steps, "ds_pfc.train.max_steps")
+        _positive_int(self.log_every, "ds_pfc.train.log_every")
+
+
+@dataclass(kw_only=True)
+class EvaluationConfig:
+    """1:1 verification during and after training."""
+
+    every_steps: int = 0
+    """Optimizer steps between evaluations (0: only at the end)."""
+    bins: list = field(default_factory=list)
+    """insightface ``.bin`` pair sets (lfw.bin, cfp_fp.bin, agedb_30.bin, ...)."""
+    synthetic_pairs: int = 1000
+    """synthetic data: pairs drawn from the held-out identities (0: none)."""
+    batch_size: int = 64
+    """Images per forward pass."""
+    flip: bool = True
+    """Flip test-time augmentation."""
+    far: list = field(default_factory=lambda: [1e-4, 1e-6])
+    """False accept rates at which TAR is reported."""
+
+    def __post_init__(self):
+        if not isinstance(self.every_steps, int) or self.every_steps < 0:
+            raise ConfigError(f"ds_pfc.evaluation.every_steps must be an integer >= 0, got {self.every_steps!r}")
+        if not isinstance(self.synthetic_pairs, int) or self.synthetic_pairs < 0:
+            raise ConfigError(f"ds_pfc.evaluation.synthetic_pairs must be an integer >= 0, "
+                              f"got {self.synthetic_pairs!r}")
+        _positive_int(self.batch_size, "ds_pfc.evaluation.batch_size")
+        for b in self.bins:
+            if not isinstance(b, str):
+                raise ConfigError(f"ds_pfc.evaluation.bins must list file paths, got {b!r}")
+        for f in self.far:
+            _number(f, "ds_pfc.evaluation.far[]", low=0, high=1, low_open=True)
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoints (engine + head shards + data/RNG state in one tag directory) and the
+    final export."""
+
+    every_steps: int = 0
+    """Optimizer steps between checkpoints (0: only at the end)."""
+    keep: int = 2
+    """Complete checkpoints to keep (older ones are deleted; 0 keeps all)."""
+    resume: bool = True
+    """Continue from the latest complete checkpoint in ``output_dir`` if there is one."""
+    export: bool = True
+    """Write ``export/model.safetensors`` (backbone + merged classifier) at the end."""
+
+    def __post_init__(self):
+        for key in ("every_steps", "keep"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"ds_pfc.checkpoint.{key} must be an integer >= 0, got {value!r}")
+
+
+@dataclass(kw_only=True)
 class DsPfcConfig:
-    """The ``ds_pfc`` block. Further sections (data, backbone, evaluation,
-    checkpointing) are added as the training app grows."""
+    """The ``ds_pfc`` block."""
 
     head: HeadConfig
     """The identity head."""
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        synthetic = self.data.synthetic
+        if synthetic.identities is None:
+            synthetic.identities = self.head.num_classes
+        if self.data.source == "synthetic" and synthetic.identities != self.head.num_classes:
+            raise ConfigError(f"ds_pfc.head.num_classes ({self.head.num_classes}) must equal "
+                              f"ds_pfc.data.synthetic.identities ({self.data.synthetic.identities})")
+
+
+def _positive_int(value, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where} must be a positive integer, got {value!r}")
 
 
 def _field_types(cls) -> dict[str, typing.Any]:
@@ -259,8 +470,9 @@ def from_dict(cls, data, where: str = "ds_pfc"):
     kwargs = {}
     for name, value in data.items():
         hint = types[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = from_dict(hint, value, f"{where}.{name}")
+        inner = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(hint) or (inner and value is not None):
+            kwargs[name] = from_dict(hint if dataclasses.is_dataclass(hint) else inner[0], value, f"{where}.{name}")
         else:
             kwargs[name] = _check_type(value, hint, f"{where}.{name}")
     try:

@@ -300,13 +300,23 @@ class PartialFC(nn.Module):
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
-    def step(self, lr: float) -> int:
+    def step(self, lr: float, *, grad_scale: float = 1.0) -> int:
         """Apply the row optimizer to the union of the rows activated since the last
         step, with the gradients accumulated over those forward/backward passes.
+
+        ``grad_scale``: the factor the loss was multiplied by before ``backward``
+        (an fp16 loss scale); the gradients are divided by it before the update.
         Returns the number of rows updated."""
         self._check_open()
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
             raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+        if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or \
+                not math.isfinite(grad_scale) or grad_scale <= 0:
+            raise ValueError(f"grad_scale must be a finite number > 0, got {grad_scale!r}")
+        if grad_scale != 1.0:
+            for _, c, _ in self._pending:
+                if c.grad is not None:
+                    c.grad.div_(grad_scale)
         if self._stager is not None:
             return self._step_slots(float(lr))
         pending = [(rows, c.grad, c) for rows, c, _ in self._pending if c.grad is not None]

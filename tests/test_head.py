@@ -464,3 +464,33 @@ def test_float32_head_close_to_float64_reference():
     logits = (SCALE * cos).index_put((torch.arange(N), tc), SCALE * (cos[torch.arange(N), tc] - 0.35))
     ref = (torch.logsumexp(logits, 1) - logits[torch.arange(N), tc]).mean()
     torch.testing.assert_close(head(x, y).detach().double(), ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_grad_scale_unscales_a_scaled_loss(opt):
+    """fp16 training multiplies the loss by a loss scale; step(grad_scale=) must undo it:
+    a head trained on 1024 x loss with grad_scale=1024 tracks torch.optim on the loss."""
+    gen = torch.Generator().manual_seed(3)
+    head = make_head(sample_rate=1.0, **OPTS[opt][0])
+    ref_w = head.centers().clone().requires_grad_(True)
+    ref_opt = OPTS[opt][1](ref_w, 0.1)
+    for _ in range(3):
+        x, y = batch(gen)
+        (1024.0 * head(x, y)).backward()
+        head.step(0.1, grad_scale=1024.0)
+        ref_opt.zero_grad()
+        ref_loss(x, ref_w, y).backward()
+        ref_opt.step()
+    torch.testing.assert_close(head.centers(), ref_w.detach(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan"), True])
+def test_bad_grad_scale_raises_and_changes_nothing(scale):
+    head, twin = _pending_head()
+    before = snapshot(head)
+    with pytest.raises(ValueError, match="grad_scale"):
+        head.step(0.1, grad_scale=scale)
+    assert_same_snapshot(before, snapshot(head))
+    head.step(0.1)
+    twin.step(0.1)
+    assert_same_snapshot(snapshot(head), snapshot(twin))
