@@ -1,0 +1,142 @@
+"""Micro batches for one rank, prepared ahead by a background thread.
+
+The loader walks a :class:`~ds_pfc.data.sampler.DistributedIdentitySampler` from its
+current position in micro batches of ``block_size`` samples, fetches them (a
+dataset's batched ``get_batch(indices)`` when it has one, else ``dataset[i]`` per
+item with decoding of encoded images), flips and normalises, and hands out
+``(images float32 [m, 3, H, W] in [-1, 1], labels int64 [m])``. The flip of sample
+``i`` in epoch ``e`` is a pure function of ``(seed, e, i)``, like the order itself,
+so a resumed or re-sharded run sees exactly the same inputs.
+
+The training loop tells the sampler what it consumed (``sampler.advance``); the
+loader only reads ahead, so its look-ahead never counts as trained.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+import torch
+
+from .sampler import DistributedIdentitySampler, epoch_seed
+from .transforms import decode_image, normalize
+
+__all__ = ["MicroBatchLoader", "flip_mask"]
+
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)   # as a signed int64
+
+
+def flip_mask(indices: torch.Tensor, seed: int, epoch: int) -> torch.Tensor:
+    """bool ``[len(indices)]``: whether sample ``i`` is flipped in ``epoch`` (a
+    splitmix64-style hash of ``(seed, epoch, i)``, about half of them)."""
+    z = indices.to(torch.int64) * _MIX + (epoch_seed(seed, epoch) - (1 << 62))
+    z = (z ^ (z >> 31)) * (0xBF58476D1CE4E5B9 - (1 << 64))
+    z = z ^ (z >> 29)
+    return (z & (1 << 20)) != 0
+
+
+def _fetch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    get_batch = getattr(dataset, "get_batch", None)
+    if get_batch is not None:
+        return get_batch(indices)
+    images, labels = [], []
+    for i in indices.tolist():
+        image, label = dataset[i]
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            image = decode_image(image)
+        images.append(torch.as_tensor(image))
+        labels.append(int(label))
+    shapes = {tuple(t.shape) for t in images}
+    if len(shapes) > 1:
+        raise ValueError(f"images of one batch differ in shape {sorted(shapes)}; the data must be aligned "
+                         "faces of one size (insightface: 112x112)")
+    return torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+
+
+class MicroBatchLoader:
+    """Iterate the rest of the sampler's current epoch in micro batches.
+
+    Args:
+        dataset: items ``(image, label)``; image uint8/float ``[3, H, W]`` in pixel
+            units or encoded bytes; or a ``get_batch(indices) -> (uint8 [m, 3, H, W],
+            int64 [m])`` method.
+        sampler: this rank's sampler; its ``block_size`` is the micro batch.
+        flip: random horizontal flip (see :func:`flip_mask`).
+        prefetch: micro batches prepared ahead in a background thread (0: inline).
+        device, dtype: where and as what the images are delivered (labels stay
+            int64 on ``device``). CUDA copies go through pinned memory, non-blocking.
+    """
+
+    def __init__(self, dataset, sampler: DistributedIdentitySampler, *, flip: bool = True, seed: int = 0,
+                 prefetch: int = 2, device=None, dtype: torch.dtype = torch.float32):
+        if not isinstance(sampler, DistributedIdentitySampler):
+            raise TypeError(f"sampler must be a DistributedIdentitySampler, got {type(sampler).__name__}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        self.dataset, self.sampler = dataset, sampler
+        self.flip, self.seed, self.prefetch = bool(flip), seed, prefetch
+        self.device = torch.device("cpu" if device is None else device)
+        self.dtype = dtype
+        self.micro_batch = sampler.block_size
+
+    def __len__(self) -> int:
+        """Micro batches left in the sampler's current epoch."""
+        return len(self.sampler) // self.micro_batch
+
+    def _batches(self, epoch: int, order: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        m = self.micro_batch
+        for start in range(0, len(order) - m + 1, m):
+            idx = order[start:start + m]
+            images, labels = _fetch(self.dataset, idx)
+            if self.flip:
+                mask = flip_mask(idx, self.seed, epoch).view(-1, 1, 1, 1)
+                images = torch.where(mask, images.flip(-1), images)
+            images = normalize(images)
+            if self.device.type == "cuda":
+                images, labels = images.pin_memory(), labels.pin_memory()
+            yield (images.to(self.device, self.dtype, non_blocking=True),
+                   labels.to(self.device, non_blocking=True))
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        epoch = self.sampler.epoch
+        order = self.sampler.shard()[self.sampler.consumed:]
+        batches = self._batches(epoch, order)
+        if self.prefetch == 0:
+            yield from batches
+            return
+        out: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        done = object()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def work():
+            try:
+                for item in batches:
+                    if not put(item):
+                        return
+                put(done)
+            except BaseException as err:     # re-raised in the consumer
+                put(err)
+
+        thread = threading.Thread(target=work, name="ds_pfc-loader", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = out.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            thread.join()

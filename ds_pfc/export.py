@@ -1,0 +1,165 @@
+"""Exports of a training checkpoint: one safetensors file with the backbone and the
+merged classifier(s), and the backbone as ONNX.
+
+A checkpoint tag directory (see :class:`~ds_pfc.deepspeed_plugin.PfcEngine`) holds
+DeepSpeed's engine files and per-rank head shards. The backbone's float32 weights
+come from DeepSpeed's ``zero_to_fp32`` reconstruction for ZeRO stages 1 to 3 (the
+master weights live partitioned in the optimizer states) and from the module states
+file for stage 0; the classifier from :func:`ds_pfc.checkpoint.merge_shards`.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+from . import checkpoint as ckpt
+from .deepspeed_plugin import COMPLETE_MARKER
+
+__all__ = ["backbone_state_dict", "export_checkpoint", "export_onnx", "resolve_tag", "EXPORT_FORMAT"]
+
+EXPORT_FORMAT = "ds_pfc.model/1"
+
+
+def resolve_tag(checkpoint_dir: str, tag: str | None = None) -> str:
+    """``checkpoint_dir/tag`` (default: the tag ``latest`` names), checked complete."""
+    if tag is None:
+        latest = os.path.join(checkpoint_dir, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"{checkpoint_dir} has no 'latest' file; pass the tag explicitly")
+        with open(latest) as f:
+            tag = f.read().strip()
+    tag_dir = os.path.join(checkpoint_dir, tag)
+    if not os.path.isfile(os.path.join(tag_dir, COMPLETE_MARKER)):
+        raise FileNotFoundError(f"{tag_dir} is not a complete ds_pfc checkpoint (no {COMPLETE_MARKER})")
+    return tag_dir
+
+
+def backbone_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
+    """The engine module's weights in float32 (buffers as saved)."""
+    model_files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    if not model_files:
+        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed module states (mp_rank_*_model_states.pt)")
+    if glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(os.path.abspath(tag_dir)),
+                                                         os.path.basename(os.path.normpath(tag_dir)))
+    else:
+        state = torch.load(model_files[0], map_location="cpu", weights_only=False)["module"]
+    return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+
+
+def export_checkpoint(tag_dir: str, out_path: str, *, config: dict | None = None) -> str:
+    """Write ``out_path`` (safetensors): ``backbone.<name>`` float32 weights and, per
+    head, ``heads.<head>.weight [C, d]`` (classes in global id order), with metadata
+    (format, heads, num_classes, embedding size, the job's ds_pfc config if given).
+    Atomic. Returns ``out_path``."""
+    with open(os.path.join(tag_dir, COMPLETE_MARKER)) as f:
+        marker = json.load(f)
+    tensors = {f"backbone.{k}": v for k, v in backbone_state_dict(tag_dir).items()}
+    metadata = {"format": EXPORT_FORMAT, "heads": json.dumps(marker["heads"]),
+                "global_steps": str(marker["global_steps"]), "source_world_size": str(marker["world_size"])}
+    for name in marker["heads"]:
+        merged, meta = ckpt.merge_shards(tag_dir, name=name)
+        tensors[f"heads.{name}.weight"] = merged["weight"].float().contiguous()
+        metadata[f"heads.{name}.num_classes"] = str(meta["num_classes"])
+        metadata[f"heads.{name}.embedding_size"] = str(meta["embedding_size"])
+    if config is not None:
+        metadata["config"] = json.dumps(config)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    return ckpt._atomic_save(tensors, out_path, metadata)
+
+
+def export_onnx(backbone: torch.nn.Module, out_path: str, *, image_size: int = 112, opset: int = 17) -> str:
+    """Export ``backbone`` (eval mode, float32, CPU) to ONNX with a dynamic batch axis:
+    input ``images [B, 3, H, W]`` (normalised to [-1, 1]), output ``embeddings [B, d]``.
+    Needs the ``onnx`` package (``pip install ds_pfc[onnx]``)."""
+    try:
+        import onnx  # noqa: F401  (the exporter needs it)
+    except ImportError:
+        raise RuntimeError("ONNX export needs the 'onnx' package: pip install onnx") from None
+    import warnings
+    was_training = backbone.training
+    backbone = backbone.float().cpu().eval()
+    example = torch.zeros(2, 3, image_size, image_size)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(backbone, (example,), out_path, dynamo=False, opset_version=opset,
+                              input_names=["images"], output_names=["embeddings"],
+                              dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}})
+    finally:
+        backbone.train(was_training)
+    return out_path
+
+
+def read_marker(tag_dir: str) -> dict:
+    with open(os.path.join(tag_dir, COMPLETE_MARKER)) as f:
+        return json.load(f)
+
+
+def load_backbone(path: str, tag: str | None = None):
+    """``(backbone, config)`` from an export (``.safetensors``) or a checkpoint
+    directory (its ``latest`` tag unless ``tag``); the backbone is rebuilt from the
+    job config stored with it and holds the trained float32 weights, in eval mode."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from .config import split_config
+    if os.path.isfile(path):
+        with safe_open(path, "pt") as f:
+            metadata = f.metadata() or {}
+        if metadata.get("format") != EXPORT_FORMAT or "config" not in metadata:
+            raise ValueError(f"{path} is not a ds_pfc model export (format {metadata.get('format')!r})")
+        config = json.loads(metadata["config"])
+        state = {k[len("backbone."):]: v for k, v in load_file(path).items() if k.startswith("backbone.")}
+    else:
+        tag_dir = resolve_tag(path, tag)
+        config = read_marker(tag_dir).get("metadata", {}).get("config")
+        if config is None:
+            raise ValueError(f"{tag_dir} does not record its job config; export it with the training app")
+        state = backbone_state_dict(tag_dir)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, cfg = split_config(config)
+    backbone = cfg.backbone.build(cfg.head.embedding_size)
+    backbone.load_state_dict(state)
+    return backbone.eval(), config
+
+
+def reshard_checkpoint(tag_dir: str, out_dir: str, world_size: int) -> str:
+    """Copy checkpoint ``tag_dir`` to ``out_dir/<tag>`` for ``world_size`` ranks: head
+    shards resharded exactly (:func:`ds_pfc.checkpoint.reshard`), DeepSpeed's files
+    copied (ZeRO stage 0 module/optimizer states load at any world size; ZeRO 1-3
+    optimizer partitions need DeepSpeed's universal checkpoint conversion), the
+    per-rank data state rewritten for the new ranks (the sampler position is global;
+    RNG states are dropped). Writes ``out_dir/latest``. Returns the new tag dir."""
+    import shutil
+
+    from .deepspeed_plugin import _atomic_torch_save, _atomic_write, _rank_file
+    marker = read_marker(tag_dir)
+    tag = os.path.basename(os.path.normpath(tag_dir))
+    dst = os.path.join(out_dir, tag)
+    if os.path.exists(os.path.join(dst, COMPLETE_MARKER)):
+        raise FileExistsError(f"{dst} already holds a complete checkpoint")
+    os.makedirs(dst, exist_ok=True)
+    for name in marker["heads"]:
+        ckpt.reshard(tag_dir, dst, world_size, name=name)
+    shard_names = tuple(f"{name}-rank" for name in marker["heads"])
+    for entry in os.listdir(tag_dir):
+        if entry.startswith(shard_names) or entry.startswith("rank_state-") or entry == COMPLETE_MARKER:
+            continue
+        src = os.path.join(tag_dir, entry)
+        if os.path.isfile(src):
+            shutil.copy2(src, os.path.join(dst, entry))
+    state = torch.load(os.path.join(tag_dir, _rank_file(0, marker["world_size"])), map_location="cpu",
+                       weights_only=False)
+    for rank in range(world_size):
+        _atomic_torch_save(dict(state, rng=None, rank=rank, world_size=world_size),
+                           os.path.join(dst, _rank_file(rank, world_size)))
+    _atomic_write(os.path.join(dst, COMPLETE_MARKER), json.dumps(dict(marker, world_size=world_size)).encode())
+    _atomic_write(os.path.join(out_dir, "latest"), tag.encode())
+    return dst

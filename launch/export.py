@@ -1,0 +1,60 @@
+"""Export or reshard a ds_pfc training checkpoint.
+
+    python launch/export.py safetensors --checkpoint runs/x/checkpoints [--tag T] --out model.safetensors
+    python launch/export.py reshard --checkpoint runs/x/checkpoints [--tag T] --world_size 5 --out runs/y/checkpoints
+    python launch/export.py onnx --model runs/x/export/model.safetensors --out backbone.onnx
+
+``safetensors``: one file with the backbone's float32 weights (``backbone.*``) and
+each head's full classifier (``heads.<name>.weight [C, d]``, classes in id order).
+``reshard``: a copy of the checkpoint for another number of ranks, exact for the
+heads (resume from it by pointing ``ds_pfc.train.output_dir`` at the parent of
+``--out``). ``onnx``: the backbone with a dynamic batch axis (needs ``onnx``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import _common  # noqa: F401  (puts the checkout on sys.path)
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("safetensors", help="backbone + merged classifier in one file")
+    s.add_argument("--checkpoint", required=True, help="the checkpoints directory (holds 'latest')")
+    s.add_argument("--tag", default=None)
+    s.add_argument("--out", required=True)
+    r = sub.add_parser("reshard", help="rewrite a checkpoint for another world size")
+    r.add_argument("--checkpoint", required=True)
+    r.add_argument("--tag", default=None)
+    r.add_argument("--world_size", type=int, required=True)
+    r.add_argument("--out", required=True, help="new checkpoints directory")
+    o = sub.add_parser("onnx", help="the backbone as ONNX")
+    o.add_argument("--model", required=True, help="an export .safetensors or a checkpoints directory")
+    o.add_argument("--tag", default=None)
+    o.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    from ds_pfc import export
+    try:
+        if args.command == "safetensors":
+            tag_dir = export.resolve_tag(args.checkpoint, args.tag)
+            out = export.export_checkpoint(tag_dir, args.out, config=export.read_marker(tag_dir)
+                                           .get("metadata", {}).get("config"))
+        elif args.command == "reshard":
+            if args.world_size < 1:
+                raise ValueError(f"--world_size must be >= 1, got {args.world_size}")
+            out = export.reshard_checkpoint(export.resolve_tag(args.checkpoint, args.tag), args.out, args.world_size)
+        else:
+            backbone, config = export.load_backbone(args.model, args.tag)
+            size = config["ds_pfc"].get("data", {}).get("synthetic", {}).get("image_size", 112)
+            out = export.export_onnx(backbone, args.out, image_size=size)
+    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as err:
+        sys.exit(f"error: {err}")
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
