@@ -428,6 +428,8 @@ class DsPfcConfig:
 
     head: HeadConfig
     """The identity head."""
+    description: str = ""
+    """Free text: what the job is, e.g. the paper setup a config reproduces."""
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

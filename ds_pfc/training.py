@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .config import ConfigError, DsPfcConfig, ScheduleConfig, split_config
 from .data.loader import MicroBatchLoader
 from .data.sampler import DistributedIdentitySampler
-from .deepspeed_plugin import PfcEngine, attach, initialize, list_checkpoints, remove_checkpoint
+from .deepspeed_plugin import PfcEngine, initialize, list_checkpoints, remove_checkpoint
 
 __all__ = ["Trainer", "load_config", "schedule_factor", "build_eval_sets", "evaluate"]
 
@@ -170,6 +170,8 @@ class Trainer:
             raise ConfigError("the config must have DeepSpeed's 'optimizer' block (the backbone's optimizer; "
                               "its lr is also the heads' base learning rate)")
 
+    rank = 0
+
     def log(self, line: str) -> None:
         if self.rank == 0:
             self._log(line)
@@ -180,6 +182,7 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         cfg = self.cfg
+        self.dataset = build_train_set(cfg)      # bad data paths fail before any process group exists
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(get_accelerator().current_device_name())
@@ -188,7 +191,6 @@ class Trainer:
         self.output_dir = cfg.train.output_dir
         self.checkpoint_dir = os.path.join(self.output_dir, "checkpoints")
 
-        self.dataset = build_train_set(cfg)
         self.sampler = DistributedIdentitySampler(len(self.dataset), rank=self.rank, world_size=self.world_size,
                                                   seed=cfg.data.seed, shuffle=cfg.data.shuffle, drop_last=True,
                                                   block_size=self.micro)
@@ -204,7 +206,6 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         backbone = cfg.backbone.build(cfg.head.embedding_size)
         head = cfg.head.build(group=None, device=self.device)
-        attach(backbone, "head", head, lr_ratio=cfg.head.optimizer.lr_ratio)
         scheduler = None
         if cfg.train.schedule is not None:
             factor = schedule_factor(cfg.train.schedule, self.steps_per_epoch, self.total_steps)
@@ -215,7 +216,8 @@ class Trainer:
         monitor = ds_config.get("csv_monitor")
         if isinstance(monitor, dict) and monitor.get("enabled") and "output_path" not in monitor:
             ds_config["csv_monitor"] = dict(monitor, output_path=os.path.join(self.output_dir, "monitor"))
-        self.engine: PfcEngine = initialize(model=backbone, config=ds_config, lr_scheduler=scheduler)
+        self.engine: PfcEngine = initialize(model=backbone, config=ds_config, lr_scheduler=scheduler,
+                                            heads={"head": (head, cfg.head.optimizer.lr_ratio)})
         self.head = head
         self.eval_sets = build_eval_sets(cfg)
         params = sum(p.numel() for p in backbone.parameters())
@@ -259,15 +261,22 @@ class Trainer:
 
     # -- loop -------------------------------------------------------------------------
     def _batches(self):
-        """Endless micro batches across epochs, advancing the sampler as they are used."""
+        """Endless micro batches across epochs. An epoch is a whole number of optimizer
+        steps: the micro batches left over at its end (fewer than one step's worth) are
+        skipped, so the next epoch starts at the same step on any number of ranks."""
+        per_step = self.micro * self.gas
         while True:
-            if len(self.sampler) < self.micro:
+            if len(self.sampler) < per_step:
                 self.sampler.set_epoch(self.sampler.epoch + 1)
-            loader = MicroBatchLoader(self.dataset, self.sampler, flip=self.cfg.data.flip, seed=self.cfg.data.seed,
-                                      prefetch=self.cfg.data.prefetch_batches, device=self.device,
-                                      dtype=self.engine.dtype)
-            for batch in loader:
-                yield batch
+            count = len(self.sampler) // per_step * self.gas
+            loader = iter(MicroBatchLoader(self.dataset, self.sampler, flip=self.cfg.data.flip,
+                                           seed=self.cfg.data.seed, prefetch=self.cfg.data.prefetch_batches,
+                                           device=self.device, dtype=self.engine.dtype))
+            try:
+                for _ in range(count):
+                    yield next(loader)
+            finally:
+                loader.close()
 
     def run_evaluation(self) -> dict:
         if not self.eval_sets:

@@ -7,7 +7,8 @@ Decoding: no image decoder is installed with this package (no torchvision, no
 Pillow, and torch itself ships none), so :func:`decode_image` calls a pluggable
 decoder: the one passed in, else the one set with :func:`set_image_decoder`, else
 ``torchvision.io.decode_image`` if torchvision happens to be importable (that path
-is not exercised by the tests here), else it raises ``RuntimeError``.
+is not exercised by the tests here), else Pillow if importable, else it raises
+``RuntimeError``.
 """
 from __future__ import annotations
 
@@ -71,8 +72,7 @@ def decode_image(data: bytes, decoder: Decoder | None = None) -> torch.Tensor:
         try:
             from torchvision.io import ImageReadMode, decode_image as tv_decode
         except ImportError:
-            raise RuntimeError("no image decoder: this environment has neither torchvision nor Pillow; pass "
-                               "decoder= or call ds_pfc.data.transforms.set_image_decoder(fn)") from None
+            return _pillow_decode(bytes(data))
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return tv_decode(buf, mode=ImageReadMode.RGB)
     out = fn(bytes(data))
@@ -80,3 +80,17 @@ def decode_image(data: bytes, decoder: Decoder | None = None) -> torch.Tensor:
         got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"decoder must return a uint8 [3, H, W] tensor, got {got}")
     return out
+
+
+def _pillow_decode(data: bytes) -> torch.Tensor:
+    try:
+        import io
+
+        from PIL import Image
+    except ImportError:
+        raise RuntimeError("no image decoder: this environment has neither torchvision nor Pillow; install one, "
+                           "pass decoder= or call ds_pfc.data.transforms.set_image_decoder(fn)") from None
+    with Image.open(io.BytesIO(data)) as image:
+        rgb = image.convert("RGB")
+        out = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+        return out.view(rgb.height, rgb.width, 3).permute(2, 0, 1).contiguous()

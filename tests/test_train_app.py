@@ -1,0 +1,262 @@
+"""The training app end to end on CPU: ``deepspeed`` launcher with 2 ranks, 1-rank vs
+2-rank loss parity (golden per-step losses stored in ``golden/train_losses.json``),
+exact resume, resume on another world size, export / reshard / ONNX / eval scripts,
+and bad configs.
+
+Parity holds because the sampler shards the epoch in micro-batch blocks: one rank
+accumulating 2 micro batches sees exactly the batches 2 ranks see in one step
+(BatchNorm statistics included), epochs end on whole steps, and ``sample_rate=1``
+makes the head exact.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "train_losses.json")
+STEPS = 6
+
+TINY = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
+    "steps_per_print": 10 ** 9,
+    "optimizer": {"type": "SGD", "params": {"lr": 0.02, "momentum": 0.9, "weight_decay": 5e-4}},
+    "zero_optimization": {"stage": 0},
+    "csv_monitor": {"enabled": True, "job_name": "train"},
+    "ds_pfc": {
+        "head": {"num_classes": 24, "embedding_size": 32, "sample_rate": 1.0,
+                 "margin": {"type": "cosface", "scale": 16.0, "margin": 0.2}},
+        # A ViT (LayerNorm) at this size is numerically well conditioned; a narrow CNN with
+        # BatchNorm over 8 images amplifies float rounding so much that two correct runs
+        # (e.g. on 1 and 2 threads) part after a few steps.
+        "backbone": {"name": "vit_t", "width": 0.25},
+        "data": {"synthetic": {"images_per_identity": 3, "held_out_identities": 10}, "prefetch_batches": 2},
+        "train": {"epochs": 10, "max_steps": STEPS, "log_every": 1,
+                  "schedule": {"type": "poly", "warmup_epochs": 0.5, "power": 2.0}},
+        "evaluation": {"synthetic_pairs": 40, "batch_size": 16},
+        "checkpoint": {"every_steps": 2, "keep": 0},
+    },
+}
+
+
+def _config(tmp_path, name, **ds):
+    config = copy.deepcopy(TINY)
+    config.update(ds)
+    path = os.path.join(tmp_path, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
+    return env
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(args, ranks=1, timeout=600):
+    script = os.path.join(ROOT, "launch", "train.py")
+    if ranks == 1:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(ranks), "--master_port", str(_free_port()),
+               script, *args]
+    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def _summary(out_dir):
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """6 steps on 2 ranks through the deepspeed launcher, checkpoints every 2 steps."""
+    tmp = str(tmp_path_factory.mktemp("two_rank"))
+    out = os.path.join(tmp, "run")
+    stdout = _run(["--deepspeed_config", _config(tmp, "two"), "--output_dir", out], ranks=2)
+    return out, stdout
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory):
+    """The same global batches on 1 rank accumulating 2 micro batches."""
+    tmp = str(tmp_path_factory.mktemp("one_rank"))
+    out = os.path.join(tmp, "run")
+    _run(["--deepspeed_config", _config(tmp, "one", gradient_accumulation_steps=2), "--output_dir", out])
+    return out
+
+
+def test_two_rank_launcher_run_trains_checkpoints_and_exports(two_rank_run):
+    out, stdout = two_rank_run
+    summary = _summary(out)
+    assert summary["steps"] == STEPS and not summary["resumed"]
+    assert "samples/s" in stdout and "eta" in stdout and "eval step 6" in stdout
+    tag_dir = summary["checkpoint"]
+    files = os.listdir(tag_dir)
+    assert {"head-rank00000-of-00002.safetensors", "head-rank00001-of-00002.safetensors",
+            "rank_state-00000-of-00002.pt", "rank_state-00001-of-00002.pt", "ds_pfc_complete.json",
+            "mp_rank_00_model_states.pt"} <= set(files)
+    with open(os.path.join(out, "checkpoints", "latest")) as f:
+        assert f.read() == os.path.basename(tag_dir)
+    assert sorted(os.listdir(os.path.join(out, "checkpoints")))[:3] == ["latest", "step00000002", "step00000004"]
+    # the csv monitor wrote the loss and lr series
+    monitor = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(out, "monitor")) for f in fs]
+    assert any(f.endswith(".csv") for f in monitor)
+    acc = summary["evaluations"][str(STEPS)]["synthetic_held_out"]["accuracy"]
+    assert 0.0 <= acc <= 1.0
+
+
+def test_one_rank_matches_two_ranks_and_the_golden_losses(two_rank_run, one_rank_run):
+    two = _summary(two_rank_run[0])["losses"]
+    one = _summary(one_rank_run)["losses"]
+    assert len(one) == len(two) == STEPS
+    torch.testing.assert_close(torch.tensor(one), torch.tensor(two), rtol=1e-4, atol=1e-5)
+    assert one[-1] < one[0]      # it learns
+    with open(GOLDEN) as f:
+        golden = json.load(f)["losses"]
+    # Stored from a run of this config; kernels may differ slightly between CPUs.
+    torch.testing.assert_close(torch.tensor(one), torch.tensor(golden), rtol=2e-3, atol=1e-3)
+
+
+def test_resume_continues_the_loss_curve_exactly(one_rank_run, tmp_path):
+    out = os.path.join(tmp_path, "run")
+    config = _config(tmp_path, "one", gradient_accumulation_steps=2)
+    _run(["--deepspeed_config", config, "--output_dir", out, "--max_steps", "3"])
+    first = _summary(out)["losses"]
+    _run(["--deepspeed_config", config, "--output_dir", out])
+    resumed = _summary(out)
+    assert resumed["resumed"] and len(resumed["losses"]) == STEPS - 3
+    assert first + resumed["losses"] == _summary(one_rank_run)["losses"][:3] + resumed["losses"]
+    assert resumed["losses"] == _summary(one_rank_run)["losses"][3:]     # bitwise
+
+
+def test_resume_on_another_world_size(two_rank_run, tmp_path):
+    """The 2-rank checkpoint of step 2, resumed on 1 rank (accumulating 2): the curve
+    continues as the 2-rank run's did."""
+    src = os.path.join(two_rank_run[0], "checkpoints")
+    dst = os.path.join(tmp_path, "run", "checkpoints")
+    shutil.copytree(os.path.join(src, "step00000002"), os.path.join(dst, "step00000002"))
+    with open(os.path.join(dst, "latest"), "w") as f:
+        f.write("step00000002")
+    config = _config(tmp_path, "one", gradient_accumulation_steps=2)
+    _run(["--deepspeed_config", config, "--output_dir", os.path.join(tmp_path, "run")])
+    resumed = _summary(os.path.join(tmp_path, "run"))
+    assert resumed["resumed"]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(_summary(two_rank_run[0])["losses"][2:]),
+                               rtol=1e-4, atol=1e-5)
+
+
+def _script(name, *args):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", name), *args], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    return proc
+
+
+def test_export_reshard_round_trip_onnx_and_eval(two_rank_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from ds_pfc.checkpoint import merge_shards
+    out = two_rank_run[0]
+    ckpt_dir = os.path.join(out, "checkpoints")
+    tag = "step00000006"
+    original, _ = merge_shards(os.path.join(ckpt_dir, tag))
+
+    # 2 -> 3 -> 2 -> 5 -> 2 ranks: exact
+    src = ckpt_dir
+    for world in (3, 2, 5, 2):
+        dst = os.path.join(tmp_path, f"w{world}_{len(os.listdir(tmp_path))}")
+        proc = _script("export.py", "reshard", "--checkpoint", src, "--world_size", str(world), "--out", dst)
+        assert proc.returncode == 0, proc.stderr
+        shards = [f for f in os.listdir(os.path.join(dst, tag)) if f.startswith("head-rank")]
+        assert len(shards) == world
+        merged, meta = merge_shards(os.path.join(dst, tag))
+        assert meta["world_size"] == world
+        for k in original:
+            assert torch.equal(merged[k], original[k]), (world, k)
+        src = dst
+    final = load_file(os.path.join(src, tag, "head-rank00001-of-00002.safetensors"))
+    first = load_file(os.path.join(ckpt_dir, tag, "head-rank00001-of-00002.safetensors"))
+    assert final.keys() == first.keys() and all(torch.equal(final[k], first[k]) for k in first)
+
+    # safetensors export: backbone + full classifier
+    export = os.path.join(tmp_path, "model.safetensors")
+    proc = _script("export.py", "safetensors", "--checkpoint", ckpt_dir, "--out", export)
+    assert proc.returncode == 0, proc.stderr
+    tensors = load_file(export)
+    assert torch.equal(tensors["heads.head.weight"], original["weight"].float())
+    assert tensors["heads.head.weight"].shape == (24, 32)
+    module = torch.load(os.path.join(ckpt_dir, tag, "mp_rank_00_model_states.pt"), weights_only=False)["module"]
+    assert {f"backbone.{k}" for k in module} == {k for k in tensors if k.startswith("backbone.")}
+    for k, v in module.items():
+        assert torch.equal(tensors[f"backbone.{k}"], v.float()), k
+    # the training app's own export is the same file content
+    own = load_file(_summary(out)["export"])
+    assert own.keys() == tensors.keys() and all(torch.equal(own[k], tensors[k]) for k in own)
+
+    # eval.py on the export reproduces the app's final evaluation
+    result = os.path.join(tmp_path, "eval.json")
+    proc = _script("eval.py", "--model", export, "--json", result)
+    assert proc.returncode == 0, proc.stderr
+    with open(result) as f:
+        acc = json.load(f)["synthetic_held_out"]["accuracy"]
+    assert acc == pytest.approx(_summary(out)["evaluations"][str(STEPS)]["synthetic_held_out"]["accuracy"], abs=1e-9)
+
+    # ONNX
+    onnx = pytest.importorskip("onnx")
+    path = os.path.join(tmp_path, "backbone.onnx")
+    proc = _script("export.py", "onnx", "--model", export, "--out", path)
+    assert proc.returncode == 0, proc.stderr
+    model = onnx.load(path)
+    onnx.checker.check_model(model)
+    assert [i.name for i in model.graph.input] == ["images"] and [o.name for o in model.graph.output] == ["embeddings"]
+    assert model.graph.output[0].type.tensor_type.shape.dim[1].dim_value == 32
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda c: c["ds_pfc"]["head"].update(sampel_rate=0.1), "sampel_rate"),
+    (lambda c: c["ds_pfc"].update(trian={}), "trian"),
+    (lambda c: c["ds_pfc"]["backbone"].update(name="resnet9000"), "ds_pfc.backbone.name"),
+    (lambda c: c["ds_pfc"]["data"].update(source="recordio"), "ds_pfc.data.path"),
+    (lambda c: c["ds_pfc"]["data"].update(source="recordio", path="/nonexistent/train.rec"), "does not exist"),
+    (lambda c: c.pop("optimizer"), "optimizer"),
+    (lambda c: c.update(scheduler={"type": "WarmupLR"}), "not both"),
+])
+def test_bad_configs_fail_with_a_clear_message(tmp_path, edit, needle):
+    config = copy.deepcopy(TINY)
+    edit(config)
+    path = os.path.join(tmp_path, "bad.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", path,
+                           "--output_dir", str(tmp_path)], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert needle in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_config_file(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config",
+                           str(tmp_path / "nope.json")], env=_env(), cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "config file not found" in proc.stderr and "Traceback" not in proc.stderr
