@@ -304,16 +304,21 @@ class DataConfig:
     """Reshuffle every epoch (a pure function of seed and epoch)."""
     seed: int = 0
     """Seeds shuffling and augmentation."""
+    workers: int = 1
+    """Worker processes preparing micro batches ahead (0: in the training process)."""
     prefetch_batches: int = 2
-    """Micro batches prepared ahead by a background thread (0: none)."""
+    """Micro batches each worker prepares ahead."""
 
     def __post_init__(self):
         if self.source not in ("synthetic", "recordio", "hf"):
             raise ConfigError(f"ds_pfc.data.source must be synthetic, recordio or hf, got {self.source!r}")
         if self.source != "synthetic" and not self.path:
             raise ConfigError(f"ds_pfc.data.path is required for source {self.source!r}")
-        if not isinstance(self.prefetch_batches, int) or self.prefetch_batches < 0:
-            raise ConfigError(f"ds_pfc.data.prefetch_batches must be an integer >= 0, got {self.prefetch_batches!r}")
+        if isinstance(self.prefetch_batches, bool) or not isinstance(self.prefetch_batches, int) or \
+                self.prefetch_batches < 1:
+            raise ConfigError(f"ds_pfc.data.prefetch_batches must be an integer >= 1, got {self.prefetch_batches!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+            raise ConfigError(f"ds_pfc.data.workers must be an integer >= 0, got {self.workers!r}")
 
 
 @dataclass(kw_only=True)

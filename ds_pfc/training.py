@@ -270,7 +270,8 @@ class Trainer:
                 self.sampler.set_epoch(self.sampler.epoch + 1)
             count = len(self.sampler) // per_step * self.gas
             loader = iter(MicroBatchLoader(self.dataset, self.sampler, flip=self.cfg.data.flip,
-                                           seed=self.cfg.data.seed, prefetch=self.cfg.data.prefetch_batches,
+                                           seed=self.cfg.data.seed, workers=self.cfg.data.workers,
+                                           prefetch=self.cfg.data.prefetch_batches,
                                            device=self.device, dtype=self.engine.dtype))
             try:
                 for _ in range(count):

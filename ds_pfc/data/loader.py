@@ -1,4 +1,4 @@
-"""Micro batches for one rank, prepared ahead by a background thread.
+"""Micro batches for one rank, prepared ahead by background worker processes.
 
 The loader walks a :class:`~ds_pfc.data.sampler.DistributedIdentitySampler` from its
 current position in micro batches of ``block_size`` samples, fetches them (a
@@ -13,8 +13,6 @@ loader only reads ahead, so its look-ahead never counts as trained.
 """
 from __future__ import annotations
 
-import queue
-import threading
 from typing import Iterator
 
 import torch
@@ -54,6 +52,25 @@ def _fetch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(images), torch.tensor(labels, dtype=torch.int64)
 
 
+class _MicroBatches(torch.utils.data.Dataset):
+    """Micro batch ``i`` of an epoch's order: fetched, flipped, normalised."""
+
+    def __init__(self, dataset, order: torch.Tensor, micro_batch: int, flip: bool, seed: int, epoch: int):
+        self.dataset, self.order, self.m = dataset, order, micro_batch
+        self.flip, self.seed, self.epoch = flip, seed, epoch
+
+    def __len__(self) -> int:
+        return len(self.order) // self.m
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.order[i * self.m:(i + 1) * self.m]
+        images, labels = _fetch(self.dataset, idx)
+        if self.flip:
+            mask = flip_mask(idx, self.seed, self.epoch).view(-1, 1, 1, 1)
+            images = torch.where(mask, images.flip(-1), images)
+        return normalize(images), labels
+
+
 class MicroBatchLoader:
     """Iterate the rest of the sampler's current epoch in micro batches.
 
@@ -63,19 +80,24 @@ class MicroBatchLoader:
             int64 [m])`` method.
         sampler: this rank's sampler; its ``block_size`` is the micro batch.
         flip: random horizontal flip (see :func:`flip_mask`).
-        prefetch: micro batches prepared ahead in a background thread (0: inline).
+        workers: background worker processes preparing micro batches (0: in the
+            training process, no look-ahead). Processes, not threads: decoding or
+            rendering then never competes with the training thread's intra-op
+            threads, and a worker's result does not depend on timing.
+        prefetch: micro batches each worker prepares ahead.
         device, dtype: where and as what the images are delivered (labels stay
             int64 on ``device``). CUDA copies go through pinned memory, non-blocking.
     """
 
     def __init__(self, dataset, sampler: DistributedIdentitySampler, *, flip: bool = True, seed: int = 0,
-                 prefetch: int = 2, device=None, dtype: torch.dtype = torch.float32):
+                 workers: int = 1, prefetch: int = 2, device=None, dtype: torch.dtype = torch.float32):
         if not isinstance(sampler, DistributedIdentitySampler):
             raise TypeError(f"sampler must be a DistributedIdentitySampler, got {type(sampler).__name__}")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        for name, value, low in (("workers", workers, 0), ("prefetch", prefetch, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.dataset, self.sampler = dataset, sampler
-        self.flip, self.seed, self.prefetch = bool(flip), seed, prefetch
+        self.flip, self.seed, self.workers, self.prefetch = bool(flip), seed, workers, prefetch
         self.device = torch.device("cpu" if device is None else device)
         self.dtype = dtype
         self.micro_batch = sampler.block_size
@@ -84,59 +106,18 @@ class MicroBatchLoader:
         """Micro batches left in the sampler's current epoch."""
         return len(self.sampler) // self.micro_batch
 
-    def _batches(self, epoch: int, order: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        m = self.micro_batch
-        for start in range(0, len(order) - m + 1, m):
-            idx = order[start:start + m]
-            images, labels = _fetch(self.dataset, idx)
-            if self.flip:
-                mask = flip_mask(idx, self.seed, epoch).view(-1, 1, 1, 1)
-                images = torch.where(mask, images.flip(-1), images)
-            images = normalize(images)
-            if self.device.type == "cuda":
-                images, labels = images.pin_memory(), labels.pin_memory()
-            yield (images.to(self.device, self.dtype, non_blocking=True),
-                   labels.to(self.device, non_blocking=True))
-
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        epoch = self.sampler.epoch
         order = self.sampler.shard()[self.sampler.consumed:]
-        batches = self._batches(epoch, order)
-        if self.prefetch == 0:
-            yield from batches
-            return
-        out: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-        done = object()
+        batches = _MicroBatches(self.dataset, order, self.micro_batch, self.flip, self.seed, self.sampler.epoch)
+        cuda = self.device.type == "cuda"
+        loader = torch.utils.data.DataLoader(
+            batches, batch_size=None, shuffle=False, num_workers=self.workers, pin_memory=cuda,
+            prefetch_factor=self.prefetch if self.workers else None,
+            multiprocessing_context="fork" if self.workers and "fork" in _start_methods() else None)
+        for images, labels in loader:
+            yield (images.to(self.device, self.dtype, non_blocking=cuda), labels.to(self.device, non_blocking=cuda))
 
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
 
-        def work():
-            try:
-                for item in batches:
-                    if not put(item):
-                        return
-                put(done)
-            except BaseException as err:     # re-raised in the consumer
-                put(err)
-
-        thread = threading.Thread(target=work, name="ds_pfc-loader", daemon=True)
-        thread.start()
-        try:
-            while True:
-                item = out.get()
-                if item is done:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            thread.join()
+def _start_methods() -> list[str]:
+    import multiprocessing
+    return multiprocessing.get_all_start_methods()
