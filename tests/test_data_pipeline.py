@@ -337,3 +337,42 @@ def test_block_resume_on_another_world_size_continues_the_epoch():
         DistributedIdentitySampler(n, rank=0, world_size=3, seed=9, block_size=m).load_state_dict(old[0].state_dict())
     with pytest.raises(ValueError, match="block_size"):
         DistributedIdentitySampler(n, rank=0, world_size=2, seed=9, block_size=2).load_state_dict(old[0].state_dict())
+
+
+class _TinyImages(torch.utils.data.Dataset):
+    """Item i: a uint8 [3, 4, 5] image whose pixels encode i, label i % 7."""
+
+    def __len__(self):
+        return 50
+
+    def __getitem__(self, i):
+        base = torch.arange(60, dtype=torch.int64).view(3, 4, 5)
+        return ((base + 3 * i) % 256).to(torch.uint8), i % 7
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_micro_batch_loader_matches_a_plain_reference(workers):
+    from ds_pfc.data.loader import MicroBatchLoader, flip_mask
+    ds = _TinyImages()
+    sampler = DistributedIdentitySampler(len(ds), rank=1, world_size=2, seed=4, block_size=3)
+    sampler.set_epoch(2)
+    sampler.advance(3)                     # resume after one micro batch
+    got = list(MicroBatchLoader(ds, sampler, flip=True, seed=9, workers=workers))
+    order = sampler.shard()[3:]
+    assert len(got) == len(order) // 3 == 7
+    flips = []
+    for k, (images, labels) in enumerate(got):
+        idx = order[3 * k:3 * k + 3].tolist()
+        assert labels.tolist() == [i % 7 for i in idx]
+        for j, i in enumerate(idx):
+            raw = ds[i][0].float()
+            flipped = bool(flip_mask(torch.tensor([i]), 9, 2)[0])
+            flips.append(flipped)
+            ref = (raw.flip(-1) if flipped else raw) / 127.5 - 1.0
+            torch.testing.assert_close(images[j], ref)
+    assert 0 < sum(flips) < len(flips)
+    # the flip of a sample is a function of (seed, epoch, index) only
+    idx = torch.arange(10000)
+    a = flip_mask(idx, 9, 2)
+    assert torch.equal(a, flip_mask(idx, 9, 2)) and not torch.equal(a, flip_mask(idx, 9, 3))
+    assert abs(a.float().mean().item() - 0.5) < 0.02
