@@ -104,24 +104,33 @@ def evaluate(model, sets: dict, *, batch_size: int, flip: bool, far: list, devic
     rank runs the same number of forward passes: ZeRO-3 gathers parameters
     collectively) and the embeddings are all-gathered; every rank then computes the
     same metrics. No rank ever waits for another one evaluating alone."""
+    results = {}
+    was_training = model.training
+    model.eval()
+    try:
+        for name, (images, issame) in sets.items():
+            results[name] = _evaluate_set(model, images, issame, batch_size=batch_size, flip=flip, far=far,
+                                          device=device, dtype=dtype, rank=rank, world_size=world_size, group=group)
+    finally:
+        model.train(was_training)
+    return results
+
+
+def _evaluate_set(model, images, issame, *, batch_size, flip, far, device, dtype, rank, world_size, group):
     from .data.transforms import normalize
     from .eval.verification import embed, verification_metrics
-    results = {}
-    for name, (images, issame) in sets.items():
-        total = images.shape[0]
-        per_rank = math.ceil(total / world_size)
-        index = (torch.arange(per_rank) * world_size + rank) % total
-        local = embed(lambda x: model(normalize(x).to(device, dtype)), images[index], batch_size, flip=flip)
-        if world_size > 1:
-            local = local.to(device)
-            parts = [torch.empty_like(local) for _ in range(world_size)]
-            dist.all_gather(parts, local, group=group)
-            gathered = torch.stack(parts, 1).reshape(-1, local.shape[1]).cpu()[:total]
-        else:
-            gathered = local
-        result = verification_metrics(gathered[0::2], gathered[1::2], issame, far_targets=tuple(far))
-        results[name] = result
-    return results
+    total = images.shape[0]
+    per_rank = math.ceil(total / world_size)
+    index = (torch.arange(per_rank) * world_size + rank) % total
+    local = embed(lambda x: model(normalize(x).to(device, dtype)), images[index], batch_size, flip=flip)
+    if world_size > 1:
+        local = local.to(device)
+        parts = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(parts, local, group=group)
+        gathered = torch.stack(parts, 1).reshape(-1, local.shape[1]).cpu()[:total]
+    else:
+        gathered = local
+    return verification_metrics(gathered[0::2], gathered[1::2], issame, far_targets=tuple(far))
 
 
 def _format_eval(results: dict) -> str:
@@ -206,9 +215,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         backbone = cfg.backbone.build(cfg.head.embedding_size)
         head = cfg.head.build(group=None, device=self.device)
-        scheduler = None
+        scheduler, self.schedule = None, None
         if cfg.train.schedule is not None:
-            factor = schedule_factor(cfg.train.schedule, self.steps_per_epoch, self.total_steps)
+            factor = self.schedule = schedule_factor(cfg.train.schedule, self.steps_per_epoch, self.total_steps)
 
             def scheduler(optimizer):
                 return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -238,6 +247,12 @@ class Trainer:
         if loaded is None:
             return False
         self.sampler.load_state_dict(loaded["rank_state"]["sampler"])
+        if self.schedule is not None:
+            # The saved optimizer carries the learning rate the saved run's schedule set
+            # for the next step; this run's schedule (e.g. another max_steps) decides.
+            engine = self.engine.engine
+            for group, base in zip(engine.optimizer.param_groups, engine.lr_scheduler.base_lrs):
+                group["lr"] = base * self.schedule(engine.lr_scheduler.last_epoch)
         self.log(f"resumed from {os.path.join(self.checkpoint_dir, loaded['tag'])} at step "
                  f"{self.engine.global_steps} (epoch {self.sampler.epoch}, saved on {loaded['world_size']} rank(s))")
         return True

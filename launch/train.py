@@ -38,6 +38,7 @@ def main(argv=None) -> dict:
         if args.no_resume:
             config.setdefault("ds_pfc", {}).setdefault("checkpoint", {})["resume"] = False
         trainer = Trainer(config, output_dir=args.output_dir, max_steps=args.max_steps)
+        trainer.setup()
     except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
     try:

@@ -42,7 +42,8 @@ TINY = {
         # BatchNorm over 8 images amplifies float rounding so much that two correct runs
         # (e.g. on 1 and 2 threads) part after a few steps.
         "backbone": {"name": "vit_t", "width": 0.25},
-        "data": {"synthetic": {"images_per_identity": 3, "held_out_identities": 10}, "prefetch_batches": 2},
+        "data": {"synthetic": {"images_per_identity": 3, "held_out_identities": 10}, "workers": 1,
+                 "prefetch_batches": 2},
         "train": {"epochs": 10, "max_steps": STEPS, "log_every": 1,
                   "schedule": {"type": "poly", "warmup_epochs": 0.5, "power": 2.0}},
         "evaluation": {"synthetic_pairs": 40, "batch_size": 16},
@@ -220,7 +221,9 @@ def test_export_reshard_round_trip_onnx_and_eval(two_rank_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     with open(result) as f:
         acc = json.load(f)["synthetic_held_out"]["accuracy"]
-    assert acc == pytest.approx(_summary(out)["evaluations"][str(STEPS)]["synthetic_held_out"]["accuracy"], abs=1e-9)
+    # The app evaluated on 2 ranks (other batch shapes, so embeddings equal to rounding):
+    # at most a pair or two of the 40 may land on the other side of a threshold.
+    assert acc == pytest.approx(_summary(out)["evaluations"][str(STEPS)]["synthetic_held_out"]["accuracy"], abs=0.051)
 
     # ONNX
     onnx = pytest.importorskip("onnx")
