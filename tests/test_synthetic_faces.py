@@ -124,11 +124,26 @@ def test_image_shape_dtype_and_range(size):
                        torch.empty(0, 3, size, size, dtype=torch.uint8))
 
 
+def test_getitems_is_the_batched_getitem():
+    data = SyntheticFaces(4, 3, image_size=24, seed=8)
+    indices = [5, 0, 11, 5, -1]
+    batch = data.__getitems__(indices)
+    assert [label for _, label in batch] == [data[i][1] for i in indices]
+    for (image, _), i in zip(batch, indices):
+        assert torch.equal(image, data[i][0])
+    assert data.__getitems__([]) == []
+    with pytest.raises(IndexError):
+        data.__getitems__([0, 12])
+
+
 def test_dataloader_workers_see_the_same_images():
     data = SyntheticFaces(3, 2, image_size=24, seed=4)
-    loader = torch.utils.data.DataLoader(data, batch_size=3, num_workers=2, shuffle=False)
-    images = torch.cat([x for x, _ in loader])
+    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, shuffle=False)
+    batches = list(loader)
+    images = torch.cat([x for x, _ in batches])
+    labels = torch.cat([y for _, y in batches])
     assert torch.equal(images, torch.stack([data[i][0] for i in range(len(data))]))
+    assert torch.equal(labels, data.labels())
 
 
 # -- argument errors ------------------------------------------------------------------
