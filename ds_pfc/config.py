@@ -205,6 +205,11 @@ class HeadConfig:
     """Seeds the initial centers (per class id) and the sampler."""
     compute_dtype: str = "fp32"
     """GEMM dtype: fp32, bf16 or fp16 (float32 accumulation and softmax)."""
+    block_bytes: int | None = None
+    """Bytes of float32 logits per class block of the softmax and of rows per optimizer
+    chunk (null: 256 MiB on CUDA, 2 MiB on CPU); larger logits are recomputed in backward."""
+    backend: str = "auto"
+    """Softmax backend: auto (fused Triton kernels on CUDA when triton imports), torch or triton."""
     margin: MarginConfig = field(default_factory=MarginConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     bank: BankConfig = field(default_factory=BankConfig)
@@ -218,6 +223,13 @@ class HeadConfig:
         if self.filter_threshold is not None:
             _number(self.filter_threshold, "ds_pfc.head.filter_threshold", low=-1, high=1)
         _dtype(self.compute_dtype, "ds_pfc.head.compute_dtype")
+        if self.block_bytes is not None and (isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int)
+                                             or self.block_bytes < 1):
+            raise ConfigError(f"ds_pfc.head.block_bytes must be null or a positive integer of bytes, "
+                              f"got {self.block_bytes!r}")
+        from .softmax import BACKENDS
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"ds_pfc.head.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
 
     def build(self, *, group=None, device=None, data_parallel_grad: bool = True):
         """A :class:`~ds_pfc.PartialFC` for this config."""
@@ -227,7 +239,8 @@ class HeadConfig:
                          margin=self.margin.build(), filter_threshold=self.filter_threshold, group=group,
                          device=device, seed=self.seed, optimizer=self.optimizer.type,
                          compute_dtype=None if compute == torch.float32 else compute,
-                         data_parallel_grad=data_parallel_grad, bank=self.bank.build(), **self.optimizer.kwargs())
+                         data_parallel_grad=data_parallel_grad, bank=self.bank.build(), block_bytes=self.block_bytes,
+                         backend=self.backend, **self.optimizer.kwargs())
 
 
 @dataclass(kw_only=True)

@@ -8,7 +8,7 @@ import torch
 from . import collectives
 from ._checks import check_embeddings, check_labels, check_values
 from .margins import Margin
-from .softmax import margin_softmax_cross_entropy
+from .softmax import check_block_bytes, margin_softmax_cross_entropy, resolve_backend
 
 __all__ = ["margin_cross_entropy", "CrossEntropyOutput"]
 
@@ -30,6 +30,8 @@ def margin_cross_entropy(
     class_start: int = 0,
     compute_dtype: torch.dtype | None = None,
     return_details: bool = False,
+    block_bytes: int | None = None,
+    backend: str = "auto",
 ):
     """Exact margin softmax cross-entropy with class-sharded centers.
 
@@ -44,6 +46,12 @@ def margin_cross_entropy(
     unmargined cosine exceeds tau (PFC*). ``compute_dtype`` (bf16/fp16) runs the matrix
     products in reduced precision with float32 accumulation.
 
+    ``block_bytes``: bytes of float32 logits computed per class block (None: 256 MiB
+    on CUDA, 2 MiB on CPU). When the whole ``N x S`` logits exceed one block, backward
+    recomputes them block by block instead of keeping them. ``backend``: ``"auto"``
+    (the fused Triton kernels on CUDA when triton imports, else ``"torch"``),
+    ``"torch"`` or ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``).
+
     Returns the loss, or with ``return_details=True`` a :class:`CrossEntropyOutput`.
     """
     try:
@@ -55,6 +63,9 @@ def margin_cross_entropy(
         if isinstance(class_start, bool) or not isinstance(class_start, int) or class_start < 0:
             raise ValueError(f"class_start must be a non-negative int, got {class_start!r}")
         check_filter_threshold(filter_threshold)
+        check_block_bytes(block_bytes)
+        resolve_backend(backend, embeddings.device, compute_dtype or torch.float32,
+                        torch.float64 if torch.float64 in (embeddings.dtype, centers.dtype) else torch.float32)
         check_values(embeddings, labels, None)
         error = None
     except (TypeError, ValueError) as err:
@@ -63,7 +74,7 @@ def margin_cross_entropy(
     sizes = collectives.gather_sizes(embeddings.shape[0] if error is None else 0, group, device, error,
                                      what="embeddings/labels")
 
-    x, y, sizes = collectives.all_gather_batch(embeddings, labels, group, sizes)
+    x, y, sizes = collectives.all_gather_batch(embeddings, labels.long(), group, sizes)
     if x.shape[0] == 0:
         raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
     local = y.long() - class_start
@@ -72,7 +83,7 @@ def margin_cross_entropy(
     result = margin_softmax_cross_entropy(
         x, centers, target_col, margin,
         filter_threshold=filter_threshold, group=group, compute_dtype=compute_dtype,
-        return_correct=return_details)
+        return_correct=return_details, block_bytes=block_bytes, backend=backend)
     if not return_details:
         return result.loss
     me = collectives.rank(group)

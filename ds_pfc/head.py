@@ -16,7 +16,7 @@ from .margins import ArcFace, Margin
 from .optim import RowOptimizer, make_row_optimizer
 from .partition import Partition
 from .sampling import remap_labels, sample_active
-from .softmax import margin_softmax_cross_entropy
+from .softmax import BACKENDS, check_block_bytes, margin_softmax_cross_entropy, resolve_backend
 
 __all__ = ["PartialFC"]
 
@@ -37,7 +37,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _checked_arguments(num_classes, embedding_size, sample_rate, margin, filter_threshold, seed, compute_dtype,
-                       dtype, optimizer, optimizer_kwargs):
+                       dtype, optimizer, optimizer_kwargs, block_bytes, backend, device):
     """Local validation of the constructor's arguments; returns (margin, row optimizer)."""
     for name, value in (("num_classes", num_classes), ("embedding_size", embedding_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -57,6 +57,11 @@ def _checked_arguments(num_classes, embedding_size, sample_rate, margin, filter_
         raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {compute_dtype!r}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
+    check_block_bytes(block_bytes)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        resolve_backend(backend, device, compute_dtype or dtype, dtype)
     if isinstance(optimizer, RowOptimizer):
         if optimizer_kwargs:
             raise TypeError(f"optimizer is a RowOptimizer instance; unexpected arguments {sorted(optimizer_kwargs)}")
@@ -96,6 +101,11 @@ class PartialFC(nn.Module):
             only here, so that the average equals the gradient of the global mean
             loss. Set False if nothing averages (single process, or summed gradients).
         bank: a factory ``(num_rows, device) -> ClassBank`` (default: DeviceBank).
+        block_bytes: bytes of float32 logits per class block of the softmax, and of
+            rows per chunk of the row optimizer (None: 256 MiB on CUDA, 2 MiB on CPU).
+            Logits larger than one block are recomputed in backward, never kept.
+        backend: softmax backend, ``"auto"`` (fused Triton kernels on CUDA when
+            triton imports, else torch), ``"torch"`` or ``"triton"``.
         optimizer_kwargs: hyper-parameters of the row optimizer.
     """
 
@@ -116,6 +126,8 @@ class PartialFC(nn.Module):
         dtype: torch.dtype = torch.float32,
         data_parallel_grad: bool = True,
         bank: Callable[[int, torch.device], ClassBank] | None = None,
+        block_bytes: int | None = None,
+        backend: str = "auto",
         **optimizer_kwargs,
     ):
         super().__init__()
@@ -126,7 +138,7 @@ class PartialFC(nn.Module):
         try:
             margin, row_optimizer = _checked_arguments(
                 num_classes, embedding_size, sample_rate, margin, filter_threshold, seed, compute_dtype, dtype,
-                optimizer, optimizer_kwargs)
+                optimizer, optimizer_kwargs, block_bytes, backend, self.device)
             error = None
         except (TypeError, ValueError) as err:
             error = err
@@ -139,6 +151,7 @@ class PartialFC(nn.Module):
         self.margin, self.filter_threshold = margin, filter_threshold
         self.compute_dtype, self.dtype, self.init_std = compute_dtype, dtype, init_std
         self.data_parallel_grad = bool(data_parallel_grad)
+        self.block_bytes, self.backend = block_bytes, backend
         self.optimizer = row_optimizer
         self.partition = Partition(num_classes, self.world_size)
         self.class_start, self.class_end = self.partition.bounds(self.rank)
@@ -249,7 +262,8 @@ class PartialFC(nn.Module):
             centers.requires_grad_(True)
         result = margin_softmax_cross_entropy(
             x, centers, target_col, self.margin, filter_threshold=self.filter_threshold,
-            group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details)
+            group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details,
+            block_bytes=self.block_bytes, backend=self.backend)
         if training:
             self._pending.append((active, centers, slot))
             self.sample_step += 1
@@ -338,7 +352,8 @@ class PartialFC(nn.Module):
             grad = torch.zeros(rows.numel(), self.embedding_size, dtype=self.dtype, device=self.device)
             for r, g, _ in pending:
                 grad.index_add_(0, torch.searchsorted(rows, r), g)
-        self.optimizer.update(self.bank, rows, grad.to(self.dtype), float(lr), staged_weight=staged)
+        self.optimizer.update(self.bank, rows, grad.to(self.dtype), float(lr), staged_weight=staged,
+                              block_bytes=self.block_bytes)
         self.step_count += 1
         return self.num_local if rows is None else rows.numel()
 
@@ -358,7 +373,7 @@ class PartialFC(nn.Module):
             for g, s in pending:       # in order, as the device path accumulates
                 grad.index_add_(0, inverse[offset: offset + g.shape[0]], g)
                 offset += g.shape[0]
-        self.optimizer.update(SlotBank(slot), None, grad.to(self.dtype), lr)
+        self.optimizer.update(SlotBank(slot), None, grad.to(self.dtype), lr, block_bytes=self.block_bytes)
         self._stager.after_step(slot)
         self.step_count += 1
         self.last_step_traffic = self.bank.reset_traffic()

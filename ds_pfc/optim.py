@@ -15,16 +15,15 @@ from abc import ABC, abstractmethod
 import torch
 
 from .bank.base import ClassBank
+from .softmax import default_block_bytes
 
 __all__ = ["RowOptimizer", "RowSGD", "RowAdamW", "make_row_optimizer"]
 
-_CHUNK_BYTES = 1 << 22  # rows per chunk: ~4 MiB of weights, so the math stays in cache
-
-
-def _chunks(rows: torch.Tensor | None, num_rows: int, width: int, device):
-    """``(row ids, slice of the gradient)`` per chunk; ``rows=None`` means all rows."""
+def _chunks(rows: torch.Tensor | None, num_rows: int, width: int, device, chunk_bytes: int):
+    """``(row ids, slice of the gradient)`` per chunk of ``chunk_bytes`` of float32
+    rows; ``rows=None`` means all rows."""
     total = num_rows if rows is None else rows.numel()
-    step = max(1, _CHUNK_BYTES // (4 * max(width, 1)))
+    step = max(1, chunk_bytes // (4 * max(width, 1)))
     for lo in range(0, total, step):
         hi = min(total, lo + step)
         ids = torch.arange(lo, hi, device=device) if rows is None else rows[lo:hi]
@@ -41,21 +40,58 @@ def _number(name, value, low=0.0, high=None, high_open=False):
 
 
 class RowOptimizer(ABC):
-    """Updates rows of the bank's ``"weight"`` given their gradient."""
+    """Updates rows of the bank's ``"weight"`` given their gradient.
+
+    Two paths with the same per-row semantics: chunks of torch ops on rows read from and
+    written to the bank (any bank, any device; bitwise as ``torch.optim`` on CPU), and,
+    where the bank exposes its tables in memory (the device bank, a staged slot), a
+    fused Triton kernel that reads gradient, weight and state once and writes weight and
+    state once (:mod:`ds_pfc.kernels.triton_optim`). ``fused``: None uses the kernel on
+    CUDA when triton imports; True insists (on CPU only under ``TRITON_INTERPRET=1``);
+    False never uses it.
+    """
 
     #: (state name, width relative to the embedding: "d" for [C, d], 0 for [C], dtype)
     state_specs: tuple = ()
+    fused: bool | None = None
 
     def update(self, bank: ClassBank, rows: torch.Tensor | None, grad: torch.Tensor, lr: float,
-               staged_weight: torch.Tensor | None = None) -> None:
+               staged_weight: torch.Tensor | None = None, block_bytes: int | None = None) -> None:
         """Apply one step to ``rows`` (``None``: all rows) with gradient ``grad``.
 
         ``staged_weight``: the current values of those rows when the caller already
         holds them (the forward staged them), which saves reading them again.
+        ``block_bytes``: float32 bytes of rows per chunk (None: the device's default,
+        cache-sized on CPU; on CUDA 256 MiB, so a step is one pass of a few kernels).
+        The result does not depend on the chunking: every operation is per element.
         """
-        for ids, part in _chunks(rows, bank.num_rows, grad.shape[1], grad.device):
+        tables = self._fused_tables(bank, grad)
+        if tables is not None:
+            self.fused_update(tables, rows, grad, lr)
+            return
+        chunk_bytes = default_block_bytes(grad.device) if block_bytes is None else block_bytes
+        for ids, part in _chunks(rows, bank.num_rows, grad.shape[1], grad.device, chunk_bytes):
             weight = None if staged_weight is None else staged_weight[part].clone()
             self.update_rows(bank, ids, grad[part], lr, weight)
+
+    def _fused_tables(self, bank: ClassBank, grad: torch.Tensor) -> dict | None:
+        """The bank's state tables when the fused kernel will update them, else None."""
+        if self.fused is False or (self.fused is None and not grad.is_cuda):
+            return None
+        tables = bank.state_tensors() if hasattr(bank, "state_tensors") else None
+        from .kernels import triton_optim
+        usable = tables is not None and triton_optim.available() and grad.dtype == torch.float32 and all(
+            t.dtype == dtype for (name, _, dtype) in (("weight", "d", torch.float32),) + tuple(self.state_specs)
+            for t in [tables[name]])
+        if self.fused and not usable:
+            raise RuntimeError(f"{self!r} was asked for the fused kernel, but it needs triton (on CPU with "
+                               "TRITON_INTERPRET=1), a bank that holds its rows in memory (DeviceBank or a "
+                               "staged slot) and float32 states")
+        return tables if usable else None
+
+    def fused_update(self, tables: dict, rows: torch.Tensor | None, grad: torch.Tensor, lr: float) -> None:
+        """One fused kernel over ``rows`` of the in-memory ``tables``."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused kernel; set fused=False")
 
     @abstractmethod
     def update_rows(self, bank: ClassBank, rows: torch.Tensor, grad: torch.Tensor, lr: float,
@@ -74,7 +110,9 @@ class RowOptimizer(ABC):
 class RowSGD(RowOptimizer):
     """``torch.optim.SGD`` semantics (dampening 0) on the active rows."""
 
-    def __init__(self, momentum: float = 0.9, weight_decay: float = 5e-4, nesterov: bool = False):
+    def __init__(self, momentum: float = 0.9, weight_decay: float = 5e-4, nesterov: bool = False,
+                 fused: bool | None = None):
+        self.fused = _fused_flag(fused)
         self.momentum = _number("momentum", momentum, 0.0, 1.0, high_open=True)
         self.weight_decay = _number("weight_decay", weight_decay)
         if nesterov and self.momentum == 0.0:
@@ -84,6 +122,11 @@ class RowSGD(RowOptimizer):
 
     def config(self):
         return {"momentum": self.momentum, "weight_decay": self.weight_decay, "nesterov": self.nesterov}
+
+    def fused_update(self, tables, rows, grad, lr):
+        from .kernels.triton_optim import sgd_rows_
+        sgd_rows_(tables["weight"], tables.get("momentum_buffer"), rows, grad, lr=lr, momentum=self.momentum,
+                  weight_decay=self.weight_decay, nesterov=self.nesterov)
 
     def update_rows(self, bank, rows, grad, lr, weight=None):
         weight = bank.read("weight", rows) if weight is None else weight
@@ -99,7 +142,9 @@ class RowAdamW(RowOptimizer):
     """``torch.optim.AdamW`` semantics on the active rows, with a step count per row
     (so bias correction follows each row's own number of updates)."""
 
-    def __init__(self, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+    def __init__(self, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 fused: bool | None = None):
+        self.fused = _fused_flag(fused)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise TypeError(f"betas must be a pair of floats, got {betas!r}")
         self.betas = (_number("betas[0]", betas[0], 0.0, 1.0, True), _number("betas[1]", betas[1], 0.0, 1.0, True))
@@ -110,6 +155,11 @@ class RowAdamW(RowOptimizer):
 
     def config(self):
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def fused_update(self, tables, rows, grad, lr):
+        from .kernels.triton_optim import adamw_rows_
+        adamw_rows_(tables["weight"], tables["exp_avg"], tables["exp_avg_sq"], tables["step"], rows, grad, lr=lr,
+                    beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay)
 
     def update_rows(self, bank, rows, grad, lr, weight=None):
         beta1, beta2 = self.betas
@@ -127,6 +177,12 @@ class RowAdamW(RowOptimizer):
         bank.write("exp_avg", rows, exp_avg)
         bank.write("exp_avg_sq", rows, exp_avg_sq)
         bank.write("step", rows, steps)
+
+
+def _fused_flag(value):
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"fused must be None (auto: on CUDA when triton imports), True or False, got {value!r}")
+    return value
 
 
 def make_row_optimizer(name: str, **kwargs) -> RowOptimizer:

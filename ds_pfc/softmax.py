@@ -4,21 +4,38 @@ Each rank holds the gathered batch ``x [N, d]`` and its active centers ``w [S, d
 The softmax is normalised exactly over the union of all ranks' active sets
 (paper: "Model Parallelism", Eq. sampled_probability).
 
-Budget: forward 2 all-reduces of ``N x 2`` floats (max; sum-exp + target + owner
-count + hit); backward none.
+Budget: forward 2 all-reduces of ``N x 2..3`` floats (max; sum-exp + target + owner
+count [+ hit]); backward none.
 
-Memory and traffic: one class-major ``S x N`` buffer in the accumulation dtype
-(float32, or float64 for float64 inputs) holds the logits and then ``exp(logit -
-max)``; nothing else of that size is allocated. All other work runs over blocks of
-classes small enough to stay in cache: normalising the centers, the margin, the
-filter, the gradient and the normalisation backward are fused into the block loop,
-so the ``S x N`` buffer is streamed through memory only three times in forward and
-once in backward. With a reduced ``compute_dtype`` the matrix products run in
-bfloat16/float16 on normalised operands with float32 accumulation; the softmax stays
-in float32.
+The math is a few stateless steps shared by both backends:
+
+- **Targets, once.** Each owned sample's target cosine is a row-wise dot of ``x_hat[n]``
+  and its center (float32 or wider), its margin logit ``scale * phi(cos_t)`` is formed
+  on ``N`` values, and the target column is *excluded* from the class blocks. The
+  target term joins the log-sum-exp after the blocks, and its gradient is one indexed
+  fix-up in backward. Nothing inside the block loop depends on the margin, so any
+  margin (and later per-sample margins) goes through the same blocks and kernels.
+- **Blocks of classes** (``block_bytes`` of float32 logits each): cosine GEMM,
+  exclusion of the target and (PFC*) of filtered negatives, scale, and a per-sample
+  log-sum-exp merged across blocks. No boolean-mask indexing and no host
+  synchronisation inside the loop: the target is excluded by one indexed write into a
+  spare row of the block.
+- **Memory.** When the whole ``S x N`` logits fit in the keep budget they are kept
+  for backward; otherwise backward recomputes each block from ``x`` and ``w`` (one more
+  GEMM) and nothing of size ``N x S`` survives the forward. The keep budget is
+  ``block_bytes`` when given; by default 256 MiB on every device (on CUDA that is one
+  block; on CPU the kept logits are walked in cache-sized blocks). Peak extra memory
+  is then about two blocks (recomputing) or the kept logits plus one block, plus
+  ``O((N + S) d)``.
+
+Backends: ``"torch"`` (the blocks above, the readable reference; runs anywhere) and
+``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`: the same decomposition fused into
+kernels with an online log-sum-exp, nothing of size ``N x S`` ever written).
+``"auto"`` picks triton on CUDA when it imports, torch otherwise.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -26,10 +43,13 @@ import torch
 from .collectives import all_reduce_
 from .margins import Margin
 
-__all__ = ["margin_softmax_cross_entropy", "SoftmaxResult"]
+__all__ = ["margin_softmax_cross_entropy", "SoftmaxResult", "default_block_bytes", "check_block_bytes",
+           "resolve_backend", "CPU_BLOCK_BYTES", "CUDA_BLOCK_BYTES", "KEEP_BYTES", "BACKENDS"]
 
 _NORM_EPS = 1e-12
-_BLOCK_BYTES = 1 << 21  # class block: ~2 MiB of logits, so a block stays in cache
+CPU_BLOCK_BYTES = 1 << 21     # ~2 MiB of logits: a block stays in a CPU core's cache
+CUDA_BLOCK_BYTES = 1 << 28    # 256 MiB: a few large GEMMs per step instead of thousands of small ones
+BACKENDS = ("auto", "torch", "triton")
 
 
 class SoftmaxResult(NamedTuple):
@@ -38,63 +58,225 @@ class SoftmaxResult(NamedTuple):
     correct: torch.Tensor       # [N] 1.0 where the target has the largest raw cosine
 
 
-def _blocks(num_classes: int, num_rows: int, itemsize: int):
-    step = max(64, _BLOCK_BYTES // max(1, num_rows * itemsize))
-    for j in range(0, num_classes, step):
-        yield j, min(num_classes, j + step)
+def default_block_bytes(device) -> int:
+    """Logit bytes per class block when ``block_bytes=None``: 256 MiB on CUDA (a whole
+    active set of up to 64M logits is one block), 2 MiB elsewhere (cache-sized)."""
+    return CUDA_BLOCK_BYTES if torch.device(device).type == "cuda" else CPU_BLOCK_BYTES
 
 
-def _targets_in(cols: torch.Tensor, j: int, k: int):
-    """Which owned samples have their target in class block ``[j, k)``."""
-    return (cols >= j) & (cols < k)
+KEEP_BYTES = CUDA_BLOCK_BYTES   # logits kept for backward by default, on every device
 
 
+def check_block_bytes(value, name: str = "block_bytes") -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be None (the device's default) or a positive int of bytes, got {value!r}")
+
+
+def resolve_backend(backend: str, device, compute_dtype, acc_dtype) -> str:
+    """``"torch"`` or ``"triton"`` for ``backend`` in :data:`BACKENDS` (checked)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    device = torch.device(device)
+    supported = acc_dtype == torch.float32 and compute_dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if backend == "auto":
+        if device.type == "cuda" and supported and _triton_available():
+            return "triton"
+        return "torch"
+    if backend == "triton":
+        if not _triton_available():
+            raise RuntimeError("backend='triton' needs the triton package (pip install triton, or "
+                               "pip install -e .[dev]); use backend='torch' or 'auto'")
+        if not supported:
+            raise ValueError(f"backend='triton' supports float32 embeddings/centers with compute_dtype float32, "
+                             f"bfloat16 or float16; got accumulation {acc_dtype} and compute {compute_dtype}; "
+                             "use backend='torch'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"backend='triton' needs a CUDA device, got tensors on {device}; on a CPU set "
+                               "TRITON_INTERPRET=1 (before ds_pfc.kernels.triton_softmax is imported) to run the "
+                               "kernels in Triton's interpreter, or use backend='torch'")
+    return backend
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------- stateless steps
+def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a @ b`` with an ``acc`` result. On CUDA a reduced-precision product writes
+    float32 directly (tensor cores, no rounding of the output to bf16)."""
+    if a.dtype == acc:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=acc)
+    return torch.mm(a, b).to(acc)
+
+
+def _normalize(x: torch.Tensor, acc: torch.dtype):
+    """``(x_hat, norm [N, 1])`` of the rows of ``x`` in ``acc``."""
+    x = x.to(acc)
+    norm = x.norm(dim=1, keepdim=True).clamp_min(_NORM_EPS)
+    return x / norm, norm
+
+
+def _target_terms(x_hat, w, w_inv, target_col, acc):
+    """Per owned sample its target column (0 where not owned: a safe index), center
+    ``w_hat_t [N, d]`` and cosine ``cos_t [N]``, as a row-wise dot in ``acc``."""
+    owned = target_col >= 0
+    if w.shape[0] == 0:           # a rank may own no class (C < world size)
+        return owned, x_hat.new_zeros(x_hat.shape), x_hat.new_zeros(x_hat.shape[0])
+    col = target_col.clamp_min(0)
+    w_hat_t = w.index_select(0, col).to(acc) * w_inv.index_select(0, col)[:, None]
+    cos_t = (x_hat * w_hat_t).sum(dim=1)
+    return owned, w_hat_t, cos_t
+
+
+class _Blocks:
+    """The class blocks of one call and the per-block steps of the torch backend.
+
+    ``slot [N]``: for each sample, the row of the current block holding its target, or
+    the block's spare last row when the target lies outside the block (or on another
+    rank). Excluding the targets is then one indexed write per block, with no
+    boolean-mask indexing (which would synchronise with the host).
+    """
+
+    def __init__(self, x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes=0):
+        self.n, self.s = x_hat.shape[0], w.shape[0]
+        self.w, self.w_inv, self.threshold, self.scale, self.acc = w, w_inv, threshold, scale, acc
+        self.compute = compute
+        self.xc = x_hat.to(compute)
+        itemsize = torch.empty((), dtype=acc).element_size()
+        self.step = max(1, min(self.s, block_bytes // max(1, self.n * itemsize)))
+        # Keep all logits for backward in one [S + 1, N] buffer when they fit: block
+        # [j, k) is rows j..k and its spare row k is the next block's first row, which
+        # that block's GEMM overwrites afterwards.
+        self.keep = self.s * self.n * itemsize <= keep_bytes
+        self.cols = torch.arange(self.n, device=x_hat.device)
+        # Target column, or a value outside every block for samples this rank does not own.
+        self.where = torch.where(target_col >= 0, target_col, torch.full_like(target_col, -1 - self.s))
+        self.neg_inf = torch.full((self.n,), float("-inf"), dtype=acc, device=x_hat.device)
+        self.buffer = None
+
+    def __iter__(self):
+        for j in range(0, self.s, self.step):
+            yield j, min(self.s, j + self.step)
+
+    def w_hat(self, j, k):
+        return self.w[j:k].to(self.acc) * self.w_inv[j:k, None]
+
+    def cosines(self, j, k, w_hat):
+        """Raw cosines ``[k - j, N]`` (class-major) in a buffer with one spare row."""
+        b = k - j
+        if self.keep:
+            if self.buffer is None:
+                self.buffer = torch.empty(self.s + 1, self.n, dtype=self.acc, device=self.xc.device)
+            block = self.buffer[j: k + 1]
+        else:
+            if self.buffer is None or self.buffer.shape[0] < b + 1:
+                self.buffer = torch.empty(b + 1, self.n, dtype=self.acc, device=self.xc.device)
+            block = self.buffer[: b + 1]
+        if w_hat.dtype == self.compute and self.compute == self.acc:
+            torch.mm(w_hat, self.xc.t(), out=block[:b])
+        else:
+            block[:b] = _mm(w_hat.to(self.compute), self.xc.t(), self.acc)
+        return block
+
+    def logits(self, j, k, block, max_cos=None):
+        """In place: exclude targets and filtered negatives (-inf), scale. Returns the
+        ``[k - j, N]`` logits; ``max_cos`` (if given) takes the running max of the
+        raw non-target cosines."""
+        b = k - j
+        slot = (self.where - j).clamp_(-1, b).remainder_(b + 1)   # outside -> spare row b
+        block.index_put_((slot, self.cols), self.neg_inf)
+        block = block[:b]
+        if max_cos is not None and b:
+            torch.maximum(max_cos, block.amax(dim=0), out=max_cos)
+        if self.threshold is not None:
+            # PFC* (Eq. noise_filtering): a negative above tau leaves the denominator.
+            block.masked_fill_(block > self.threshold, float("-inf"))
+        return block.mul_(self.scale)
+
+
+def _forward_torch(blocks: _Blocks, want_correct: bool):
+    """Per-sample log-sum-exp over this rank's non-target logits, and the max raw
+    non-target cosine (``want_correct``), and the kept ``[S, N]`` logits (or None)."""
+    n, acc = blocks.n, blocks.acc
+    lse = torch.full((n,), float("-inf"), dtype=acc, device=blocks.xc.device)
+    max_cos = torch.full((n,), float("-inf"), dtype=acc, device=lse.device) if want_correct else None
+    for j, k in blocks:
+        z = blocks.logits(j, k, blocks.cosines(j, k, blocks.w_hat(j, k)), max_cos)
+        torch.logaddexp(lse, torch.logsumexp(z, dim=0), out=lse)
+    kept = blocks.buffer[: blocks.s] if blocks.keep and blocks.buffer is not None else None
+    return lse, max_cos, kept
+
+
+def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
+    """``(dx_hat [N, d], dw [S, d])`` of the non-target logits: ``G = coef * exp(z -
+    row_max)`` per block (recomputed unless ``kept``), through both GEMMs, and ``dw``
+    projected through the normalisation of ``w``."""
+    n, acc = blocks.n, blocks.acc
+    dx_hat = torch.zeros(n, blocks.xc.shape[1], dtype=acc, device=coef.device)
+    dw = torch.empty(blocks.w.shape, dtype=w_dtype, device=coef.device)
+    direct = blocks.compute == acc == w_dtype     # GEMMs straight into dx_hat and dw
+    for j, k in blocks:
+        w_hat = blocks.w_hat(j, k)
+        # The kept buffer is read, never written: backward may run more than once.
+        z = kept[j:k] if kept is not None else blocks.logits(j, k, blocks.cosines(j, k, w_hat))
+        g = (z - row_max).exp_().mul_(coef)
+        if direct:
+            dw_hat = torch.mm(g, blocks.xc, out=dw[j:k])
+            dx_hat.addmm_(g.t(), w_hat)
+        else:
+            gc = g.to(blocks.compute)
+            dw_hat = _mm(gc, blocks.xc, acc)
+            dx_hat.add_(_mm(gc.t(), w_hat.to(blocks.compute), acc))
+        # Through the normalisation: tangent projection, then divide by the norm.
+        radial = (w_hat * dw_hat).sum(1, keepdim=True)
+        dw_hat.addcmul_(w_hat, radial, value=-1.0).mul_(blocks.w_inv[j:k, None])
+        if not direct:
+            dw[j:k] = dw_hat
+    return dx_hat, dw
+
+
+# --------------------------------------------------------------------- autograd
 class _MarginSoftmaxCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, target_col, margin, threshold, group, compute_dtype, want_correct):
+    def forward(ctx, x, w, target_col, margin, threshold, group, compute_dtype, want_correct, block_bytes,
+                keep_bytes, backend):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         compute = acc if compute_dtype is None else compute_dtype
-        n, s = x.shape[0], w.shape[0]
+        n = x.shape[0]
         scale = margin.scale
-        x_norm = x.to(acc).norm(dim=1, keepdim=True).clamp_min(_NORM_EPS)
-        x_hat = x.to(acc) / x_norm
-        xc = x_hat.to(compute)
-        w_norm = w.to(acc).norm(dim=1, keepdim=True).clamp_min(_NORM_EPS)
-        rows = torch.nonzero(target_col >= 0).squeeze(1)
-        cols = target_col[rows]
-        cos_t = torch.empty(rows.numel(), dtype=acc, device=x.device)
+        x_hat, x_norm = _normalize(x, acc)
+        w_inv = w.to(acc).norm(dim=1).clamp_min(_NORM_EPS).reciprocal()
+        owned, w_hat_t, cos_t = _target_terms(x_hat, w, w_inv, target_col, acc)
+        t_logit = torch.where(owned, scale * margin.phi(cos_t), torch.full_like(cos_t, float("-inf")))
 
-        logits = torch.empty(s, n, dtype=acc, device=x.device)     # class-major
-        maxes = torch.full((2, n), float("-inf"), dtype=acc, device=x.device)
-        for j, k in _blocks(s, n, logits.element_size()):
-            block = logits[j:k]
-            w_hat = (w[j:k].to(acc) / w_norm[j:k]).to(compute)
-            if compute == acc:
-                torch.mm(w_hat, xc.t(), out=block)
-            else:
-                block.copy_(torch.mm(w_hat, xc.t()))
-            hit = _targets_in(cols, j, k)
-            cos_t[hit] = block[cols[hit] - j, rows[hit]]
-            if want_correct:
-                torch.maximum(maxes[1], block.amax(dim=0), out=maxes[1])
-            if threshold is not None:
-                # PFC* (Eq. noise_filtering): a negative above tau leaves the
-                # denominator. Targets are rewritten below, so never filtered.
-                block.masked_fill_(block > threshold, float("-inf"))
-            block.mul_(scale)
-            block[cols[hit] - j, rows[hit]] = scale * margin.phi(cos_t[hit])
-            torch.maximum(maxes[0], block.amax(dim=0), out=maxes[0])
+        kept, blocks = None, None
+        if backend == "triton":
+            from .kernels import triton_softmax as kernels
+            m, l, max_cos = kernels.lse_stats(x_hat, w, w_inv, target_col, scale=scale, threshold=threshold,
+                                              compute_dtype=compute, want_max_cos=want_correct)
+            lse = m + torch.log(l)
+        else:
+            blocks = _Blocks(x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes)
+            lse, max_cos, kept = _forward_torch(blocks, want_correct)
+
+        # Global max of every logit (targets included), then the sums against it.
+        maxes = torch.stack([torch.maximum(lse, t_logit)] + ([max_cos] if want_correct else []))
         all_reduce_(maxes, "max", group)
         row_max = maxes[0]
-
-        stats = torch.zeros(4, n, dtype=acc, device=x.device)
-        for j, k in _blocks(s, n, logits.element_size()):
-            block = logits[j:k].sub_(row_max).exp_()
-            stats[0] += block.sum(dim=0)
-        stats[1, rows] = scale * margin.phi(cos_t) - row_max[rows]
-        stats[2, rows] = 1.0
-        if want_correct:
-            stats[3, rows] = (cos_t >= maxes[1, rows]).to(acc)
+        stats = torch.stack([
+            torch.exp(lse - row_max) + torch.exp(t_logit - row_max),
+            torch.where(owned, t_logit - row_max, torch.zeros_like(t_logit)),
+            owned.to(acc),
+        ] + ([(owned & (cos_t >= maxes[1])).to(acc)] if want_correct else []))
         all_reduce_(stats, "sum", group)
         if not bool((stats[2] == 1.0).all()):
             bad = torch.nonzero(stats[2] != 1.0).squeeze(1)[:5].tolist()
@@ -104,42 +286,49 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         sum_exp = stats[0]
         per_sample = torch.log(sum_exp) - stats[1]
 
-        ctx.save_for_backward(logits, sum_exp, xc, x_hat, x_norm, w, w_norm, rows, cols, cos_t)
+        ctx.save_for_backward(x_hat, x_norm, w, w_inv, target_col, w_hat_t, cos_t, t_logit, row_max, sum_exp,
+                              kept if kept is not None else torch.empty(0))
         ctx.margin, ctx.compute, ctx.in_dtypes = margin, compute, (x.dtype, w.dtype)
-        correct = stats[3].clone()
+        ctx.threshold, ctx.block_bytes, ctx.backend, ctx.kept = threshold, block_bytes, backend, kept is not None
+        correct = stats[3].clone() if want_correct else torch.zeros(n, dtype=acc, device=x.device)
         ctx.mark_non_differentiable(correct)
         return per_sample.mean(), per_sample, correct
 
     @staticmethod
     def backward(ctx, grad_loss, grad_per_sample, _grad_correct):
-        exp, sum_exp, xc, x_hat, x_norm, w, w_norm, rows, cols, cos_t = ctx.saved_tensors
+        x_hat, x_norm, w, w_inv, target_col, w_hat_t, cos_t, t_logit, row_max, sum_exp, kept = ctx.saved_tensors
         margin, compute = ctx.margin, ctx.compute
-        s, n = exp.shape
-        acc = exp.dtype
-        weight = torch.zeros(n, dtype=acc, device=exp.device)
+        n, acc = x_hat.shape[0], x_hat.dtype
+        weight = torch.zeros(n, dtype=acc, device=x_hat.device)
         if grad_loss is not None:
             weight += grad_loss / n
         if grad_per_sample is not None:
             weight += grad_per_sample
-        # dL/dcos = scale * w_n * (p - onehot), times phi'(cos) on the target.
+        # dL/dcos = scale * weight * (p - onehot), times phi'(cos) on the target.
         coef = weight * margin.scale / sum_exp
-        target_grad = weight[rows] * margin.scale * margin.dphi(cos_t)
-        dx_hat = torch.zeros(n, xc.shape[1], dtype=acc, device=exp.device)
-        dw = torch.empty(w.shape, dtype=ctx.in_dtypes[1], device=exp.device)
-        for j, k in _blocks(s, n, exp.element_size()):
-            # The saved buffer is read, never written: backward may run more than once.
-            g = exp[j:k] * coef
-            hit = _targets_in(cols, j, k)
-            r, c = rows[hit], cols[hit] - j
-            g[c, r] = (exp[j:k][c, r] / sum_exp[r] - 1.0) * target_grad[hit]
-            w_hat = w[j:k].to(acc) / w_norm[j:k]
-            gc, wc = g.to(compute), w_hat.to(compute)
-            dw_hat = torch.mm(gc, xc).to(acc)
-            dx_hat.add_(torch.mm(gc.t(), wc))
-            # Through the normalisation: tangent projection, then divide by the norm.
-            dw[j:k] = (dw_hat - w_hat * (w_hat * dw_hat).sum(1, keepdim=True)) / w_norm[j:k]
+        if ctx.backend == "triton":
+            from .kernels import triton_softmax as kernels
+            dx_hat, dw = kernels.grad(x_hat, w, w_inv, target_col, coef, row_max, scale=margin.scale,
+                                      threshold=ctx.threshold, compute_dtype=compute)
+            dw = dw.to(ctx.in_dtypes[1])
+        else:
+            blocks = _Blocks(x_hat, w, w_inv, target_col, ctx.threshold, margin.scale, compute, acc,
+                             ctx.block_bytes)
+            dx_hat, dw = _backward_torch(blocks, kept if ctx.kept else None, coef, row_max, ctx.in_dtypes[1])
+        # The target terms, hoisted out of the blocks: one fix-up for dx and dw.
+        owned = target_col >= 0
+        p_t = torch.exp(t_logit - row_max) / sum_exp
+        g_t = torch.where(owned, weight * margin.scale * margin.dphi(cos_t) * (p_t - 1.0),
+                          torch.zeros_like(cos_t))
+        dx_hat.add_(g_t[:, None] * w_hat_t)
+        if w.shape[0]:
+            dw_hat_t = g_t[:, None] * x_hat
+            col = target_col.clamp_min(0)
+            dw_t = (dw_hat_t - w_hat_t * (w_hat_t * dw_hat_t).sum(1, keepdim=True)) * \
+                w_inv.index_select(0, col)[:, None]
+            dw.index_add_(0, col, dw_t.to(dw.dtype))
         dx = (dx_hat - x_hat * (x_hat * dx_hat).sum(1, keepdim=True)) / x_norm
-        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None
+        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None
 
 
 def margin_softmax_cross_entropy(
@@ -152,6 +341,8 @@ def margin_softmax_cross_entropy(
     group=None,
     compute_dtype: torch.dtype | None = None,
     return_correct: bool = False,
+    block_bytes: int | None = None,
+    backend: str = "auto",
 ) -> SoftmaxResult:
     """Margin softmax CE of the gathered batch against this rank's active centers.
 
@@ -161,8 +352,19 @@ def margin_softmax_cross_entropy(
     rank owns it. Every sample's target must be owned by exactly one rank.
     Gradients flow to ``x`` (this rank's share; the ranks' shares are summed by a
     reduce-scatter) and to ``w``. ``correct`` is only computed with
-    ``return_correct=True`` (one extra max per block); it is all zeros otherwise.
+    ``return_correct=True``; it is all zeros otherwise.
+
+    ``block_bytes``: bytes of logits per class block, and the most logits kept for
+    backward (None: :func:`default_block_bytes` of the device per block, and
+    :data:`KEEP_BYTES` kept). ``backend``: one of :data:`BACKENDS`.
     """
+    check_block_bytes(block_bytes)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    compute = acc if compute_dtype is None else compute_dtype
+    backend = resolve_backend(backend, x.device, compute, acc if w.dtype != torch.float64 else torch.float64)
+    keep_bytes = KEEP_BYTES if block_bytes is None else block_bytes
+    block_bytes = default_block_bytes(x.device) if block_bytes is None else block_bytes
     loss, per_sample, correct = _MarginSoftmaxCE.apply(
-        x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct)
+        x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct, block_bytes, keep_bytes,
+        backend)
     return SoftmaxResult(loss, per_sample, correct)

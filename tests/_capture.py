@@ -11,7 +11,7 @@ class CaptureRows(RowOptimizer):
     def __init__(self):
         self.calls = []   # (rows or None for all rows, gradient) per step
 
-    def update(self, bank, rows, grad, lr, staged_weight=None):
+    def update(self, bank, rows, grad, lr, staged_weight=None, block_bytes=None):
         self.calls.append((None if rows is None else rows.clone(), grad.clone()))
 
     def update_rows(self, bank, rows, grad, lr, weight=None):

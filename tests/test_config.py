@@ -20,14 +20,15 @@ def _config(head: dict, **top) -> dict:
 def test_head_from_config_equals_the_directly_built_head():
     ds, pfc = split_config(json.loads(json.dumps(_config({
         "num_classes": 1021, "embedding_size": 7, "sample_rate": 0.3, "seed": 5, "filter_threshold": 0.4,
-        "compute_dtype": "bf16", "margin": {"type": "cosface", "scale": 32, "margin": 0.35},
-        "optimizer": {"type": "sgd", "momentum": 0.8, "weight_decay": 1e-3, "lr_ratio": 2.0}}))))
+        "compute_dtype": "bf16", "margin": {"type": "cosface", "scale": 32, "margin": 0.35}, "block_bytes": 65536,
+        "backend": "torch", "optimizer": {"type": "sgd", "momentum": 0.8, "weight_decay": 1e-3, "lr_ratio": 2.0}}))))
     assert ds == BASE                                 # the block is removed, nothing else
     head = pfc.head.build()
     direct = PartialFC(1021, 7, sample_rate=0.3, seed=5, filter_threshold=0.4, compute_dtype=torch.bfloat16,
                        margin=CosFace(32.0, 0.35), optimizer="sgd", momentum=0.8, weight_decay=1e-3)
     assert torch.equal(head.centers(), direct.centers())
     assert (head.sample_rate, head.filter_threshold, head.compute_dtype) == (0.3, 0.4, torch.bfloat16)
+    assert (head.block_bytes, head.backend) == (65536, "torch")
     assert isinstance(head.margin, CosFace) and (head.margin.scale, head.margin.m3) == (32.0, 0.35)
     assert (head.optimizer.momentum, head.optimizer.weight_decay) == (0.8, 1e-3)
     assert pfc.head.optimizer.lr_ratio == 2.0
@@ -82,6 +83,9 @@ def test_bank_placements_build_a_tiered_bank():
     ({"num_classes": 10, "sample_rate": 1.5}, "ds_pfc.head.sample_rate must be <= 1"),
     ({"num_classes": 10, "filter_threshold": 2}, "ds_pfc.head.filter_threshold must be <= 1"),
     ({"num_classes": 10, "compute_dtype": "int8"}, "ds_pfc.head.compute_dtype must be one of"),
+    ({"num_classes": 10, "block_bytes": 0}, "ds_pfc.head.block_bytes must be null or a positive integer"),
+    ({"num_classes": 10, "block_bytes": "256MiB"}, "ds_pfc.head.block_bytes must be int or NoneType"),
+    ({"num_classes": 10, "backend": "cuda"}, "ds_pfc.head.backend must be one of"),
     ({"num_classes": 10, "margin": {"type": "sphere"}}, "ds_pfc.head.margin.type must be"),
     ({"num_classes": 10, "margin": {"type": "arcface", "m3": 0.2}}, "only apply to type 'combined'"),
     ({"num_classes": 10, "margin": {"type": "combined", "margin": 0.2}}, "does not apply to type 'combined'"),

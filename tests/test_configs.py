@@ -188,6 +188,18 @@ def test_has_a_description(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_mixed_precision_configs_run_the_head_gemms_in_reduced_precision(name):
+    """A GPU config that trains in fp16/bf16 must not leave the head's GEMMs in float32
+    (no tensor cores: ~1/12 of the bf16 rate), and says why in its description."""
+    cfg = load(name)
+    if not (cfg.get("fp16", {}).get("enabled") or cfg.get("bf16", {}).get("enabled")):
+        return
+    pfc = parse(cfg)[1]
+    assert pfc.head.compute_dtype in ("bf16", "fp16"), (name, pfc.head.compute_dtype)
+    assert "compute_dtype" in pfc.description, name
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_is_a_valid_deepspeed_config_at_its_gpu_count(name, monkeypatch):
     ds, pfc = parse(load(name))
     world = world_size(name)

@@ -10,6 +10,7 @@ reference.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -179,7 +180,10 @@ def test_partition_matches_ownership_contract(num_classes, world_size):
 
 
 # ---------------------------------------------------------------------- functional, r = 1
-# (margin spec, filter tau, dtype of embeddings and centers)
+# (margin spec, filter tau, dtype of embeddings and centers[, softmax options])
+# Tiny ``block_bytes`` split the classes into many blocks whose logits are recomputed in
+# backward (the memory-lean path); the default keeps these small logits whole.
+_RECOMPUTE = {"block_bytes": 2048}
 FUNCTIONAL_CASES = [
     (ARC, None, torch.float64),
     (ARC_ST, None, torch.float64),
@@ -189,7 +193,18 @@ FUNCTIONAL_CASES = [
     (COS, 0.1, torch.float64),
     (ARC, None, torch.float32),
     (COMB, 0.25, torch.float32),
+    (ARC, 0.25, torch.float64, _RECOMPUTE),
+    (COMB, None, torch.float64, _RECOMPUTE),
+    (COS, 0.1, torch.float32, _RECOMPUTE),
 ]
+if importlib.util.find_spec("triton") is not None:
+    # The fused kernels (Triton's interpreter on CPU, see conftest.py), float32 only.
+    FUNCTIONAL_CASES += [
+        (ARC, None, torch.float32, {"backend": "triton"}),
+        (ARC_ST, 0.25, torch.float32, {"backend": "triton"}),
+        (COS, 0.1, torch.float32, {"backend": "triton"}),
+        (COMB, 0.25, torch.float32, {"backend": "triton"}),
+    ]
 
 
 def _functional_ranks(rank, world_size, sizes, num_classes, seed):
@@ -197,14 +212,15 @@ def _functional_ranks(rank, world_size, sizes, num_classes, seed):
     a, b = ds_pfc.Partition(num_classes, world_size).bounds(rank)
     sl = _slice(sizes, rank)
     out = []
-    for spec, tau, dtype in FUNCTIONAL_CASES:
+    for spec, tau, dtype, *options in FUNCTIONAL_CASES:
+        kw = options[0] if options else {}
         x = X[sl].to(dtype).clone().requires_grad_(True)
         w = W[a:b].to(dtype).clone().requires_grad_(True)
         res = ds_pfc.margin_cross_entropy(x, y[sl], w, margin=_lib_margin(spec), filter_threshold=tau,
-                                          class_start=a, return_details=True)
+                                          class_start=a, return_details=True, **kw)
         res.loss.backward()
         plain = ds_pfc.margin_cross_entropy(x.detach(), y[sl], w.detach(), margin=_lib_margin(spec),
-                                            filter_threshold=tau, class_start=a)
+                                            filter_threshold=tau, class_start=a, **kw)
         out.append({"loss": res.loss.detach(), "plain": plain, "per": res.per_sample_loss.detach(),
                     "acc": res.accuracy, "gx": x.grad, "gw": w.grad, "dtypes": (res.loss.dtype, x.grad.dtype)})
     return out
@@ -221,7 +237,7 @@ def test_functional_r1_equals_full_softmax(world_size, sizes, num_classes):
     seed = 100 + world_size
     results = run_ranks(_functional_ranks, world_size, sizes, num_classes, seed)
     X, y, W = _make_case(seed, sizes, num_classes)
-    for i, (spec, tau, dtype) in enumerate(FUNCTIONAL_CASES):
+    for i, (spec, tau, dtype, *options) in enumerate(FUNCTIONAL_CASES):
         # the reference sees exactly the (possibly float32-rounded) inputs the ranks saw
         loss, per, correct, gX, gW = _reference_ce(X.to(dtype), y, W.to(dtype), spec, tau)
         if tau is not None:
@@ -231,7 +247,7 @@ def test_functional_r1_equals_full_softmax(world_size, sizes, num_classes):
             assert bool(((cos > tau) & onehot).any()), "some target must lie above tau (never filtered)"
         for q, per_rank in enumerate(results):
             r = per_rank[i]
-            what = f"case {i} {spec} tau={tau} {dtype} rank {q}"
+            what = f"case {i} {spec} tau={tau} {dtype} {options} rank {q}"
             a, b = ds_pfc.Partition(num_classes, world_size).bounds(q)
             assert (a, b) == _expected_bounds(num_classes, world_size, q)
             assert r["dtypes"] == (dtype, dtype), what

@@ -52,6 +52,10 @@ class DeviceBank(ClassBank):
         else:
             state.index_copy_(0, rows, values.to(state.dtype))
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The live state tables (for in-place fused updates)."""
+        return dict(self._states)
+
     def export(self, name):
         return self._get(name).detach().clone()
 

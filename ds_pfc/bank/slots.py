@@ -83,6 +83,10 @@ class SlotBank(ClassBank):
         else:
             state.index_copy_(0, rows, values.to(state.dtype))
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The slot's live state tensors (for in-place fused updates)."""
+        return dict(self.slot.states)
+
     def export(self, name):
         return self.slot.states[name].clone()
 

@@ -11,11 +11,18 @@ Implementations (each case in its own subprocess):
   PartialFC_V2 is (``rand(C)`` + ``topk`` sampling, ``F.normalize``, ``F.linear``,
   margin, ``F.cross_entropy``), float32 as it runs on a CPU.
 
-Roofline: a step must do ``6 N d S`` GEMM FLOPs and move at least
-``(8 S d + 4 S N) * 4`` bytes (stage S rows, write their gradient, read+write
-weight and momentum, write the logits, one exp pass, one backward read). The floor is
-the GEMM time at the machine's measured GEMM rate plus that traffic at its measured
-copy bandwidth, both measured in the same run.
+``ds_pfc`` runs with ``--backends`` (``torch``; on CUDA also ``triton``, the fused
+kernels). One extra step per case is counted with :class:`~.counting.OpCounter`:
+aten ops (about one kernel launch each on a GPU) and host synchronisations.
+
+Roofline, chosen not to flatter: a step must do ``6 N d S`` GEMM FLOPs (logits,
+``dX``, ``dW``; recomputation is ours to pay) and move at least ``28 S d`` bytes
+(gather the S active rows, write their gradient, and the SGD update's 20 B per
+element: read weight, momentum, gradient; write weight, momentum). Logits need not
+touch memory at all. The GEMM rate is measured at the head's own shape
+(``[S, d] x [d, N]`` in the compute dtype, capped at 256 MiB of output); the memory
+rate is the published HBM bandwidth of the GPU model when known (H100, H200, A100),
+else the copy bandwidth measured in the same run (CPU). The floor is the sum of both.
 """
 from __future__ import annotations
 
@@ -96,6 +103,7 @@ class DensePlainHead(torch.nn.Module):
 # --------------------------------------------------------------------- one case
 def run_case(case: dict) -> dict:
     from .. import ArcFace, PartialFC
+    from .counting import OpCounter
     device = torch.device(case["device"])
     if case.get("threads"):
         torch.set_num_threads(case["threads"])
@@ -107,7 +115,8 @@ def run_case(case: dict) -> dict:
     if case["impl"] == "ds_pfc":
         head = PartialFC(num_classes, dim, sample_rate=rate, margin=ArcFace(), device=device,
                          compute_dtype=None if compute == torch.float32 else compute,
-                         optimizer="sgd", momentum=0.9, weight_decay=5e-4, data_parallel_grad=False)
+                         optimizer="sgd", momentum=0.9, weight_decay=5e-4, data_parallel_grad=False,
+                         backend=case.get("backend", "torch"), block_bytes=case.get("block_bytes"))
     elif case["impl"] == "dense":
         head = DenseHead(num_classes, dim, rate, ArcFace(), None if compute == torch.float32 else compute, device)
     elif case["impl"] == "dense_plain":
@@ -129,28 +138,87 @@ def run_case(case: dict) -> dict:
         if it >= case["warmup"]:
             fwd.append(t_f.seconds), bwd.append(t_b.seconds), upd.append(t_u.seconds)
             total.append(t_f.seconds + t_b.seconds + t_u.seconds)
+    # One more step, counted (the counter's Python overhead stays out of the timings).
+    x = torch.randn(batch, dim, generator=gen).to(device).requires_grad_()
+    y = torch.randint(0, num_classes, (batch,), generator=gen).to(device)
+    with OpCounter() as counter:
+        loss = head(x, y)
+        loss.backward()
+        head.step(0.1)
     active = max(math.floor(rate * num_classes + 1e-9), 1)
     return {**case, "active": active, "build_s": build_s, "loss": loss.item(), "step": summarize(total),
+            "ops": counter.ops, "syncs": counter.syncs, "sync_ops": counter.sync_ops,
             "forward": summarize(fwd), "backward": summarize(bwd), "update": summarize(upd),
             "peak_bytes": peak_memory_bytes(device), "base_bytes": base_mem}
 
 
+# --------------------------------------------------------------------- launches and syncs
+def count_step(num_classes: int, dim: int, batch: int = 512, sample_rate: float = 0.1, *,
+               block_bytes: int | None = 256 << 20, compute: str = "fp32", backend: str = "torch",
+               optimizer: str = "sgd", fused: bool | None = None, device="cpu", seed: int = 0) -> dict:
+    """Aten ops and host-synchronising ops of one head step (forward, backward,
+    optimizer step) of a world-1 :class:`~ds_pfc.PartialFC` with the sparse row SGD.
+
+    The default ``block_bytes`` is the CUDA default, so that on a CPU the count is
+    the op sequence a GPU would run (with ``compute="fp32"``: with bf16 a CPU adds a cast
+    of each GEMM result, which CUDA writes in float32 directly). ``backend="triton"`` and
+    ``fused=True`` (the fused row update, CUDA's default) run in Triton's interpreter on
+    a CPU; each kernel launch counts as one op. Returns
+    ``{"ops", "syncs", "sync_ops", "top_ops", "launches", "active"}``.
+    """
+    from .. import ArcFace, PartialFC
+    from .counting import OpCounter
+    head = PartialFC(num_classes, dim, sample_rate=sample_rate, margin=ArcFace(), device=device,
+                     compute_dtype=None if compute == "fp32" else _DTYPES[compute], optimizer=optimizer,
+                     data_parallel_grad=False, block_bytes=block_bytes, backend=backend, seed=seed, fused=fused)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, dim, generator=gen).to(device).requires_grad_()
+    y = torch.randint(0, num_classes, (batch,), generator=gen).to(device)
+    with OpCounter() as counter:
+        loss = head(x, y)
+        loss.backward()
+        head.step(0.1)
+    out = counter.summary()
+    out["launches"] = {k: v for k, v in counter.by_op.items() if k.startswith("triton:")}
+    out["active"] = max(math.floor(sample_rate * num_classes + 1e-9), 1)
+    head.close()
+    return out
+
+
 # --------------------------------------------------------------------- roofline
-def measure_machine(device, dim: int, batch: int) -> dict:
-    """GEMM rate (per compute dtype, the head's block shape) and copy bandwidth."""
+# Published peak HBM bandwidth (bytes/s) by GPU model, from the vendors' data sheets.
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12,
+                   "A100-SXM4-80GB": 2.04e12, "A100 80GB PCIe": 1.94e12, "A100": 1.555e12}
+
+
+def published_hbm(device) -> float | None:
+    """Peak HBM bandwidth of the GPU model of ``device`` (None: unknown or a CPU)."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in HBM_BYTES_PER_S.items():       # most specific names first
+        if key in name:
+            return value
+    return None
+
+
+def measure_machine(device, dim: int, batch: int, active: int, compute: str) -> dict:
+    """GEMM rate of the head's own product ``[S, d] x [d, N]`` (S capped at 256 MiB of
+    float32 output) in the compute dtype, and the memory rate: the published HBM figure
+    on a known GPU, else the measured copy bandwidth."""
     out = {}
-    for name, dtype in _DTYPES.items():
-        if name == "fp16" and device.type == "cpu":
-            continue
-        a = torch.randn(1024, dim, device=device).to(dtype)
-        b = torch.randn(batch, dim, device=device).to(dtype)
-        reps = 200
-        for _ in range(5):
+    dtype = _DTYPES[compute]
+    rows = max(64, min(active, (256 << 20) // (4 * batch)))
+    a = torch.randn(rows, dim, device=device).to(dtype)
+    b = torch.randn(batch, dim, device=device).to(dtype)
+    reps = max(3, min(200, int(2e11 // (2 * rows * dim * batch))))   # ~0.2 TFLOP per measurement
+    for _ in range(3):
+        torch.mm(a, b.t())
+    with Timer(device) as t:
+        for _ in range(reps):
             torch.mm(a, b.t())
-        with Timer(device) as t:
-            for _ in range(reps):
-                torch.mm(a, b.t())
-        out[f"gemm_gflops_{name}"] = 2 * 1024 * dim * batch * reps / t.seconds / 1e9
+    out["gemm_shape"] = [rows, dim, batch]
+    out[f"gemm_gflops_{compute}"] = 2 * rows * dim * batch * reps / t.seconds / 1e9
     src = torch.empty(64 << 20, dtype=torch.float32, device=device).fill_(1.0)  # 256 MiB
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -158,27 +226,34 @@ def measure_machine(device, dim: int, batch: int) -> dict:
         for _ in range(5):
             dst.copy_(src)
     out["copy_gbps"] = 5 * 2 * src.numel() * 4 / t.seconds / 1e9   # read + write
+    hbm = published_hbm(device)
+    out["memory_gbps"] = hbm / 1e9 if hbm else out["copy_gbps"]
+    out["memory_source"] = "published HBM peak" if hbm else "measured copy bandwidth"
     return out
 
 
-def floor_seconds(active: int, dim: int, batch: int, gemm_gflops: float, copy_gbps: float) -> dict:
+def floor_seconds(active: int, dim: int, batch: int, gemm_gflops: float, memory_gbps: float) -> dict:
     flops = 6 * batch * dim * active
-    traffic = (8 * active * dim + 4 * active * batch) * 4
+    traffic = 28 * active * dim
     return {"flops": flops, "bytes": traffic, "gemm_s": flops / gemm_gflops / 1e9,
-            "memory_s": traffic / copy_gbps / 1e9}
+            "memory_s": traffic / memory_gbps / 1e9}
 
 
-def default_cases(classes, sample_rate, extra_rate, device, compute, memory_bytes, dim) -> list[dict]:
+def default_cases(classes, sample_rate, extra_rate, device, compute, memory_bytes, dim,
+                  backends=("torch",)) -> list[dict]:
     cases = []
-    for c in classes:
-        cases.append({"impl": "ds_pfc", "classes": c, "sample_rate": sample_rate, "compute": compute})
-    if extra_rate and len(classes) > 1:
-        # The largest C at a rate giving the same |S| as the middle case: the step must
-        # not grow with C at fixed |S|.
-        cases.append({"impl": "ds_pfc", "classes": max(classes), "sample_rate": extra_rate, "compute": compute})
+    for backend in backends:
+        for c in classes:
+            cases.append({"impl": "ds_pfc", "backend": backend, "classes": c, "sample_rate": sample_rate,
+                          "compute": compute})
+        if extra_rate and len(classes) > 1:
+            # The largest C at a rate giving the same |S| as the middle case: the step must
+            # not grow with C at fixed |S|.
+            cases.append({"impl": "ds_pfc", "backend": backend, "classes": max(classes), "sample_rate": extra_rate,
+                          "compute": compute})
     if compute != "fp32":
-        cases.append({"impl": "ds_pfc", "classes": classes[len(classes) // 2], "sample_rate": sample_rate,
-                      "compute": "fp32"})
+        cases.append({"impl": "ds_pfc", "backend": backends[0], "classes": classes[len(classes) // 2],
+                      "sample_rate": sample_rate, "compute": "fp32"})
     for c in classes:
         cases.append({"impl": "dense", "classes": c, "sample_rate": sample_rate, "compute": compute})
         cases.append({"impl": "dense_plain", "classes": c, "sample_rate": sample_rate, "compute": "fp32"})
@@ -204,6 +279,8 @@ def main(argv=None) -> int:
     p.add_argument("--compute", choices=sorted(_DTYPES), default="bf16", help="ds_pfc GEMM dtype")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--impl", default="ds_pfc,dense,dense_plain", help="which implementations to run")
+    p.add_argument("--backends", default=None,
+                   help="ds_pfc softmax backends (default: torch,triton on CUDA when triton imports, else torch)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/head-<device>-<date>.json)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -216,15 +293,28 @@ def main(argv=None) -> int:
     info = machine_info()
     memory = info.get("gpu_memory_bytes") if device.type == "cuda" else info.get("memory_bytes")
     impls = set(args.impl.split(","))
+    if args.backends is None:
+        from ..softmax import _triton_available
+        args.backends = "torch,triton" if device.type == "cuda" and _triton_available() else "torch"
+    backends = tuple(args.backends.split(","))
     cases = [c for c in default_cases(classes, args.sample_rate, args.extra_rate, args.device, args.compute,
-                                      memory, args.dim) if c["impl"] in impls]
-    print(f"measuring GEMM rate and copy bandwidth on {device} ...", flush=True)
-    machine = measure_machine(device, args.dim, args.batch)
-    print("  " + ", ".join(f"{k}={v:.1f}" for k, v in machine.items()), flush=True)
+                                      memory, args.dim, backends) if c["impl"] in impls]
+    rates = {}
+
+    def machine_for(active, compute):
+        """GEMM rate at this active-set shape (measured once per shape) and memory rate."""
+        key = (min(active, (256 << 20) // (4 * args.batch)), compute)
+        if key not in rates:
+            rates[key] = measure_machine(device, args.dim, args.batch, active, compute)
+            print(f"  GEMM {rates[key]['gemm_shape']} {compute}: {rates[key][f'gemm_gflops_{compute}']:.0f} GFLOP/s;"
+                  f" memory {rates[key]['memory_gbps']:.0f} GB/s ({rates[key]['memory_source']})", flush=True)
+        return rates[key]
+
     results = []
     for i, case in enumerate(cases, 1):
         case.update(device=args.device, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup)
-        label = f"[{i}/{len(cases)}] {case['impl']} C={case['classes']:,} r={case['sample_rate']} {case['compute']}"
+        label = (f"[{i}/{len(cases)}] {case['impl']}{'/' + case['backend'] if 'backend' in case else ''} "
+                 f"C={case['classes']:,} r={case['sample_rate']} {case['compute']}")
         if "skip" in case:
             print(f"{label}: skipped ({case['skip']})", flush=True)
             results.append(case)
@@ -233,8 +323,9 @@ def main(argv=None) -> int:
         res = run_case_subprocess("ds_pfc.bench.head", case)
         res = {**case, **res}
         if "error" not in res:
+            machine = machine_for(res["active"], res["compute"])
             fl = floor_seconds(res["active"], args.dim, args.batch, machine[f"gemm_gflops_{res['compute']}"],
-                               machine["copy_gbps"])
+                               machine["memory_gbps"])
             res["floor"] = fl
             res["x_floor"] = res["step"]["median"] / (fl["gemm_s"] + fl["memory_s"])
             print(f"{res['step']['median'] * 1e3:.0f} ms/step", flush=True)
@@ -242,40 +333,44 @@ def main(argv=None) -> int:
             print(f"failed: {res['error']}", flush=True)
         results.append(res)
 
-    def find(impl, c, r, compute=None):
+    def find(impl, c, r, compute=None, backend=None):
         for res in results:
             if res["impl"] == impl and res["classes"] == c and res["sample_rate"] == r and "step" in res \
-                    and (compute is None or res["compute"] == compute):
+                    and (compute is None or res["compute"] == compute) \
+                    and (backend is None or res.get("backend") == backend):
                 return res
         return None
+
+    def name(res):
+        return res["impl"] + (f"/{res['backend']}" if "backend" in res else "")
 
     rows = []
     for res in results:
         if "step" not in res:
-            rows.append([res["impl"], f"{res['classes']:,}", res["sample_rate"], "-", res["compute"],
-                         res.get("skip") or res.get("error", "?")[:40], "", "", "", "", "", "", ""])
+            rows.append([name(res), f"{res['classes']:,}", res["sample_rate"], "-", res["compute"],
+                         res.get("skip") or res.get("error", "?")[:40], "", "", "", "", "", "", "", "", ""])
             continue
-        mine = find("ds_pfc", res["classes"], res["sample_rate"], args.compute)
+        mine = find("ds_pfc", res["classes"], res["sample_rate"], args.compute, backends[0])
         speedup = (f"{res['step']['median'] / mine['step']['median']:.1f}x"
                    if mine is not None and res["impl"] != "ds_pfc" else "")
         gflops = res["floor"]["flops"] / res["step"]["median"] / 1e9
-        rows.append([res["impl"], f"{res['classes']:,}", res["sample_rate"], f"{res['active']:,}", res["compute"],
+        rows.append([name(res), f"{res['classes']:,}", res["sample_rate"], f"{res['active']:,}", res["compute"],
                      f"{res['step']['median'] * 1e3:.0f} [{res['step']['min'] * 1e3:.0f}-{res['step']['max'] * 1e3:.0f}]",
                      f"{res['forward']['median'] * 1e3:.0f}", f"{res['backward']['median'] * 1e3:.0f}",
                      f"{res['update']['median'] * 1e3:.0f}",
                      f"{(res['peak_bytes'] - res['base_bytes']) / 2**20:,.0f}", f"{gflops:.0f}",
-                     f"{res['x_floor']:.2f}", speedup])
+                     f"{res['x_floor']:.2f}", res.get("ops", ""), res.get("syncs", ""), speedup])
     print()
     print(format_table(["impl", "C", "r", "|S|", "gemm", "step ms [min-max]", "fwd", "bwd", "update",
-                        "peak MiB", "GFLOP/s", "x floor", "ds_pfc speedup"], rows))
+                        "peak MiB", "GFLOP/s", "x floor", "ops", "syncs", "ds_pfc speedup"], rows))
     summary = {}
     mid = classes[len(classes) // 2] if len(classes) > 1 else classes[0]
-    mine = find("ds_pfc", mid, args.sample_rate, args.compute)
+    mine = find("ds_pfc", mid, args.sample_rate, args.compute, backends[0])
     for impl in ("dense", "dense_plain"):
         other = find(impl, mid, args.sample_rate)
         if mine and other:
             summary[f"speedup_vs_{impl}_at_C={mid}"] = other["step"]["median"] / mine["step"]["median"]
-    big = find("ds_pfc", max(classes), args.extra_rate, args.compute)
+    big = find("ds_pfc", max(classes), args.extra_rate, args.compute, backends[0])
     if mine and big and big["active"] == mine["active"]:
         summary[f"step_ratio_C={max(classes)}_r={args.extra_rate}_vs_C={mid}_r={args.sample_rate}"] = \
             big["step"]["median"] / mine["step"]["median"]
@@ -284,7 +379,8 @@ def main(argv=None) -> int:
         print(f"{k}: {v:.2f}")
     out = args.out or os.path.join("benchmarks", "results",
                                    f"head-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    write_json(out, "head", vars(args), results, {"machine_rates": machine, "summary": summary})
+    machine_rates = [{"active_rows": k[0], "compute": k[1], **v} for k, v in rates.items()]
+    write_json(out, "head", vars(args), results, {"machine_rates": machine_rates, "summary": summary})
     print(f"\nwrote {out}")
     return 0
 

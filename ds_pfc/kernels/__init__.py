@@ -1,0 +1,1 @@
+"""Optional fused GPU kernels (Triton); submodules import triton, this package does not."""
