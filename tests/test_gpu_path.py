@@ -24,6 +24,8 @@ from ds_pfc.softmax import CPU_BLOCK_BYTES, CUDA_BLOCK_BYTES, default_block_byte
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -e .[dev])")
+# The kernels run on the GPU when there is one, else in Triton's interpreter (conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 MAX_OPS, MAX_SYNCS, MAX_GROWTH = 400, 8, 2.5
 
@@ -164,8 +166,8 @@ def _train(head, steps, seed, n=23, d=24):
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
-        x = torch.randn(n, d, generator=gen, dtype=head.dtype).requires_grad_()
-        y = torch.randint(0, head.num_classes, (n,), generator=gen)
+        x = torch.randn(n, d, generator=gen, dtype=head.dtype).to(head.device).requires_grad_()
+        y = torch.randint(0, head.num_classes, (n,), generator=gen).to(head.device)
         loss = head(x, y)
         loss.backward()
         head.step(1e-3)           # centers start with norm ~0.05: keep the steps small
@@ -185,7 +187,7 @@ def test_fused_row_optimizer_follows_the_torch_path(optimizer, kwargs, tiered):
     bank = ds_pfc.TieredBank.factory(default="host") if tiered else None
     runs = []
     for fused in (False, True):
-        head = ds_pfc.PartialFC(41, 24, sample_rate=0.4, optimizer=optimizer, bank=bank, seed=3,
+        head = ds_pfc.PartialFC(41, 24, sample_rate=0.4, optimizer=optimizer, bank=bank, seed=3, device=DEVICE,
                                 data_parallel_grad=False, fused=fused, **kwargs)
         runs.append(_train(head, 3, seed=9))
         head.close()
@@ -218,12 +220,13 @@ def test_head_triton_backend_matches_torch_backend(compute):
     runs = []
     for backend in ("torch", "triton"):
         head = ds_pfc.PartialFC(97, 24, sample_rate=0.3, filter_threshold=0.3, compute_dtype=compute, seed=5,
-                                data_parallel_grad=False, backend=backend, margin=ds_pfc.CombinedMargin(30, 1.1, 0.2, 0.1))
+                                data_parallel_grad=False, backend=backend, device=DEVICE,
+                                margin=ds_pfc.CombinedMargin(30, 1.1, 0.2, 0.1))
         gen = torch.Generator().manual_seed(2)
         out = []
         for _ in range(2):
-            x = torch.randn(19, 24, generator=gen).requires_grad_()
-            y = torch.randint(0, 97, (19,), generator=gen)
+            x = torch.randn(19, 24, generator=gen).to(DEVICE).requires_grad_()
+            y = torch.randint(0, 97, (19,), generator=gen).to(DEVICE)
             res = head(x, y, return_details=True)
             res.loss.backward()
             head.step(1e-2)
