@@ -46,10 +46,10 @@ def all_reduce_(tensor: torch.Tensor, op: str, group=None) -> torch.Tensor:
 
 def all_gather_scalars(values: Sequence[int | float], group=None, device=None) -> torch.Tensor:
     """``[world, len(values)]`` float64 table of every rank's ``values``."""
-    row = torch.tensor([list(values)], dtype=torch.float64, device=device)
     k = world_size(group)
     if k == 1:
-        return row
+        return torch.tensor([list(values)], dtype=torch.float64)
+    row = torch.tensor([list(values)], dtype=torch.float64, device=device)
     out = torch.empty(k, row.shape[1], dtype=row.dtype, device=row.device)
     _all_gather_tensor(out, row, group=group)
     return out

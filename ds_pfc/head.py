@@ -11,6 +11,7 @@ from . import collectives
 from ._checks import check_embeddings, check_labels, check_values
 from .bank import ClassBank, DeviceBank, TieredBank, initial_centers
 from .bank.slots import SlotBank, Stager, merge_slots
+from .devices import collective_device, head_device
 from .functional import CrossEntropyOutput, check_filter_threshold
 from .margins import ArcFace, Margin
 from .optim import RowOptimizer, make_row_optimizer
@@ -87,7 +88,9 @@ class PartialFC(nn.Module):
         filter_threshold: PFC* conflict filter ``tau`` (None: off).
         group: process group the classes are sharded over (None: the default group
             if initialised, else a single process).
-        device: where the bank and the computation live (default CPU).
+        device: where the bank and the computation live. None: the current CUDA
+            device when ``group`` uses NCCL, else the CPU; ``"cuda"`` means the current
+            CUDA device (``cuda:<torch.cuda.current_device()>``).
         seed: seeds the initial centers (per global class id) and the sampler.
         optimizer: ``"sgd"`` (``momentum``, ``weight_decay``, ``nesterov``) or
             ``"adamw"`` (``betas``, ``eps``, ``weight_decay``), or a RowOptimizer.
@@ -134,13 +137,14 @@ class PartialFC(nn.Module):
         self.group = group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
-        self.device = torch.device("cpu" if device is None else device)
+        self.device = torch.device("cpu")
         try:
+            self.device = head_device(device, group)
             margin, row_optimizer = _checked_arguments(
                 num_classes, embedding_size, sample_rate, margin, filter_threshold, seed, compute_dtype, dtype,
                 optimizer, optimizer_kwargs, block_bytes, backend, self.device)
             error = None
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, RuntimeError) as err:   # RuntimeError: torch.device("bogus")
             error = err
         # Every rank takes part in the agreement check even when its own arguments are
         # bad, so that one rank's error never leaves the others waiting in a collective.
@@ -185,7 +189,7 @@ class PartialFC(nn.Module):
                    margin.scale, margin.m1, margin.m2, margin.m3, float(margin.straight_through)]
         else:
             row = [0.0] + [float("nan")] * 11
-        table = collectives.all_gather_scalars(row, self.group, device=self.device)
+        table = collectives.all_gather_scalars(row, self.group, device=collective_device(self.group, self.device))
         if error is not None:
             raise error
         failed = [q for q, ok in enumerate(table[:, 0].tolist()) if ok != 1.0]
@@ -238,7 +242,8 @@ class PartialFC(nn.Module):
         training = self.training and torch.is_grad_enabled()
         if self.data_parallel_grad and self.world_size > 1:
             embeddings = _ScaleGrad.apply(embeddings, float(self.world_size))
-        x, y, sizes = collectives.all_gather_batch(embeddings, labels, self.group, sizes)
+        # int64 before any collective: NCCL has no int16, and every rank must agree on one dtype.
+        x, y, sizes = collectives.all_gather_batch(embeddings, labels.long(), self.group, sizes)
         if x.shape[0] == 0:
             raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
         local = self.partition.to_local(y, self.rank)
@@ -305,7 +310,7 @@ class PartialFC(nn.Module):
             return
         sizes = collectives.gather_sizes(next_labels.shape[0] if error is None else 0, self.group, self.device, error,
                                          what="next_labels")
-        y = collectives.all_gather_rows(next_labels, self.group, sizes)
+        y = collectives.all_gather_rows(next_labels.long(), self.group, sizes)
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
         rows = torch.arange(self.num_local, device=self.device) if active is None else active

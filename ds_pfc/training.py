@@ -25,6 +25,7 @@ from .config import ConfigError, DsPfcConfig, ScheduleConfig, split_config
 from .data.loader import MicroBatchLoader
 from .data.sampler import DistributedIdentitySampler
 from .deepspeed_plugin import PfcEngine, initialize, list_checkpoints, remove_checkpoint
+from .devices import bind_local_device
 
 __all__ = ["Trainer", "load_config", "schedule_factor", "build_eval_sets", "evaluate"]
 
@@ -192,9 +193,12 @@ class Trainer:
 
         cfg = self.cfg
         self.dataset = build_train_set(cfg)      # bad data paths fail before any process group exists
+        # cuda:LOCAL_RANK before any CUDA work: DeepSpeed binds the device only inside
+        # deepspeed.initialize, after the head, the data and the evaluation exist.
+        bound = bind_local_device()
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = torch.device(get_accelerator().current_device_name())
+        self.device = bound or torch.device(get_accelerator().current_device_name())
         self.micro = int(self.ds_config["train_micro_batch_size_per_gpu"])
         self.gas = int(self.ds_config.get("gradient_accumulation_steps", 1))
         self.output_dir = cfg.train.output_dir

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..devices import set_thread_device
 from .base import ClassBank
 from .tiered import TieredBank
 
@@ -112,7 +113,10 @@ class Stager:
     def __init__(self, bank: TieredBank):
         self.bank = bank
         self.device = bank.device
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_pfc-bank-io")
+        # The worker makes the head's GPU current before any CUDA call: a new thread
+        # starts on device 0 and would create a context there on every rank.
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_pfc-bank-io",
+                                      initializer=set_thread_device, initargs=(self.device,))
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._next: tuple[object, Slot] | None = None
         self._writebacks: list[Future] = []

@@ -1,0 +1,90 @@
+"""Device placement rules, in one place.
+
+- ``"cuda"`` without an index means *the current CUDA device* and is normalised to
+  ``cuda:<current_device()>`` at once, so that a head built with ``device="cuda"``
+  accepts the ``cuda:3`` tensors of the rank bound to GPU 3 (``torch.device("cuda")``
+  never compares equal to ``torch.device("cuda", 3)``).
+- A head whose group communicates through NCCL lives on the current CUDA device by
+  default; a CPU head on an NCCL group is refused with a clear error (NCCL cannot move
+  CPU tensors).
+- A launched process binds ``cuda:LOCAL_RANK`` before it touches CUDA
+  (:func:`bind_local_device`): DeepSpeed's ``init_distributed`` does not, so every
+  rank would otherwise build its head, batches and evaluation on GPU 0.
+- Worker threads that issue CUDA work set their device first
+  (:func:`set_thread_device`), so no rank creates a context on GPU 0.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["normalize_device", "group_uses_nccl", "head_device", "collective_device", "bind_local_device",
+           "set_thread_device"]
+
+
+def normalize_device(device) -> torch.device:
+    """``torch.device`` with the CUDA index filled in (``"cuda"`` -> ``cuda:<current>``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def group_uses_nccl(group=None) -> bool:
+    """Whether ``group`` (None: the default group, if initialised) communicates via NCCL."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        backend = dist.get_backend(group)
+    except (RuntimeError, ValueError):
+        return False
+    return "nccl" in str(backend).lower()
+
+
+def head_device(device, group=None) -> torch.device:
+    """Where a head built with ``device`` on ``group`` lives.
+
+    None: the current CUDA device when the group uses NCCL, else the CPU. An explicit
+    CPU device on an NCCL group raises ``ValueError``.
+    """
+    nccl = group_uses_nccl(group)
+    if device is None:
+        return normalize_device("cuda") if nccl else torch.device("cpu")
+    device = normalize_device(device)
+    if nccl and device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device for a head whose group uses NCCL (NCCL moves only CUDA "
+                         f"tensors), got {device}; pass device='cuda' (the current device) or use a gloo group")
+    return device
+
+
+def collective_device(group, device) -> torch.device:
+    """The device of the small tensors (sizes, agreement tables) sent over ``group``:
+    the current CUDA device under NCCL, else ``device``."""
+    if group_uses_nccl(group):
+        return normalize_device("cuda")
+    return torch.device(device)
+
+
+def bind_local_device(environ=os.environ) -> torch.device | None:
+    """Bind this process to ``cuda:LOCAL_RANK`` (set by ``deepspeed``/``torchrun``) when
+    CUDA is available; returns the bound device, or None (no CUDA). Call it before any
+    CUDA work and before ``deepspeed.init_distributed``."""
+    if not torch.cuda.is_available():
+        return None
+    local_rank = int(environ.get("LOCAL_RANK", 0))
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {count} visible CUDA device(s) "
+                           "(CUDA_VISIBLE_DEVICES); launch at most one process per GPU")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def set_thread_device(device) -> None:
+    """For a worker thread: make ``device`` current before it issues CUDA work (a new
+    thread starts on device 0)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)

@@ -1,0 +1,171 @@
+"""Device placement rules (ds_pfc.devices), checked on CPU with a mocked torch.cuda.
+
+A CUDA tensor's device always carries an index, so ``"cuda"`` must mean the current
+device; a launched rank must bind cuda:LOCAL_RANK before it builds anything; a head on
+an NCCL group must live on CUDA; worker threads must set their device; labels of any
+integer dtype cross ranks as int64.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ds_pfc
+from ds_pfc import collectives, devices
+from ds_pfc.bank.slots import Stager
+from _dist import run_ranks
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda as on a 4-GPU node whose current device is 3; records set_device."""
+    state = {"current": 3, "set": []}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+
+    def set_device(index):
+        state["set"].append(index)
+        state["current"] = index
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    return state
+
+
+@pytest.fixture
+def nccl(monkeypatch):
+    monkeypatch.setattr(devices, "group_uses_nccl", lambda group=None: True)
+
+
+def test_indexless_cuda_means_the_current_device(fake_cuda):
+    assert devices.normalize_device("cuda") == torch.device("cuda", 3)
+    assert devices.normalize_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert devices.normalize_device("cuda:1") == torch.device("cuda", 1)
+    assert devices.normalize_device("cpu") == torch.device("cpu")
+    # the bug this prevents: a head on torch.device("cuda") refused its own cuda:3 tensors
+    assert torch.device("cuda") != torch.device("cuda", 3)
+
+
+def test_default_head_device_follows_the_group(fake_cuda, monkeypatch):
+    assert devices.head_device(None) == torch.device("cpu")               # no process group: CPU
+    assert devices.head_device("cuda") == torch.device("cuda", 3)
+    monkeypatch.setattr(devices, "group_uses_nccl", lambda group=None: True)
+    assert devices.head_device(None) == torch.device("cuda", 3)           # NCCL: the current GPU
+    assert devices.head_device("cuda:2") == torch.device("cuda", 2)
+    with pytest.raises(ValueError, match="device must be a CUDA device .* NCCL"):
+        devices.head_device("cpu")
+
+
+def test_small_collectives_never_hand_cpu_tensors_to_nccl(fake_cuda, nccl):
+    assert devices.collective_device(None, torch.device("cpu")) == torch.device("cuda", 3)
+
+
+def test_small_collectives_stay_on_the_head_device_under_gloo():
+    assert devices.collective_device(None, torch.device("cpu")) == torch.device("cpu")
+
+
+def test_group_backend_is_read_from_the_group(monkeypatch):
+    assert devices.group_uses_nccl() is False                             # nothing initialised
+    monkeypatch.setattr(devices.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(devices.dist, "get_backend", lambda group=None: "nccl")
+    assert devices.group_uses_nccl("g") is True
+    monkeypatch.setattr(devices.dist, "get_backend", lambda group=None: "gloo")
+    assert devices.group_uses_nccl("g") is False
+    monkeypatch.setattr(devices.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert devices.group_uses_nccl("g") is True
+
+
+def test_a_cpu_head_on_an_nccl_group_is_refused_by_name(fake_cuda, nccl):
+    with pytest.raises(ValueError, match="device must be a CUDA device"):
+        ds_pfc.PartialFC(10, 8, device="cpu")
+
+
+def test_bad_device_string_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="bogus"):
+        ds_pfc.PartialFC(10, 8, device="bogus")
+
+
+def test_a_launched_rank_binds_its_local_gpu(fake_cuda):
+    assert devices.bind_local_device({"LOCAL_RANK": "2"}) == torch.device("cuda", 2)
+    assert fake_cuda["set"] == [2]
+    assert devices.normalize_device("cuda") == torch.device("cuda", 2)
+    assert devices.bind_local_device({}) == torch.device("cuda", 0)       # single process
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=5 but this node has 4"):
+        devices.bind_local_device({"LOCAL_RANK": "5"})
+
+
+def test_without_cuda_nothing_is_bound(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    assert devices.bind_local_device({"LOCAL_RANK": "1"}) is None
+    assert calls == []
+
+
+def test_worker_threads_set_their_device(fake_cuda):
+    devices.set_thread_device(torch.device("cuda", 1))
+    devices.set_thread_device(torch.device("cpu"))
+    assert fake_cuda["set"] == [1]
+
+
+def test_the_bank_worker_sets_the_bank_device_first():
+    bank = ds_pfc.TieredBank(12, "cpu", default=ds_pfc.Placement("host"))
+    bank.add_state("weight", 4, torch.float32)
+    stager = Stager(bank)
+    try:
+        assert stager._io._initializer is devices.set_thread_device
+        assert stager._io._initargs == (bank.device,)
+    finally:
+        stager.close()
+
+
+def test_training_app_binds_the_gpu_before_the_process_group(monkeypatch):
+    """The app must bind cuda:LOCAL_RANK before deepspeed.init_distributed and before it
+    builds a head, data or evaluation (DeepSpeed binds only inside initialize)."""
+    import deepspeed
+
+    from ds_pfc import training
+    order = []
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setattr(training, "bind_local_device", lambda: order.append("bind"))
+
+    def init_distributed(**kwargs):
+        order.append("init_distributed")
+        raise Stop
+    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+    import json
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                        "cpu_quickstart.json")
+    with open(path) as f:
+        trainer = training.Trainer(json.load(f))
+    with pytest.raises(Stop):
+        trainer.setup()
+    assert order == ["bind", "init_distributed"]
+
+
+def _int16_label_ranks(rank, world_size):
+    seen = []
+    original = collectives._gather_rows
+
+    def spy(x, sizes, group):
+        seen.append(x.dtype)
+        return original(x, sizes, group)
+    collectives._gather_rows = spy
+    torch.manual_seed(rank)
+    head = ds_pfc.PartialFC(11, 8, sample_rate=1.0, data_parallel_grad=False)
+    x = torch.randn(3 + rank, 8, requires_grad=True)
+    y = torch.tensor([1, 5, 10, 2][: 3 + rank], dtype=torch.int16)
+    loss = head(x, y)
+    loss.backward()
+    head.step(0.1)
+    return {"dtypes": seen, "loss": loss.item()}
+
+
+def test_labels_of_any_integer_dtype_cross_ranks_as_int64():
+    results = run_ranks(_int16_label_ranks, 2)
+    for r in results:
+        assert torch.int16 not in r["dtypes"] and torch.int64 in r["dtypes"], r["dtypes"]
+    assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-6)
