@@ -95,6 +95,60 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str
     return path
 
 
+# safetensors' dtype codes (its format: 8-byte little-endian header size, a JSON
+# header with dtype, shape and byte offsets per tensor, then the raw bytes).
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+SAVE_CHUNK_BYTES = 64 << 20   # rows copied to host and written per step of a streamed save
+
+
+def _atomic_stream_save(specs: dict, chunks, path: str, metadata: dict[str, str]) -> str:
+    """Write a safetensors file from ``chunks(name)``, an iterator of host tensors
+    whose rows concatenate to tensor ``name`` of ``specs[name] = (shape, dtype)``:
+    only one chunk is in memory at a time (``safetensors.torch.save_file`` would hold
+    every tensor and a byte copy of it). Temporary name, fsync, rename, as
+    :func:`_atomic_save`."""
+    import struct
+    header, offset, sizes = {"__metadata__": dict(metadata)}, 0, {}
+    for name, (shape, dtype) in specs.items():
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        sizes[name] = nbytes
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)))
+            f.write(encoded)
+            for name, (shape, dtype) in specs.items():
+                written = 0
+                for chunk in chunks(name):
+                    if chunk.dtype != dtype or tuple(chunk.shape[1:]) != tuple(shape[1:]):
+                        raise ValueError(f"{path}: chunk of {name!r} is {chunk.dtype} {tuple(chunk.shape)}, "
+                                         f"expected {dtype} rows of {tuple(shape[1:])}")
+                    raw = chunk.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+                    f.write(raw.data)
+                    written += raw.nbytes
+                if written != sizes[name]:
+                    raise ValueError(f"{path}: {name!r} got {written} bytes, expected {sizes[name]}")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+    return path
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -126,10 +180,12 @@ def _read_shard(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
-def _metadata(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+def _metadata(meta: dict, tensors: dict) -> dict[str, str]:
+    """Shard metadata; ``tensors`` maps state names to tensors or to dtypes."""
+    dtypes = {k: v if isinstance(v, torch.dtype) else v.dtype for k, v in tensors.items()}
     out = {"format": FORMAT, "optimizer": str(meta["optimizer"]),
            "states": json.dumps(list(tensors)),
-           "dtypes": json.dumps({k: _dtype_name(v.dtype) for k, v in tensors.items()}),
+           "dtypes": json.dumps({k: _dtype_name(v) for k, v in dtypes.items()}),
            "torch_version": torch.__version__}
     for key in _INT_FIELDS:
         out[key] = str(int(meta[key]))
@@ -140,15 +196,28 @@ def _metadata(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 def save_head_shard(head, directory: str, *, name: str = "head") -> str:
     """Write this rank's shard of ``head`` to ``directory`` atomically; returns its path.
 
-    Every rank of the head's group calls it (no collective is involved). Uses
-    ``head.state_dict()``, which flushes tiered banks first."""
-    state = head.state_dict()
-    meta = dict(zip(head._META_FIELDS, state.pop("meta").tolist()))
+    Every rank of the head's group calls it (no collective is involved). The bank is
+    flushed, then streamed to the file a chunk of rows at a time (device -> host ->
+    file): saving needs ``SAVE_CHUNK_BYTES`` of extra memory, not a copy of the shard."""
+    head.flush()
+    meta = head.training_state()
     meta["rank"] = head.rank
     meta["optimizer"] = repr(head.optimizer)
-    tensors = {k: v for k, v in state.items()}
+    bank, rows = head.bank, head.num_local
+    specs = {}
+    for state in bank.state_names():
+        probe = bank.read(state, torch.zeros(0, dtype=torch.long, device=head.device))
+        specs[state] = ((rows,) + tuple(probe.shape[1:]), probe.dtype)
+
+    def chunks(state):
+        shape, dtype = specs[state]
+        row_bytes = max(1, torch.Size(shape[1:]).numel() * torch.empty((), dtype=dtype).element_size())
+        step = max(1, SAVE_CHUNK_BYTES // row_bytes)
+        for lo in range(0, rows, step):
+            yield bank.export_rows(state, lo, min(rows, lo + step))
+
     path = os.path.join(directory, shard_file_name(name, head.rank, head.world_size))
-    return _atomic_save(tensors, path, _metadata(meta, tensors))
+    return _atomic_stream_save(specs, chunks, path, _metadata(meta, {k: v[1] for k, v in specs.items()}))
 
 
 def load_head_shard(head, directory: str, *, name: str = "head") -> None:

@@ -165,6 +165,9 @@ class PartialFC(nn.Module):
         self.sample_step = 0   # forward passes taken in training mode: drives the sampler
         self.step_count = 0    # optimizer steps taken
         self._pending: list[tuple] = []   # (active rows, staged centers leaf, slot or None)
+        # Device bank: the summed gradient of the micro steps already back-propagated,
+        # (rows or None, grad); their staged centers are released (one accumulator).
+        self._acc: tuple | None = None
         self.last_step_traffic: dict[str, int] = {}
 
         self.bank = (bank or DeviceBank)(self.num_local, self.device, class_start=self.class_start)
@@ -270,6 +273,7 @@ class PartialFC(nn.Module):
             group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details,
             block_bytes=self.block_bytes, backend=self.backend)
         if training:
+            self._fold_finished()
             self._pending.append((active, centers, slot))
             self.sample_step += 1
         if not return_details:
@@ -336,31 +340,52 @@ class PartialFC(nn.Module):
             for _, c, _ in self._pending:
                 if c.grad is not None:
                     c.grad.div_(grad_scale)
+            if self._acc is not None:
+                self._acc[1].div_(grad_scale)
         if self._stager is not None:
             return self._step_slots(float(lr))
-        pending = [(rows, c.grad, c) for rows, c, _ in self._pending if c.grad is not None]
-        self._pending = []
+        pending = ([(self._acc[0], self._acc[1], None)] if self._acc is not None else []) + \
+            [(rows, c.grad, c) for rows, c, _ in self._pending if c.grad is not None]
+        self._pending, self._acc = [], None
         if not pending:
             return 0
         staged = None
         if len(pending) == 1:
-            # The staged rows still hold the bank's values: nothing wrote them since.
             rows, grad, staged = pending[0]
-            staged = staged.detach()
-        elif any(rows is None for rows, _, _ in pending):
-            rows = None
-            grad = torch.zeros(self.num_local, self.embedding_size, dtype=self.dtype, device=self.device)
-            for r, g, _ in pending:
-                grad.add_(g) if r is None else grad.index_add_(0, r, g)
+            # The staged rows still hold the bank's values: nothing wrote them since.
+            staged = None if staged is None else staged.detach()
         else:
-            rows = torch.unique(torch.cat([r for r, _, _ in pending]))
-            grad = torch.zeros(rows.numel(), self.embedding_size, dtype=self.dtype, device=self.device)
-            for r, g, _ in pending:
-                grad.index_add_(0, torch.searchsorted(rows, r), g)
+            rows, grad = self._combine([(r, g) for r, g, _ in pending])
         self.optimizer.update(self.bank, rows, grad.to(self.dtype), float(lr), staged_weight=staged,
                               block_bytes=self.block_bytes)
         self.step_count += 1
         return self.num_local if rows is None else rows.numel()
+
+    def _combine(self, parts: list[tuple]) -> tuple:
+        """``(rows, grad)`` summing ``(rows or None for all rows, grad)`` parts in order."""
+        if any(r is None for r, _ in parts):
+            grad = torch.zeros(self.num_local, self.embedding_size, dtype=self.dtype, device=self.device)
+            for r, g in parts:
+                grad.add_(g) if r is None else grad.index_add_(0, r, g)
+            return None, grad
+        rows = torch.unique(torch.cat([r for r, _ in parts]))
+        grad = torch.zeros(rows.numel(), self.embedding_size, dtype=self.dtype, device=self.device)
+        for r, g in parts:
+            grad.index_add_(0, torch.searchsorted(rows, r), g)
+        return rows, grad
+
+    def _fold_finished(self) -> None:
+        """Device bank, gradient accumulation: sum the gradients of the micro steps that
+        were back-propagated into one accumulator and drop their staged centers, so
+        memory holds one gradient, not one staged copy and gradient per micro step."""
+        if self._stager is not None:
+            return
+        done = [(rows, c.grad) for rows, c, _ in self._pending if c.grad is not None]
+        if not done:
+            return
+        self._pending = [p for p in self._pending if p[1].grad is None]
+        parts = ([self._acc] if self._acc is not None else []) + done
+        self._acc = parts[0] if len(parts) == 1 else self._combine(parts)
 
     def _step_slots(self, lr: float) -> int:
         pending = [(c.grad, slot) for _, c, slot in self._pending if c.grad is not None]
@@ -416,7 +441,7 @@ class PartialFC(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated since the last step."""
-        self._pending = []
+        self._pending, self._acc = [], None
         if self._stager is not None:
             self._stager.discard()
         super().zero_grad(set_to_none)
@@ -441,7 +466,7 @@ class PartialFC(nn.Module):
 
     def _drop_staged(self) -> None:
         """Forget staged and prefetched rows: the bank is about to be replaced."""
-        self._pending = []
+        self._pending, self._acc = [], None
         self._lookahead = None
         if self._stager is not None:
             self._stager.discard()

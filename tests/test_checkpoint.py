@@ -1,8 +1,11 @@
 """Per-rank safetensors checkpoints of the PartialFC head: save, merge, reshard, load, export."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import safetensors.torch
@@ -235,15 +238,17 @@ def test_save_is_atomic(tmp_path, monkeypatch):
         good = f.read()
     _train(head, 0, steps=1)            # the state changes; the next save must not land
 
-    real_save = safetensors.torch.save_file
+    real_rows = head.bank.export_rows
+    calls = []
 
-    def crashing_save(tensors, filename, metadata=None):
-        real_save(tensors, filename, metadata=metadata)
-        with open(filename, "r+b") as f:   # a half-written file under the temporary name
-            f.truncate(os.path.getsize(filename) // 2)
-        raise OSError("disk full (simulated)")
+    def crashing_rows(name, lo, hi):
+        # The first state is written, then the disk fills: a half-written temporary file.
+        calls.append(name)
+        if len(calls) > 1:
+            raise OSError("disk full (simulated)")
+        return real_rows(name, lo, hi)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crashing_save)
+    monkeypatch.setattr(head.bank, "export_rows", crashing_rows)
     with pytest.raises(OSError, match="simulated"):
         ckpt.save_head_shard(head, directory)
     with open(path, "rb") as f:
@@ -275,3 +280,40 @@ def test_adamw_states_reshard_exactly(tmp_path):
     for k, v in merged.items():
         assert torch.equal(v, sd[k]), k
     assert "RowAdamW" in meta["optimizer"]
+
+
+_SAVE_MEMORY_SCRIPT = """
+import json, sys, torch
+torch.set_num_threads(1)
+from ds_pfc import PartialFC
+from ds_pfc import checkpoint as ckpt
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+head = PartialFC(1_000_000, 128, sample_rate=0.01, optimizer="sgd", momentum=0.9, data_parallel_grad=False)
+with open("/proc/self/clear_refs", "w") as f:   # reset the high-water mark
+    f.write("5")
+before = status("VmRSS:")
+path = ckpt.save_head_shard(head, sys.argv[1])
+peak = status("VmHWM:")
+print(json.dumps({"extra": peak - before, "shard_bytes": 2 * 1_000_000 * 128 * 4}))
+"""
+
+
+def test_saving_a_shard_streams_it_instead_of_copying_it(tmp_path):
+    """A save copies the bank to host memory and the file a chunk at a time: the peak
+    extra memory is bounded by a few chunks, not by the shard (1 GB here), so the first
+    checkpoint of a bank that fills the GPU cannot run it out of memory."""
+    proc = subprocess.run([sys.executable, "-c", _SAVE_MEMORY_SCRIPT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["extra"] <= 4 * ckpt.SAVE_CHUNK_BYTES, (res["extra"] / 2**20, res["shard_bytes"] / 2**20)
+    # The streamed file is a valid shard holding the (untrained, seed-determined) bank.
+    head = PartialFC(1_000_000, 128, sample_rate=0.01, optimizer="sgd", momentum=0.9, data_parallel_grad=False)
+    with safetensors.safe_open(os.path.join(str(tmp_path), os.listdir(tmp_path)[0]), framework="pt") as f:
+        assert torch.equal(f.get_tensor("weight"), head.centers())
+        assert torch.equal(f.get_tensor("momentum_buffer"), torch.zeros(1_000_000, 128))
+    ckpt.load_head_shard(head, str(tmp_path))

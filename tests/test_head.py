@@ -101,6 +101,32 @@ def test_accumulation_equals_one_step_with_summed_gradient(opt, sample_rate):
     assert torch.equal(got[~union], w0[~union])
 
 
+def test_accumulation_keeps_one_gradient_not_one_per_micro_batch(monkeypatch):
+    """With the device bank, each micro step's staged centers and gradient are folded
+    into one accumulator at the next forward and released; the update is bitwise the
+    one of keeping them all until the step."""
+    import gc
+    import weakref
+    head, twin = make_head(sample_rate=0.2), make_head(sample_rate=0.2)
+    monkeypatch.setattr(twin, "_fold_finished", lambda: None)      # keeps every micro step
+    gen = torch.Generator().manual_seed(4)
+    batches = [batch(gen) for _ in range(4)]
+    staged = []
+    for i, b in enumerate(batches):
+        head(*b).backward()
+        twin(*b).backward()
+        staged.append(weakref.ref(head._pending[-1][1]))
+        assert len(head._pending) == 1, "earlier micro steps live on as one accumulator"
+        if i:
+            assert head._acc is not None and head._acc[1].shape[0] == head._acc[0].numel()
+    gc.collect()
+    assert all(ref() is None for ref in staged[:-1]), "staged centers of folded micro steps are released"
+    assert len(twin._pending) == 4
+    assert head.step(0.1) == twin.step(0.1)
+    assert torch.equal(head.centers(), twin.centers())
+    assert torch.equal(head.state_dict()["momentum_buffer"], twin.state_dict()["momentum_buffer"])
+
+
 def test_zero_grad_forgets_accumulated_passes():
     head, twin = make_head(), make_head()
     gen = torch.Generator().manual_seed(2)

@@ -49,7 +49,13 @@ class ClassBank(ABC):
 
     @abstractmethod
     def export(self, name: str) -> torch.Tensor:
-        """The whole of ``name``, as a tensor that does not alias future updates."""
+        """The whole of ``name`` as a new host (CPU) tensor that does not alias future
+        updates. Never a second copy in device memory: at tens of millions of rows a
+        device clone would not fit beside the bank."""
+
+    def export_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of ``name`` as a new CPU tensor (chunked saving)."""
+        return self.read(name, torch.arange(lo, hi, device=self.device)).to("cpu")
 
     @abstractmethod
     def resident_bytes(self) -> dict[str, int]:

@@ -57,7 +57,11 @@ class DeviceBank(ClassBank):
         return dict(self._states)
 
     def export(self, name):
-        return self._get(name).detach().clone()
+        # Straight to host memory (a device -> host copy needs no device temporary).
+        return self._get(name).detach().to("cpu", copy=True)
+
+    def export_rows(self, name, lo, hi):
+        return self._get(name)[lo:hi].detach().to("cpu", copy=True)
 
     def resident_bytes(self):
         total = sum(t.numel() * t.element_size() for t in self._states.values())

@@ -58,7 +58,7 @@ class RowStore(ABC):
 
     @abstractmethod
     def read_all(self) -> torch.Tensor:
-        """All rows as a new tensor in the storage dtype."""
+        """All rows as a new host tensor in the storage dtype."""
 
     @abstractmethod
     def write_all(self, values: torch.Tensor) -> None:
@@ -81,7 +81,8 @@ class _MemoryStore(RowStore):
     data: torch.Tensor
 
     def read_all(self):
-        return self.data.clone()
+        """All rows as a new host tensor (never a second copy on the device)."""
+        return self.data.to("cpu", copy=True)
 
     def write_all(self, values):
         self.data.copy_(values)

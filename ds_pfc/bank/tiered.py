@@ -203,6 +203,12 @@ class TieredBank(ClassBank):
     def export(self, name):
         return self.store(name).read_all().to(self._logical[name])
 
+    def export_rows(self, name, lo, hi):
+        store = self.store(name)
+        ids = torch.arange(lo, hi)
+        self.check_versions(name, ids)
+        return store.gather(ids).to("cpu").to(self._logical[name])
+
     def load(self, name, tensor):
         store = self.store(name)
         self._issued[name] += 1
