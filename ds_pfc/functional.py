@@ -32,6 +32,7 @@ def margin_cross_entropy(
     return_details: bool = False,
     block_bytes: int | None = None,
     backend: str = "auto",
+    validate: bool = True,
 ):
     """Exact margin softmax cross-entropy with class-sharded centers.
 
@@ -52,6 +53,10 @@ def margin_cross_entropy(
     (the fused Triton kernels on CUDA when triton imports, else ``"torch"``),
     ``"torch"`` or ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``).
 
+    ``validate``: check the values (NaN/Inf embeddings, label ownership) with a host
+    sync and a readable ``ValueError``; False checks ownership on the device only
+    (``torch._assert_async``), so the call never waits for the device.
+
     Returns the loss, or with ``return_details=True`` a :class:`CrossEntropyOutput`.
     """
     try:
@@ -66,7 +71,8 @@ def margin_cross_entropy(
         check_block_bytes(block_bytes)
         resolve_backend(backend, embeddings.device, compute_dtype or torch.float32,
                         torch.float64 if torch.float64 in (embeddings.dtype, centers.dtype) else torch.float32)
-        check_values(embeddings, labels, None)
+        if validate:
+            check_values(embeddings, labels, None)
         error = None
     except (TypeError, ValueError) as err:
         error = err
@@ -83,7 +89,7 @@ def margin_cross_entropy(
     result = margin_softmax_cross_entropy(
         x, centers, target_col, margin,
         filter_threshold=filter_threshold, group=group, compute_dtype=compute_dtype,
-        return_correct=return_details, block_bytes=block_bytes, backend=backend)
+        return_correct=return_details, block_bytes=block_bytes, backend=backend, validate=validate)
     if not return_details:
         return result.loss
     me = collectives.rank(group)

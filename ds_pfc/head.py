@@ -109,6 +109,10 @@ class PartialFC(nn.Module):
             Logits larger than one block are recomputed in backward, never kept.
         backend: softmax backend, ``"auto"`` (fused Triton kernels on CUDA when
             triton imports, else torch), ``"torch"`` or ``"triton"``.
+        validate: check embeddings (NaN/Inf) and labels (range, ownership) every
+            forward with one host sync and a readable error. False: label ownership
+            is asserted on the device (``torch._assert_async``), nothing waits for
+            the device, and bad values fail as a device-side assert.
         optimizer_kwargs: hyper-parameters of the row optimizer.
     """
 
@@ -131,6 +135,7 @@ class PartialFC(nn.Module):
         bank: Callable[[int, torch.device], ClassBank] | None = None,
         block_bytes: int | None = None,
         backend: str = "auto",
+        validate: bool = True,
         **optimizer_kwargs,
     ):
         super().__init__()
@@ -155,7 +160,7 @@ class PartialFC(nn.Module):
         self.margin, self.filter_threshold = margin, filter_threshold
         self.compute_dtype, self.dtype, self.init_std = compute_dtype, dtype, init_std
         self.data_parallel_grad = bool(data_parallel_grad)
-        self.block_bytes, self.backend = block_bytes, backend
+        self.block_bytes, self.backend, self.validate = block_bytes, backend, bool(validate)
         self.optimizer = row_optimizer
         self.partition = Partition(num_classes, self.world_size)
         self.class_start, self.class_end = self.partition.bounds(self.rank)
@@ -234,7 +239,8 @@ class PartialFC(nn.Module):
             for name, t in (("embeddings", embeddings), ("labels", labels)):
                 if t.device != self.device:
                     raise ValueError(f"{name} must be on the head's device {self.device}, got {t.device}")
-            check_values(embeddings, labels, self.num_classes)
+            if self.validate:
+                check_values(embeddings, labels, self.num_classes)
             error = None
         except (TypeError, ValueError) as err:
             error = err
@@ -271,7 +277,7 @@ class PartialFC(nn.Module):
         result = margin_softmax_cross_entropy(
             x, centers, target_col, self.margin, filter_threshold=self.filter_threshold,
             group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details,
-            block_bytes=self.block_bytes, backend=self.backend)
+            block_bytes=self.block_bytes, backend=self.backend, validate=self.validate)
         if training:
             self._fold_finished()
             self._pending.append((active, centers, slot))

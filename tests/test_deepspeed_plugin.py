@@ -164,6 +164,7 @@ def test_two_heads_match_plain_pytorch_bf16():
     _check(run_ranks(_worker, W, 1, "bf16"), rtol=0.05, atol=0.02, update_rtol=0.03)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed's fp16 needs a GPU (its CPU accelerator "
                                                           "supports fp32 and bf16 only)")
 @pytest.mark.parametrize("stage", [0, 2])

@@ -79,6 +79,24 @@ def test_op_count_grows_with_blocks_not_classes():
     assert many["ops"] - one["ops"] <= 6 * 40 + 20
 
 
+@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if HAS_TRITON else []))
+def test_without_validation_a_full_softmax_step_never_waits_for_the_device(backend):
+    """r = 1 with validate=False: forward, backward and the row update issue no host
+    synchronisation at all (the data checks become a device-side assert), so the step
+    can run ahead of the GPU; the sampler's syncs are the only ones r < 1 adds."""
+    full = count_step(4096, 16, batch=64, sample_rate=1.0, validate=False, backend=backend,
+                      fused=True if backend == "triton" else None)
+    assert full["syncs"] == 0, full["sync_ops"]
+    sampled = count_step(4096, 16, batch=64, sample_rate=0.1, validate=False, backend=backend)
+    assert sampled["syncs"] <= 3 and all(op in ("index", "_unique2") for op in sampled["sync_ops"]), sampled
+
+
+def test_without_validation_bad_labels_still_fail_on_the_device():
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    with pytest.raises(RuntimeError, match="owned by no rank"):
+        ds_pfc.margin_cross_entropy(x, torch.tensor([0, 1, 7]), w, margin=ds_pfc.ArcFace(), validate=False)
+
+
 # ---------------------------------------------------------------------- memory
 _MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys, torch
@@ -237,3 +255,25 @@ def test_head_triton_backend_matches_torch_backend(compute):
         for u, v in zip(a, b):
             torch.testing.assert_close(v, u, rtol=tol, atol=tol * float(u.abs().max()))
     torch.testing.assert_close(runs[1][1], runs[0][1], rtol=tol, atol=tol * float(runs[0][1].abs().max()))
+
+
+# ---------------------------------------------------------------------- self-check
+def test_selfcheck_runs_the_cpu_subset_and_names_what_needs_a_gpu(tmp_path):
+    """``python -m ds_pfc.selfcheck`` without CUDA: says so, passes its CPU checks,
+    lists the GPU-only ones as skipped, writes its JSON."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine the self-check runs the GPU checks (minutes); run it directly")
+    out = tmp_path / "selfcheck.json"
+    proc = subprocess.run([sys.executable, "-m", "ds_pfc.selfcheck", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "No CUDA device here" in proc.stdout
+    rows = {r["check"]: r for r in json.loads(out.read_text())["selfcheck"]}
+    assert rows["head step, torch backend, fp32 vs float64"]["status"] == "pass"
+    assert rows["launches and syncs per step"]["status"] == "pass"
+    if HAS_TRITON:
+        assert rows["head step, triton backend, fp32 vs float64"]["status"] == "pass"
+        assert rows["fused row optimizer vs torch"]["status"] == "pass"
+    gpu_only = [r for r in rows.values() if r["detail"] == "needs a CUDA device"]
+    assert len(gpu_only) >= 4 and all(r["status"] == "skipped" for r in gpu_only)

@@ -155,7 +155,8 @@ def run_case(case: dict) -> dict:
 # --------------------------------------------------------------------- launches and syncs
 def count_step(num_classes: int, dim: int, batch: int = 512, sample_rate: float = 0.1, *,
                block_bytes: int | None = 256 << 20, compute: str = "fp32", backend: str = "torch",
-               optimizer: str = "sgd", fused: bool | None = None, device="cpu", seed: int = 0) -> dict:
+               optimizer: str = "sgd", fused: bool | None = None, validate: bool = True, device="cpu",
+               seed: int = 0) -> dict:
     """Aten ops and host-synchronising ops of one head step (forward, backward,
     optimizer step) of a world-1 :class:`~ds_pfc.PartialFC` with the sparse row SGD.
 
@@ -170,7 +171,8 @@ def count_step(num_classes: int, dim: int, batch: int = 512, sample_rate: float 
     from .counting import OpCounter
     head = PartialFC(num_classes, dim, sample_rate=sample_rate, margin=ArcFace(), device=device,
                      compute_dtype=None if compute == "fp32" else _DTYPES[compute], optimizer=optimizer,
-                     data_parallel_grad=False, block_bytes=block_bytes, backend=backend, seed=seed, fused=fused)
+                     data_parallel_grad=False, block_bytes=block_bytes, backend=backend, seed=seed, fused=fused,
+                     validate=validate)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(batch, dim, generator=gen).to(device).requires_grad_()
     y = torch.randint(0, num_classes, (batch,), generator=gen).to(device)

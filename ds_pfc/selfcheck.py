@@ -1,0 +1,312 @@
+"""GPU self-check: ``python -m ds_pfc.selfcheck``.
+
+Confirms on the user's machine what the project's CPU-only development and CI could
+not: that the head is exact on the GPU, that a step stays within its launch and
+sync budget, that the fused kernels run, and how fast the head and the bank are.
+
+On a CUDA machine it runs, in order:
+
+1. built-in checks on ``cuda:0``: a head step with each softmax backend against a
+   float64 reference computed on the CPU; the fused row optimizer against the torch
+   one; launches and syncs of a step at C = 1M; one full-softmax step with
+   ``validate=False`` under ``torch.cuda.set_sync_debug_mode("error")`` (no host sync);
+2. the CUDA-marked tests (``pytest -m cuda tests``), when run from a source checkout;
+3. the bank tests again under ``TORCH_CUDA_SANITIZER=1`` (stream races);
+4. the head and bank benchmarks (``launch/bench.py head`` / ``bank`` on the GPU);
+5. with two or more GPUs, a 5-step ``deepspeed --num_gpus 2`` run of the training app.
+
+It prints a pass/fail table and writes ``benchmarks/results/<gpu>-<date>.json`` (and
+a PNG of the benchmark when matplotlib is installed). Without CUDA it says so, runs
+the built-in checks on the CPU (the Triton kernels in Triton's interpreter), and
+lists what it would run on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+__all__ = ["main", "run_checks"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the source checkout, if any
+
+
+def _has_tests() -> bool:
+    return os.path.isdir(os.path.join(ROOT, "tests")) and os.path.isdir(os.path.join(ROOT, "launch"))
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------- reference
+def _reference(x, y, w, scale, margin):
+    """float64 full-softmax ArcFace CE (plain PyTorch on the CPU): loss, dx, dw."""
+    x = x.detach().cpu().double().requires_grad_(True)
+    w = w.detach().cpu().double().requires_grad_(True)
+    cos = torch.nn.functional.normalize(x, dim=1) @ torch.nn.functional.normalize(w, dim=1).t()
+    rows = torch.arange(x.shape[0])
+    theta = torch.acos(cos[rows, y.cpu()].clamp(-1, 1))
+    # past theta + m > pi the library continues linearly; keep the data away from it
+    target = torch.cos(theta + margin)
+    logits = (scale * cos).index_put((rows, y.cpu()), scale * target)
+    loss = torch.nn.functional.cross_entropy(logits, y.cpu())
+    loss.backward()
+    return loss.detach(), x.grad, w.grad
+
+
+def _close(name, got, want, rtol):
+    got = got.detach().cpu().double()
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    if not err <= rtol:
+        raise AssertionError(f"{name}: max error {err:.2e} relative to its largest entry, allowed {rtol:.0e}")
+    return err
+
+
+# --------------------------------------------------------------------- checks
+def check_exact_step(device, backend: str, compute=None) -> str:
+    """One head step (r = 1, ArcFace, 2 ranks' worth of classes on one) against float64."""
+    from . import ArcFace, margin_cross_entropy
+    gen = torch.Generator().manual_seed(0)
+    n, d, c = 37, 64, 1021
+    w = torch.randn(c, d, generator=gen)
+    y = torch.randint(0, c, (n,), generator=gen)
+    x = 2.0 * torch.nn.functional.normalize(w[y], dim=1) + torch.randn(n, d, generator=gen) / math.sqrt(d)
+    loss_ref, dx_ref, dw_ref = _reference(x, y, w, 64.0, 0.5)
+    xd = x.to(device).requires_grad_(True)
+    wd = w.to(device).requires_grad_(True)
+    loss = margin_cross_entropy(xd, y.to(device), wd, margin=ArcFace(64.0, 0.5), backend=backend,
+                                compute_dtype=compute)
+    loss.backward()
+    # bf16 operands carry 2**-9 relative error: at scale 64 a logit moves by up to ~0.1,
+    # which moves probabilities and gradients by a few percent (more on a CPU, whose
+    # bf16 GEMM also rounds its output to bf16; CUDA writes it in float32).
+    rtol = 1e-4 if compute is None else 1e-1
+    errs = [_close("loss", loss, loss_ref, rtol), _close("d embeddings", xd.grad, dx_ref, rtol),
+            _close("d centers", wd.grad, dw_ref, rtol)]
+    return f"max relative error {max(errs):.1e} (allowed {rtol:.0e})"
+
+
+def check_fused_optimizer(device) -> str:
+    """The fused Triton row update against the torch row update, 3 sampled steps."""
+    from . import PartialFC
+    states = []
+    for fused in (False, True):
+        head = PartialFC(4099, 64, sample_rate=0.2, device=device, seed=1, data_parallel_grad=False, fused=fused,
+                         momentum=0.9, weight_decay=5e-4)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            x = torch.randn(64, 64, generator=gen).to(device).requires_grad_()
+            y = torch.randint(0, 4099, (64,), generator=gen).to(device)
+            head(x, y).backward()
+            head.step(0.01)
+        states.append(head.state_dict())
+    err = max(_close(k, states[1][k].double(), states[0][k].cpu().double(), 1e-5)
+              for k in ("weight", "momentum_buffer"))
+    return f"max relative error {err:.1e}"
+
+
+def check_budget(device) -> str:
+    """Launches and host syncs of a step at C = 1M (d = 512, B = 512, r = 0.1) on the
+    GPU, or the same op sequence counted on the CPU with a smaller C."""
+    from .bench.head import count_step
+    classes = 1_000_000 if device.type == "cuda" else 100_000
+    res = count_step(classes, 512, device=device, backend="torch")
+    out = f"torch backend: {res['ops']} ops, {res['syncs']} syncs at C={classes:,}"
+    if res["ops"] > 400 or res["syncs"] > 8:
+        raise AssertionError(out + " (budget: 400 ops, 8 syncs)")
+    if device.type == "cuda" and _triton_available():
+        tri = count_step(classes, 512, device=device, backend="triton")
+        out += f"; triton backend: {tri['ops']} ops ({sum(tri['launches'].values())} kernels), {tri['syncs']} syncs"
+    return out
+
+
+def check_no_sync_step(device) -> str:
+    """r = 1, validate=False: a whole step (forward, backward, row update) with host
+    synchronisation turned into an error."""
+    from . import PartialFC
+    head = PartialFC(100_003, 256, sample_rate=1.0, device=device, validate=False, data_parallel_grad=False)
+    x = torch.randn(256, 256, device=device, requires_grad=True)
+    y = torch.randint(0, 100_003, (256,), device=device)
+    head(x, y).backward()           # warm-up: first-use allocations and kernel compilation
+    head.step(0.1)
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = head(x, y)
+        loss.backward()
+        head.step(0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize(device)
+    return "no host synchronisation in forward, backward and step"
+
+
+def _run(cmd, env=None, timeout=None) -> str:
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    if proc.returncode != 0:
+        raise AssertionError(f"exit code {proc.returncode}: " + " | ".join(tail[-4:]))
+    return tail[-1] if tail else "ok"
+
+
+def check_cuda_tests() -> str:
+    return _run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"], timeout=3600)
+
+
+def check_sanitizer() -> str:
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
+    return _run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-k", "bank or tier", "tests"], env=env,
+                timeout=3600)
+
+
+def check_benchmarks(results_dir: str, stamp: str, gpu: str) -> str:
+    head = os.path.join(results_dir, f"head-{gpu}-{stamp}.json")
+    bank = os.path.join(results_dir, f"bank-{gpu}-{stamp}.json")
+    _run([sys.executable, "launch/bench.py", "head", "--device", "cuda:0", "--classes", "1000000,8000000,32000000",
+          "--extra-rate", "0.0125", "--out", head], timeout=3600)
+    _run([sys.executable, "launch/bench.py", "bank", "--device", "cuda:0", "--out", bank], timeout=3600)
+    return f"wrote {os.path.relpath(head, ROOT)} and {os.path.relpath(bank, ROOT)}"
+
+
+def check_two_gpu_app() -> str:
+    out = tempfile.mkdtemp(prefix="ds_pfc_selfcheck_")
+    return _run(["deepspeed", "--num_gpus", "2", "launch/train.py", "--deepspeed_config",
+                 "configs/cpu_quickstart.json", "--max_steps", "5", "--output_dir", out, "--no_resume"],
+                timeout=1800)
+
+
+def plan(device: torch.device, quick: bool) -> list[tuple[str, object]]:
+    """``(name, callable)`` of every check for this machine; callables that only run
+    on CUDA are replaced by a string saying why they are skipped."""
+    cuda = device.type == "cuda"
+    gpus = torch.cuda.device_count() if cuda else 0
+    source = _has_tests()
+    triton_ok = _triton_available() and (cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    no_gpu = "needs a CUDA device"
+    checks = [
+        ("head step, torch backend, fp32 vs float64", lambda: check_exact_step(device, "torch")),
+        ("head step, torch backend, bf16 vs float64", lambda: check_exact_step(device, "torch", torch.bfloat16)),
+        ("head step, triton backend, fp32 vs float64",
+         (lambda: check_exact_step(device, "triton")) if triton_ok else "triton is not installed"),
+        ("head step, triton backend, bf16 vs float64",
+         (lambda: check_exact_step(device, "triton", torch.bfloat16)) if triton_ok else "triton is not installed"),
+        ("fused row optimizer vs torch", (lambda: check_fused_optimizer(device)) if triton_ok
+         else "triton is not installed"),
+        ("launches and syncs per step", lambda: check_budget(device)),
+        ("a step with no host sync (set_sync_debug_mode error)", (lambda: check_no_sync_step(device)) if cuda
+         else no_gpu),
+    ]
+    need_source = "needs the source checkout (tests/, launch/)"
+    slow = "skipped with --quick"
+    checks += [
+        ("CUDA-marked tests", (check_cuda_tests if source else need_source) if cuda else no_gpu),
+        ("bank tests under TORCH_CUDA_SANITIZER=1", (check_sanitizer if source else need_source) if cuda else no_gpu),
+    ]
+    if cuda and quick:
+        checks.append(("head and bank benchmarks", slow))
+    else:
+        checks.append(("head and bank benchmarks", "bench" if cuda and source else (need_source if cuda else no_gpu)))
+    checks.append(("2-GPU deepspeed launcher run (5 steps)",
+                   (check_two_gpu_app if source else need_source) if gpus >= 2
+                   else "needs 2 or more GPUs" if cuda else no_gpu))
+    return checks
+
+
+def run_checks(device, quick: bool = False, results_dir: str | None = None, stamp: str | None = None) -> list[dict]:
+    device = torch.device(device)
+    gpu = torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else "cpu"
+    results_dir = results_dir or os.path.join(ROOT, "benchmarks", "results")
+    rows = []
+    for name, what in plan(device, quick):
+        if what == "bench":
+            what = (lambda: check_benchmarks(results_dir, stamp, gpu))
+        if isinstance(what, str):
+            rows.append({"check": name, "status": "skipped", "detail": what, "seconds": 0.0})
+            print(f"  - {name}: skipped ({what})", flush=True)
+            continue
+        print(f"  ... {name}", flush=True)
+        start = time.perf_counter()
+        try:
+            detail, status = what(), "pass"
+        except Exception as err:  # noqa: BLE001 - every failure is reported in the table
+            detail, status = f"{type(err).__name__}: {err}", "FAIL"
+            traceback.print_exc()
+        rows.append({"check": name, "status": status, "detail": detail,
+                     "seconds": round(time.perf_counter() - start, 2)})
+        print(f"  {status}: {name}: {detail}", flush=True)
+    return rows
+
+
+def _plot(rows, path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1))
+    colors = {"pass": "tab:green", "FAIL": "tab:red", "skipped": "tab:gray"}
+    ax.barh([r["check"] for r in rows], [max(r["seconds"], 0.05) for r in rows],
+            color=[colors[r["status"]] for r in rows])
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds (green pass, red fail, grey skipped)")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds_pfc.selfcheck", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="skip the benchmarks")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>-<date>.json)")
+    args = p.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # The kernels then run in Triton's interpreter, chosen when triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    gpu = torch.cuda.get_device_name(device) if cuda else None
+    if cuda:
+        print(f"ds_pfc self-check on {gpu} ({torch.cuda.device_count()} GPU(s)), torch {torch.__version__}, "
+              f"CUDA {torch.version.cuda}")
+    else:
+        print("No CUDA device here: running the CPU subset (the Triton kernels in Triton's interpreter). "
+              "On a GPU machine this command also runs the checks marked 'needs a CUDA device' below.")
+    out = args.out or os.path.join(ROOT, "benchmarks", "results",
+                                   f"{(gpu or 'cpu').replace(' ', '_')}-{stamp}.json")
+    rows = run_checks(device, quick=args.quick, results_dir=os.path.dirname(os.path.abspath(out)), stamp=stamp)
+
+    from .bench import format_table, machine_info, versions
+    print()
+    print(format_table(["check", "status", "detail"], [[r["check"], r["status"], r["detail"][:90]] for r in rows]))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    doc = {"selfcheck": rows, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine_info(), "versions": versions(), "cuda": cuda}
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=2)
+    png = _plot(rows, os.path.splitext(out)[0] + ".png")
+    failed = [r["check"] for r in rows if r["status"] == "FAIL"]
+    print(f"\nwrote {out}" + (f" and {png}" if png else " (install matplotlib for a PNG)"))
+    print(f"{sum(r['status'] == 'pass' for r in rows)} passed, {len(failed)} failed, "
+          f"{sum(r['status'] == 'skipped' for r in rows)} skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
