@@ -17,9 +17,11 @@ file or the new complete file under the final name, never a partial one.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import struct
 import uuid
 
 import safetensors
@@ -74,14 +76,16 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> str:
-    """safetensors ``save_file`` to a temporary name next to ``path``, fsync, rename."""
+@contextlib.contextmanager
+def _atomic_file(path: str):
+    """Yields a temporary name next to ``path`` to write; on success fsyncs it, renames
+    it to ``path`` and fsyncs the directory; on any error removes it. ``path`` is
+    therefore either the old file or the complete new one, never a torn one."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp,
-                                    metadata=metadata)
+        yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -92,6 +96,13 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str
             pass
         raise
     _fsync_dir(directory)
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> str:
+    """safetensors ``save_file`` to a temporary name next to ``path``, fsync, rename."""
+    with _atomic_file(path) as tmp:
+        safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp,
+                                    metadata=metadata)
     return path
 
 
@@ -109,7 +120,6 @@ def _atomic_stream_save(specs: dict, chunks, path: str, metadata: dict[str, str]
     only one chunk is in memory at a time (``safetensors.torch.save_file`` would hold
     every tensor and a byte copy of it). Temporary name, fsync, rename, as
     :func:`_atomic_save`."""
-    import struct
     header, offset, sizes = {"__metadata__": dict(metadata)}, 0, {}
     for name, (shape, dtype) in specs.items():
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -118,34 +128,20 @@ def _atomic_stream_save(specs: dict, chunks, path: str, metadata: dict[str, str]
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(encoded)))
-            f.write(encoded)
-            for name, (shape, dtype) in specs.items():
-                written = 0
-                for chunk in chunks(name):
-                    if chunk.dtype != dtype or tuple(chunk.shape[1:]) != tuple(shape[1:]):
-                        raise ValueError(f"{path}: chunk of {name!r} is {chunk.dtype} {tuple(chunk.shape)}, "
-                                         f"expected {dtype} rows of {tuple(shape[1:])}")
-                    raw = chunk.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-                    f.write(raw.data)
-                    written += raw.nbytes
-                if written != sizes[name]:
-                    raise ValueError(f"{path}: {name!r} got {written} bytes, expected {sizes[name]}")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
+    with _atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name, (shape, dtype) in specs.items():
+            written = 0
+            for chunk in chunks(name):
+                if chunk.dtype != dtype or tuple(chunk.shape[1:]) != tuple(shape[1:]):
+                    raise ValueError(f"{path}: chunk of {name!r} is {chunk.dtype} {tuple(chunk.shape)}, "
+                                     f"expected {dtype} rows of {tuple(shape[1:])}")
+                raw = chunk.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+                f.write(raw.data)
+                written += raw.nbytes
+            if written != sizes[name]:
+                raise ValueError(f"{path}: {name!r} got {written} bytes, expected {sizes[name]}")
     return path
 
 

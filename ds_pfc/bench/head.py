@@ -103,7 +103,6 @@ class DensePlainHead(torch.nn.Module):
 # --------------------------------------------------------------------- one case
 def run_case(case: dict) -> dict:
     from .. import ArcFace, PartialFC
-    from .counting import OpCounter
     device = torch.device(case["device"])
     if case.get("threads"):
         torch.set_num_threads(case["threads"])
@@ -139,12 +138,7 @@ def run_case(case: dict) -> dict:
             fwd.append(t_f.seconds), bwd.append(t_b.seconds), upd.append(t_u.seconds)
             total.append(t_f.seconds + t_b.seconds + t_u.seconds)
     # One more step, counted (the counter's Python overhead stays out of the timings).
-    x = torch.randn(batch, dim, generator=gen).to(device).requires_grad_()
-    y = torch.randint(0, num_classes, (batch,), generator=gen).to(device)
-    with OpCounter() as counter:
-        loss = head(x, y)
-        loss.backward()
-        head.step(0.1)
+    counter, loss = _counted_step(head, batch, dim, num_classes, gen, device)
     active = max(math.floor(rate * num_classes + 1e-9), 1)
     return {**case, "active": active, "build_s": build_s, "loss": loss.item(), "step": summarize(total),
             "ops": counter.ops, "syncs": counter.syncs, "sync_ops": counter.sync_ops,
@@ -153,6 +147,18 @@ def run_case(case: dict) -> dict:
 
 
 # --------------------------------------------------------------------- launches and syncs
+def _counted_step(head, batch, dim, num_classes, gen, device):
+    """``(OpCounter, loss)`` of one forward, backward and optimizer step on random data."""
+    from .counting import OpCounter
+    x = torch.randn(batch, dim, generator=gen).to(device).requires_grad_()
+    y = torch.randint(0, num_classes, (batch,), generator=gen).to(device)
+    with OpCounter() as counter:
+        loss = head(x, y)
+        loss.backward()
+        head.step(0.1)
+    return counter, loss
+
+
 def count_step(num_classes: int, dim: int, batch: int = 512, sample_rate: float = 0.1, *,
                block_bytes: int | None = 256 << 20, compute: str = "fp32", backend: str = "torch",
                optimizer: str = "sgd", fused: bool | None = None, validate: bool = True, device="cpu",
@@ -168,18 +174,11 @@ def count_step(num_classes: int, dim: int, batch: int = 512, sample_rate: float 
     ``{"ops", "syncs", "sync_ops", "top_ops", "launches", "active"}``.
     """
     from .. import ArcFace, PartialFC
-    from .counting import OpCounter
     head = PartialFC(num_classes, dim, sample_rate=sample_rate, margin=ArcFace(), device=device,
                      compute_dtype=None if compute == "fp32" else _DTYPES[compute], optimizer=optimizer,
                      data_parallel_grad=False, block_bytes=block_bytes, backend=backend, seed=seed, fused=fused,
                      validate=validate)
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(batch, dim, generator=gen).to(device).requires_grad_()
-    y = torch.randint(0, num_classes, (batch,), generator=gen).to(device)
-    with OpCounter() as counter:
-        loss = head(x, y)
-        loss.backward()
-        head.step(0.1)
+    counter, _ = _counted_step(head, batch, dim, num_classes, torch.Generator().manual_seed(seed + 1), device)
     out = counter.summary()
     out["launches"] = {k: v for k, v in counter.by_op.items() if k.startswith("triton:")}
     out["active"] = max(math.floor(sample_rate * num_classes + 1e-9), 1)
