@@ -25,7 +25,8 @@ import torch
 
 from _dist import run_ranks
 from ds_pfc import ArcFace, PartialFC, Partition
-from ds_pfc.bank import Placement, StaleRowError, TieredBank
+from ds_pfc.bank import Placement, StaleRowError, TieredBank, debug_streams_active
+from ds_pfc.bank.streams import DEBUG_ENV
 
 C, D, WORLD, STEPS = 1021, 16, 3, 22
 SAMPLE_RATE = 0.2
@@ -48,6 +49,21 @@ AIO = _aio_compatible()
 needs_aio = pytest.mark.skipif(
     not AIO, reason="DeepSpeed's AsyncIOBuilder().is_compatible() is False (libaio missing): "
                     "the nvme tier cannot run here")
+
+
+@pytest.fixture(scope="module", autouse=True, params=["streams-sync", "streams-emulated"])
+def stream_mode(request):
+    """Every test runs twice: with the plain CPU runtime, and with the stream emulator
+    (late, out-of-order side-stream copies, poisoned pool buffers, hazard checks).
+    The spawned ranks inherit the environment."""
+    old = os.environ.get(DEBUG_ENV)
+    os.environ[DEBUG_ENV] = "1" if request.param == "streams-emulated" else "0"
+    assert debug_streams_active() == (request.param == "streams-emulated")
+    yield request.param
+    if old is None:
+        os.environ.pop(DEBUG_ENV, None)
+    else:
+        os.environ[DEBUG_ENV] = old
 
 
 # ---------------------------------------------------------------- helpers
@@ -232,7 +248,7 @@ def _dense_ranks(rank, world):
 
 
 @pytest.fixture(scope="module")
-def dense():
+def dense(stream_mode):
     return run_ranks(_dense_ranks, WORLD)
 
 
@@ -384,7 +400,7 @@ def _nvme_ranks(rank, world, root):
 
 
 @pytest.fixture(scope="module")
-def nvme(tmp_path_factory):
+def nvme(stream_mode, tmp_path_factory):
     if not AIO:
         pytest.skip("DeepSpeed's AsyncIOBuilder().is_compatible() is False: no nvme tier here")
     return run_ranks(_nvme_ranks, WORLD, str(tmp_path_factory.mktemp("nvme-ranks")))

@@ -32,6 +32,7 @@ import torch
 
 from ..devices import set_thread_device
 from .base import ClassBank
+from .streams import Runtime, runtime_for
 from .tiered import TieredBank
 
 __all__ = ["Slot", "SlotBank", "Stager", "merge_slots"]
@@ -40,14 +41,18 @@ __all__ = ["Slot", "SlotBank", "Stager", "merge_slots"]
 class Slot:
     """Rows ``rows`` (sorted local ids) of every state, on the compute device."""
 
-    def __init__(self, rows: torch.Tensor, states: dict[str, torch.Tensor]):
+    def __init__(self, rows: torch.Tensor, states: dict[str, torch.Tensor], runtime: Runtime | None = None):
         self.rows = rows
         self.rows_cpu = rows.to("cpu")
         self.states = states
+        self.runtime = runtime
         self._futures: list[Future] = []
-        self._event = None           # CUDA: recorded on the side stream when B is complete
-        self.overlap = None          # (positions in this slot, their rows): filled after the step
+        self._event = None           # recorded on the fetch stream once the overlap patch is queued
+        self.overlap = None          # (positions in this slot, their rows), on the CPU: filled after the step
         self.buffers = None          # the pooled full-capacity tensors behind ``states``
+        # Events of side-stream work that reads this slot (overlap patches, write-backs):
+        # its buffers may be reused only after them.
+        self.readers: list = []
 
     def wait(self) -> "Slot":
         """The ready gate: block until the cold fetch and the overlap patch finished."""
@@ -55,7 +60,7 @@ class Slot:
             fut.result()              # re-raises a StaleRowError or an I/O error here
         self._futures = []
         if self._event is not None:
-            torch.cuda.current_stream(self.rows.device).wait_event(self._event)
+            self.runtime.wait(self.runtime.compute(), self._event)
             self._event = None
         return self
 
@@ -104,11 +109,22 @@ def merge_slots(slots: list[Slot]) -> tuple[Slot, torch.Tensor]:
     first = torch.empty(rows.numel(), dtype=torch.long, device=rows.device)
     first.scatter_(0, inverse, torch.arange(all_rows.numel(), device=rows.device))
     states = {name: torch.cat([s.states[name] for s in slots]).index_select(0, first) for name in slots[0].states}
-    return Slot(rows, states), inverse
+    return Slot(rows, states, slots[0].runtime), inverse
 
 
 class Stager:
-    """Stages bank rows into slots, prefetches the next slot, writes slots back."""
+    """Stages bank rows into slots, prefetches the next slot, writes slots back.
+
+    Streams (see :mod:`ds_pfc.bank.streams`): ``fetch`` carries every host-to-device
+    copy, the overlap patches and the reads *and* write-backs of device-tier states
+    (one stream, so a device-tier row is always read after its last write);
+    ``write`` carries the device-to-host copies of write-backs, so a write-back never
+    queues ahead of the next fetch. Ownership: slot buffers are allocated for both
+    streams, index tensors are made inside the operation on the stream that uses
+    them, and a slot's buffers return to the pool with the events of their last
+    readers (the compute stream's and the side streams'); the pool hands a buffer
+    out only once those completed.
+    """
 
     def __init__(self, bank: TieredBank):
         self.bank = bank
@@ -117,11 +133,17 @@ class Stager:
         # starts on device 0 and would create a context there on every rank.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_pfc-bank-io",
                                       initializer=set_thread_device, initargs=(self.device,))
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.runtime = runtime_for(self.device)
+        self._fetch_stream = self.runtime.new_stream("fetch")
+        self._write_stream = self.runtime.new_stream("write")
+        for name in bank.state_names():
+            store = bank.store(name)
+            if store.tier == "device":
+                self.runtime.keep_alive(store.data, self._fetch_stream)
         self._next: tuple[object, Slot] | None = None
         self._writebacks: list[Future] = []
         self._failure: BaseException | None = None   # a failed write-back, sticky
-        self._pool: list[dict[str, torch.Tensor]] = []
+        self._pool: list[tuple[dict[str, torch.Tensor], list]] = []   # (buffers, events before reuse)
         self._pool_lock = threading.Lock()
         self._stage_buffers: dict[str, torch.Tensor] = {}
         # Test hook: copy overlapping rows at prefetch time, *before* the optimizer
@@ -130,58 +152,69 @@ class Stager:
 
     # ---------------------------------------------------------------- reads
     def _fetch(self, slot: Slot, positions: torch.Tensor | None, rows_cpu: torch.Tensor) -> None:
-        """(I/O worker) read ``rows_cpu`` of every state into ``slot`` at ``positions``."""
-        stream = torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext()
-        with stream:
-            for name, dst in slot.states.items():
-                values = self.bank.read(name, rows_cpu, staging=self._staging(name, rows_cpu.numel()))
-                if positions is None:
-                    dst.copy_(values, non_blocking=True)
-                else:
-                    dst.index_copy_(0, positions, values.to(dst.dtype))
-            if self._stream is not None:
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                event.synchronize()
+        """(I/O worker) read ``rows_cpu`` of every state into ``slot`` at ``positions``
+        (CPU; None: all of it), checking versions first."""
+        rt = self.runtime
+        for name, dst in slot.states.items():
+            store = self.bank.store(name)
+            self.bank.check_versions(name, rows_cpu)
+            if store.tier == "device":
+                rt.run(self._fetch_stream, _gather_rows, dst, positions, store.data, rows_cpu,
+                       reads=(store.data,), writes=(dst,))
+            else:
+                staging = self._staging(name, rows_cpu.numel())
+                values = store.gather_into(rows_cpu, staging)
+                if values is not staging:
+                    rt.keep_alive(values, self._fetch_stream)
+                rt.run(self._fetch_stream, _land_rows, dst, positions, values, reads=(values,), writes=(dst,))
+        # The staging buffers are reused by the next fetch, and the caller's future
+        # means "landed": wait for the copies here, on the I/O worker.
+        rt.synchronize(rt.record(self._fetch_stream))
 
     def _staging(self, name: str, num: int) -> torch.Tensor:
-        """(I/O worker) a reusable store-side buffer for ``num`` rows of ``name``.
-        One worker uses it and waits for its copies, so one buffer per state is enough."""
+        """(I/O worker) a reusable host buffer for ``num`` rows of ``name``. One
+        worker uses it and waits for its copies, so one buffer per state is enough."""
         store = self.bank.store(name)
         buf = self._stage_buffers.get(name)
         if buf is None or buf.shape[0] < num:
-            from .stores import pinned_empty
-            buf = pinned_empty((num,) + store.row_shape, store.dtype) if store.tier != "device" else \
-                torch.empty((num,) + store.row_shape, dtype=store.dtype, device=self.device)
+            buf = self.runtime.empty((num,) + store.row_shape, store.dtype, "cpu", users=(self._fetch_stream,),
+                                     pin=torch.cuda.is_available())
             self._stage_buffers[name] = buf
         return buf[:num]
 
     def _empty_slot(self, rows: torch.Tensor, pooled: bool = True) -> Slot:
-        """A slot for ``rows``. Pooled slots reuse the buffers of slots whose
-        write-back finished (the double buffer: A while B fills, then B while A
-        drains), so steady-state staging allocates nothing."""
+        """A slot for ``rows``. Pooled slots reuse the buffers of slots whose last
+        readers finished (the double buffer: A while B fills, then B while A drains),
+        so steady-state staging allocates nothing."""
         num = rows.numel()
         buffers = None
         if pooled:
             with self._pool_lock:
-                for i, candidate in enumerate(self._pool):
-                    if next(iter(candidate.values())).shape[0] >= num:
-                        buffers = self._pool.pop(i)
+                for i, (candidate, events) in enumerate(self._pool):
+                    if next(iter(candidate.values())).shape[0] >= num and self.runtime.reusable(events):
+                        buffers = self._pool.pop(i)[0]
                         break
+            if buffers is not None:
+                self.runtime.check_reusable(buffers.values())
         if buffers is None:
-            buffers = {name: torch.empty((num,) + self.bank.store(name).row_shape, dtype=self.bank._logical[name],
-                                         device=self.device) for name in self.bank.state_names()}
-        slot = Slot(rows, {name: t[:num] for name, t in buffers.items()})
+            users = (self._fetch_stream, self._write_stream)
+            buffers = {name: self.runtime.empty((num,) + self.bank.store(name).row_shape, self.bank._logical[name],
+                                                self.device, users=users) for name in self.bank.state_names()}
+        slot = Slot(rows, {name: t[:num] for name, t in buffers.items()}, self.runtime)
         slot.buffers = buffers if pooled else None
         return slot
 
-    def release(self, slot: Slot) -> None:
-        """Return a slot's buffers to the pool: only once its readers and its
-        write-back are done."""
+    def release(self, slot: Slot, events: list | None = None) -> None:
+        """Return a slot's buffers to the pool, to be reused after ``events``
+        (default: everything the compute stream was given so far, and the slot's
+        side-stream readers). Call it after the compute stream's last use is queued."""
+        if events is None:
+            events = [self.runtime.record(self.runtime.compute())] + slot.readers
         buffers, slot.buffers = slot.buffers, None
         if buffers is not None:
+            events = self.runtime.retire(buffers.values(), events)
             with self._pool_lock:
-                self._pool.append(buffers)
+                self._pool.append((buffers, events))
                 del self._pool[:-3]         # slots A and B and one spare
 
     def _row_bytes(self) -> int:
@@ -211,11 +244,13 @@ class Stager:
             # Traffic is counted when a transfer is issued, so each step's report is
             # deterministic however fast the worker is.
             self.bank.count_traffic(staged_in=cold.numel() * self._row_bytes())
-            slot._futures.append(self._io.submit(self._fetch, slot, cold.to(self.device), slot.rows_cpu[cold]))
+            slot._futures.append(self._io.submit(self._fetch, slot, cold, slot.rows_cpu[cold]))
         if overlap.numel():
-            slot.overlap = (overlap.to(self.device), slot.rows[overlap.to(self.device)])
+            slot.overlap = (overlap, slot.rows_cpu[overlap])
             if self.patch_before_step:
                 self._patch(slot, live)
+                # Completed now, so that it reads the pre-step values on every runtime.
+                self.runtime.synchronize(slot._event)
         self._next = (key, slot)
 
     def take(self, rows: torch.Tensor, key, live: list[Slot]) -> Slot | None:
@@ -233,36 +268,29 @@ class Stager:
             self._patch(slot, live)
         return slot.wait()
 
-    def _as_stored(self, name: str, values: torch.Tensor) -> torch.Tensor:
-        """``values`` as a read from the bank would return them after a write-back:
-        rounded through the state's storage dtype."""
-        storage = self.bank.store(name).dtype
-        return values if storage == values.dtype else values.to(storage).to(values.dtype)
-
     def _patch(self, slot: Slot, sources: list[Slot]) -> None:
-        """Copy ``slot``'s overlapping rows from ``sources`` (after their update)."""
+        """Copy ``slot``'s overlapping rows from ``sources`` (after their update),
+        on the fetch stream, ordered after the compute stream's work so far."""
         positions, rows = slot.overlap
         slot.overlap = None
+        rt = self.runtime
+        rt.wait(self._fetch_stream, rt.record(rt.compute()))
+        patched = []
         for src in sources:
-            hit = torch.isin(rows, src.rows)
+            hit = torch.isin(rows, src.rows_cpu)
             if not bool(hit.any()):
                 continue
-            src_pos = torch.searchsorted(src.rows, rows[hit])
+            src_pos = torch.searchsorted(src.rows_cpu, rows[hit])
             dst_pos = positions[hit]
-            if self._stream is not None:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.device))
-                self._stream.wait_event(ready)
-                with torch.cuda.stream(self._stream):
-                    for name, dst in slot.states.items():
-                        dst.index_copy_(0, dst_pos, self._as_stored(name, src.states[name].index_select(0, src_pos)))
-                    slot._event = torch.cuda.Event()
-                    slot._event.record(self._stream)
-            else:
-                for name, dst in slot.states.items():
-                    dst.index_copy_(0, dst_pos, self._as_stored(name, src.states[name].index_select(0, src_pos)))
+            for name, dst in slot.states.items():
+                rt.run(self._fetch_stream, _patch_rows, dst, dst_pos, src.states[name], src_pos,
+                       self.bank.store(name).dtype, reads=(src.states[name],), writes=(dst,))
+            patched.append(src)
             rows, positions = rows[~hit], positions[~hit]
         assert rows.numel() == 0, "overlapping rows missing from the updated slots"
+        slot._event = rt.record(self._fetch_stream)
+        for src in patched:
+            src.readers.append(slot._event)
 
     def discard(self) -> None:
         """Drop the prefetched slot (after surfacing its errors)."""
@@ -276,39 +304,57 @@ class Stager:
     def after_step(self, updated: Slot) -> None:
         """``updated`` holds the optimizer's new values: patch the prefetched slot's
         overlap from it, then write it back asynchronously."""
+        rt = self.runtime
+        # A merged slot was allocated by the compute stream, outside the pool.
+        for t in updated.states.values():
+            rt.keep_alive(t, self._fetch_stream)
+            rt.keep_alive(t, self._write_stream)
         if self._next is not None and self._next[1].overlap is not None:
             self._patch(self._next[1], [updated])
+        rows_cpu = updated.rows_cpu
         for name in updated.states:
-            self.bank.note_issued(name, updated.rows_cpu)
-        self.bank.count_traffic(out=updated.rows_cpu.numel() * self._row_bytes())
-        if self._stream is not None:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            for t in updated.states.values():
-                t.record_stream(self._stream)
-            host = {}
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(done)
-                for name, t in updated.states.items():
-                    host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    host[name].copy_(t, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(self._stream)
-            future = self._io.submit(self._write_back, updated.rows_cpu, host, copied)
-        else:
-            future = self._io.submit(self._write_back, updated.rows_cpu, updated.states, None)
-        # Slot A goes back to the pool only when its write-back has finished.
-        future.add_done_callback(lambda _f, slot=updated: self.release(slot))
+            self.bank.note_issued(name, rows_cpu)
+        self.bank.count_traffic(out=rows_cpu.numel() * self._row_bytes())
+        stepped = rt.record(rt.compute())
+        device_names = [n for n in updated.states if self.bank.store(n).tier == "device"]
+        host_names = [n for n in updated.states if n not in device_names]
+        landed = copied = None
+        if device_names:
+            # Device-tier rows never leave the device: written on the stream that reads them.
+            rt.wait(self._fetch_stream, stepped)
+            for name in device_names:
+                store = self.bank.store(name)
+                rt.run(self._fetch_stream, _scatter_rows, store.data, rows_cpu, updated.states[name],
+                       reads=(updated.states[name],), writes=(store.data,))
+            landed = rt.record(self._fetch_stream)
+            updated.readers.append(landed)
+        host = {}
+        if host_names:
+            rt.wait(self._write_stream, stepped)
+            for name in host_names:
+                store, values = self.bank.store(name), updated.states[name]
+                host[name] = rt.empty(values.shape, store.dtype, "cpu", users=(self._write_stream,),
+                                      pin=torch.cuda.is_available())
+                rt.run(self._write_stream, _copy_out, host[name], values, reads=(values,), writes=(host[name],))
+            copied = rt.record(self._write_stream)
+            updated.readers.append(copied)
+        future = self._io.submit(self._write_back, rows_cpu, device_names, landed, host, copied)
+        # Slot A goes back to the pool only when its write-back has finished, and is
+        # reused only after its readers (the step, the patch, the copies) completed.
+        events = [stepped] + updated.readers
+        future.add_done_callback(lambda _f, slot=updated, events=events: self.release(slot, events))
         self._writebacks.append(future)
         self._writebacks = [f for f in self._writebacks if not f.done() or f.exception() is not None]
 
-    def _write_back(self, rows_cpu, states, copied) -> None:
-        if copied is not None:
-            copied.synchronize()
-        for name, values in states.items():
-            store = self.bank.store(name)
-            store.scatter(rows_cpu, values)
-
+    def _write_back(self, rows_cpu, device_names, landed, host, copied) -> None:
+        """(I/O worker) complete a write-back: a row's version counts it only once its
+        data has landed, so a read that could see old data is a StaleRowError."""
+        self.runtime.synchronize(landed)
+        for name in device_names:
+            self.bank.store(name).count_landed(rows_cpu)
+        self.runtime.synchronize(copied)
+        for name, values in host.items():
+            self.bank.store(name).scatter(rows_cpu, values)
 
     def drain(self) -> None:
         """Wait for every write-back and for the prefetch in flight (the stores are
@@ -321,6 +367,8 @@ class Stager:
         if self._next is not None:
             for fut in self._next[1]._futures:
                 fut.result()
+            if self._next[1]._event is not None:
+                self.runtime.synchronize(self._next[1]._event)
 
     def raise_failed(self) -> None:
         """Re-raise the original error of a failed write-back as soon as it is known,
@@ -339,11 +387,37 @@ class Stager:
                 self.drain()
         finally:
             self._io.shutdown(wait=True)
+            self.runtime.close()
 
 
-class _nullcontext:
-    def __enter__(self):
-        return self
+# Operations enqueued on a side stream. Index tensors arrive on the CPU and are moved
+# here, so they are allocated on the stream that reads them and freed in its order.
+def _land_rows(dst: torch.Tensor, positions: torch.Tensor | None, values: torch.Tensor) -> None:
+    """Copy store-side ``values`` into ``dst`` (all of it, or rows ``positions``)."""
+    if positions is None:
+        dst.copy_(values, non_blocking=True)       # straight into the slot, converting on the way
+    else:
+        dst.index_copy_(0, positions.to(dst.device, non_blocking=True),
+                        values.to(dst.device, non_blocking=True).to(dst.dtype))
 
-    def __exit__(self, *exc):
-        return False
+
+def _gather_rows(dst, positions, data, rows_cpu) -> None:
+    values = data.index_select(0, rows_cpu.to(data.device, non_blocking=True))
+    _land_rows(dst, positions, values)
+
+
+def _patch_rows(dst, dst_pos, src, src_pos, storage_dtype) -> None:
+    """Overlap rows from an updated slot, rounded through the storage dtype as a
+    write-back and a read would round them."""
+    values = src.index_select(0, src_pos.to(src.device, non_blocking=True))
+    if storage_dtype != values.dtype:
+        values = values.to(storage_dtype).to(values.dtype)
+    dst.index_copy_(0, dst_pos.to(dst.device, non_blocking=True), values.to(dst.dtype))
+
+
+def _scatter_rows(data, rows_cpu, values) -> None:
+    data.index_copy_(0, rows_cpu.to(data.device, non_blocking=True), values.to(data.dtype))
+
+
+def _copy_out(host: torch.Tensor, values: torch.Tensor) -> None:
+    host.copy_(values, non_blocking=True)

@@ -12,13 +12,44 @@ from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["RowStore", "DeviceStore", "HostStore", "pinned_empty"]
+__all__ = ["RowStore", "DeviceStore", "HostStore", "pinned_empty", "REGISTER_MIN_BYTES"]
+
+# Tables at least this large are page-locked with cudaHostRegister instead of the
+# caching host allocator, which rounds every block up to a power of two (a 2.56 GB
+# table would pin 4.29 GB) and never returns it to the system.
+REGISTER_MIN_BYTES = 64 << 20
 
 
 def pinned_empty(shape, dtype) -> torch.Tensor:
     """A host tensor, page-locked when CUDA is available (plain memory otherwise:
     pinning needs a CUDA driver)."""
     return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def pinned_table(shape, dtype) -> tuple[torch.Tensor, bool]:
+    """A long-lived host table, page-locked when CUDA is available; returns it and
+    whether it was registered (then :func:`unregister_table` must release it)."""
+    nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    if not torch.cuda.is_available() or nbytes < REGISTER_MIN_BYTES:
+        return pinned_empty(shape, dtype), False
+    table = torch.empty(shape, dtype=dtype)
+    err = torch.cuda.cudart().cudaHostRegister(table.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte host table failed with CUDA error {int(err)}")
+    return table, True
+
+
+def unregister_table(table: torch.Tensor) -> None:
+    err = torch.cuda.cudart().cudaHostUnregister(table.data_ptr())
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostUnregister of a host table failed with CUDA error {int(err)}")
 
 
 class RowStore(ABC):
@@ -42,6 +73,11 @@ class RowStore(ABC):
 
     def row_bytes(self) -> int:
         return max(self.width, 1) * torch.empty((), dtype=self.dtype).element_size()
+
+    def count_landed(self, rows: torch.Tensor) -> None:
+        """Count one completed write of ``rows`` whose data was copied in by the
+        caller (asynchronously, and has now landed)."""
+        self.versions[rows] += 1
 
     @abstractmethod
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
@@ -122,7 +158,7 @@ class HostStore(_MemoryStore):
 
     def __init__(self, num_rows, width, dtype, init: torch.Tensor | None = None):
         super().__init__(num_rows, width, dtype)
-        self.data = pinned_empty(self.shape, dtype)
+        self.data, self._registered = pinned_table(self.shape, dtype)
         if init is None:
             self.data.zero_()
         else:
@@ -137,3 +173,8 @@ class HostStore(_MemoryStore):
     def scatter(self, rows, values):
         self.data.index_copy_(0, rows, values.to(device="cpu", dtype=self.dtype))
         self.versions[rows] += 1
+
+    def close(self):
+        if self._registered:
+            self._registered = False
+            unregister_table(self.data)
