@@ -51,24 +51,37 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 #   dw kernel:            HELD = BLOCK_S (classes),  STREAMED = BLOCK_N (samples)
 # so one entry bounds both backward kernels' registers and shared memory alike.
 #
-# Sizing for H100 (228 KiB shared memory per SM, 64K registers): the streamed tile arrives as
-# float32 (x_hat and w are float32 in memory) and the software pipeliner keeps ~num_stages copies
-# in shared memory, so STREAMED * D * 4 * num_stages plus the two dot operands must stay well
-# under ~200 KiB; the [HELD, D] float32 accumulator must fit in registers (64 x 512 over 8 warps
-# is 128 registers per thread, the upper end). "lowp" (bf16/fp16) dots run on tensor cores;
-# "fp32" dots use input_precision="ieee" (FMA, no TF32) whose operands live in registers, so
-# those tiles are smaller. These are reasoned starting points, not autotuned values.
+# Sized for Hopper (sm_90: 227 KiB = 232448 bytes of shared memory per block, at most 255
+# registers per thread) from what Triton 3.9 and its bundled ptxas (13.4, sm_90a) compile each
+# kernel to: tests/test_triton_softmax.py::test_kernels_compile_for_sm90 compiles every row up to
+# D = 512 for sm_90 without a GPU and checks shared memory and register spills. Observations that
+# shaped the rows (reasoned from compiler output, not autotuned on a GPU):
+# * Shared memory is never the limit (at most 149504 bytes up to D = 512); registers are. The dw
+#   kernel is the most demanding: besides its [HELD, D] float32 accumulator it keeps the held w
+#   operand and the [HELD, STREAMED] cosine and G tiles live, so a row that suits lse/dx can still
+#   spill there.
+# * "lowp" (bf16/fp16) dots run on tensor cores. With 8 warps, HELD = 64 is spill-free up to
+#   D = 128 (with STREAMED <= 32); at D = 256 / 512 every HELD = 64 (or 128) row spills in the dw
+#   kernel (16 warps cap registers at 128 and spill more), hence HELD = 32 / 16 there.
+# * "fp32" dots use input_precision="ieee": FMA, no TF32, and each thread's operand rows span the
+#   whole K = D, so tiles are small. ptxas either fits such a kernel or falls back to ~32
+#   registers with hundreds of spilled 4-byte words (Triton's n_spills), and which one depends on
+#   num_stages in opposite ways for the kernels: at D = 512 lse/dx fit only with num_stages = 1
+#   and dw only with >= 2. No shared row avoids that; the row chosen keeps lse/dx spill-free and
+#   leaves ~550 spilled words in the fp32 dw kernel at D = 512 (D = 256: <= 52 words in lse/dx,
+#   dw clean).
 _TILES = {
-    ("lowp", 64): (64, 128, 4, 3),   # 32 KiB per streamed stage
-    ("lowp", 128): (64, 64, 4, 3),   # 32 KiB per stage
-    ("lowp", 256): (64, 64, 8, 2),   # 64 KiB per stage
-    ("lowp", 512): (64, 16, 8, 2),   # 32 KiB per stage; 64 x 512 accumulator is the limit
-    ("fp32", 64): (32, 64, 4, 2),
-    ("fp32", 128): (32, 32, 4, 2),
-    ("fp32", 256): (32, 32, 8, 2),
-    ("fp32", 512): (32, 16, 8, 1),
-    # Beyond the practical range (d <= 512); wider D reuses the last row, untested.
-    ("lowp", 1024): (32, 16, 8, 1),
+    ("lowp", 64): (64, 32, 8, 3),    # also serves D = 16, 32
+    ("lowp", 128): (64, 16, 8, 3),
+    ("lowp", 256): (32, 32, 8, 3),
+    ("lowp", 512): (16, 32, 8, 3),
+    ("fp32", 64): (16, 64, 8, 2),
+    ("fp32", 128): (16, 16, 8, 2),
+    ("fp32", 256): (16, 16, 8, 2),
+    ("fp32", 512): (16, 32, 16, 1),
+    # Beyond the practical range (d <= 512); wider D reuses the last row. Compiled for sm_90 once
+    # (lowp: 36 spilled words, in dw; fp32: dw spills ~1500 words), not covered by the test.
+    ("lowp", 1024): (16, 16, 8, 2),
     ("fp32", 1024): (16, 16, 8, 1),
 }
 # Under the interpreter every program runs as numpy on the CPU: small tiles keep tests fast and
@@ -413,7 +426,7 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
 
     Cost: both kernels recompute the cosines, so 8 N S d FLOPs (vs 2 N S d for the forward).
     Memory beyond the outputs: ``[SPLITS, N, d]`` float32 partials of dx_hat (SPLITS is at most
-    ~4 x SMs / sample tiles, e.g. ~70 MiB for N = 64, d = 512 on 132 SMs).
+    ~4 x SMs / sample tiles, e.g. ~20 MiB for N = 2048, d = 512 on 132 SMs with 16-sample tiles).
     """
     _validate(x_hat, w, w_inv_norm, target_col, compute_dtype, coef=coef, row_max=row_max)
     n, d = x_hat.shape
