@@ -5,6 +5,8 @@ actual value, before anything is changed.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -57,3 +59,14 @@ def check_int(name: str, value, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_number(name: str, value, low: float = 0.0, high: float | None = None, high_open: bool = False) -> float:
+    """A finite number (not a bool) in ``[low, high]`` (``[low, high)`` with
+    ``high_open``; no upper bound without ``high``); returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (high is not None and (value > high or (high_open and value == high))):
+        bound = f"in [{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return float(value)

@@ -9,11 +9,11 @@ where the row was active ("lazy" semantics: no decay or momentum while inactive)
 from __future__ import annotations
 
 import inspect
-import math
 from abc import ABC, abstractmethod
 
 import torch
 
+from ._checks import check_number as _number
 from .bank.base import ClassBank
 from .softmax import default_block_bytes
 
@@ -28,15 +28,6 @@ def _chunks(rows: torch.Tensor | None, num_rows: int, width: int, device, chunk_
         hi = min(total, lo + step)
         ids = torch.arange(lo, hi, device=device) if rows is None else rows[lo:hi]
         yield ids, slice(lo, hi)
-
-
-def _number(name, value, low=0.0, high=None, high_open=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{name} must be a finite number, got {value!r}")
-    if value < low or (high is not None and (value > high or (high_open and value == high))):
-        bound = f"in [{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return float(value)
 
 
 class RowOptimizer(ABC):

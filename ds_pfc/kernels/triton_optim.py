@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from .._checks import check_number as _number
+
 try:
     import triton
     import triton.language as tl
@@ -165,15 +167,6 @@ if triton is not None:
 
 
 # ----------------------------------------------------------------------------- checks
-
-def _number(name, value, low, high=None, high_open=False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{name} must be a finite number, got {value!r}")
-    if value < low or (high is not None and (value > high or (high_open and value == high))):
-        bound = f"in [{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return float(value)
-
 
 def _check_tensor(name, t, dtype, shape, device):
     """``t`` is a tensor of ``dtype`` and ``shape`` on ``device`` whose last dimension

@@ -216,20 +216,38 @@ def _grad_entries(cos, col, tgt, valid, coef, row_max, scale, threshold,
 
 
 @triton.jit
-def _lse_kernel(x_ptr, w_ptr, w_inv_ptr, tgt_ptr, m_ptr, l_ptr, max_cos_ptr,
-                N, S, d, tiles_per_split, scale, threshold,
-                HAS_THRESHOLD: tl.constexpr, WANT_MAX_COS: tl.constexpr,
-                COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
-    """Grid (sample tiles, splits): partial m, l (and max cos) of one sample tile over one split."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+def _sample_tile(x_ptr, tgt_ptr, N, d, pid_n, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 COMPUTE: tl.constexpr, UPCAST: tl.constexpr):
+    """The held sample tile of the forward and dX kernels: row ids and mask, padded
+    dims and mask, the embeddings as dot operands, the target columns."""
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     dims = tl.arange(0, D)
     dim_ok = dims < d
     x = _operand(_load_rows(x_ptr, rows, row_ok, dims, dim_ok, d), COMPUTE, UPCAST)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    return rows, row_ok, dims, dim_ok, x, tgt
+
+
+@triton.jit
+def _class_tile(w_ptr, w_inv_ptr, t, S, dims, dim_ok, d, BLOCK_S: tl.constexpr):
+    """Class tile ``t``: column ids and mask, and the normalised centers (float32)."""
+    cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
+    col_ok = cols < S
+    w_inv = tl.load(w_inv_ptr + cols, mask=col_ok, other=0.0)
+    return cols, col_ok, _load_rows(w_ptr, cols, col_ok, dims, dim_ok, d) * w_inv[:, None]
+
+
+@triton.jit
+def _lse_kernel(x_ptr, w_ptr, w_inv_ptr, tgt_ptr, m_ptr, l_ptr, max_cos_ptr,
+                N, S, d, tiles_per_split, scale, threshold,
+                HAS_THRESHOLD: tl.constexpr, WANT_MAX_COS: tl.constexpr,
+                COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """Grid (sample tiles, splits): partial m, l (and max cos) of one sample tile over one split."""
+    pid_k = tl.program_id(1)
+    rows, row_ok, dims, dim_ok, x, tgt = _sample_tile(x_ptr, tgt_ptr, N, d, tl.program_id(0), BLOCK_N, D,
+                                                      COMPUTE, UPCAST)
 
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_N], tl.float32)
@@ -237,10 +255,7 @@ def _lse_kernel(x_ptr, w_ptr, w_inv_ptr, tgt_ptr, m_ptr, l_ptr, max_cos_ptr,
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(S, BLOCK_S))
     for t in range(first, last):
-        cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
-        col_ok = cols < S
-        w_inv = tl.load(w_inv_ptr + cols, mask=col_ok, other=0.0)
-        w_hat = _load_rows(w_ptr, cols, col_ok, dims, dim_ok, d) * w_inv[:, None]
+        cols, col_ok, w_hat = _class_tile(w_ptr, w_inv_ptr, t, S, dims, dim_ok, d, BLOCK_S)
         cos = tl.dot(x, tl.trans(_operand(w_hat, COMPUTE, UPCAST)), input_precision="ieee")
         if WANT_MAX_COS:
             # Raw cosines of every class but the target (filtered negatives included): the
@@ -270,14 +285,9 @@ def _grad_x_kernel(x_ptr, w_ptr, w_inv_ptr, tgt_ptr, coef_ptr, row_max_ptr, dx_p
                    HAS_THRESHOLD: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
     """Grid (sample tiles, splits): partial ``dx_hat = G @ w_hat`` of one sample tile, one split."""
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    dims = tl.arange(0, D)
-    dim_ok = dims < d
-    x = _operand(_load_rows(x_ptr, rows, row_ok, dims, dim_ok, d), COMPUTE, UPCAST)
-    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    rows, row_ok, dims, dim_ok, x, tgt = _sample_tile(x_ptr, tgt_ptr, N, d, tl.program_id(0), BLOCK_N, D,
+                                                      COMPUTE, UPCAST)
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
     row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
 
@@ -285,11 +295,8 @@ def _grad_x_kernel(x_ptr, w_ptr, w_inv_ptr, tgt_ptr, coef_ptr, row_max_ptr, dx_p
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(S, BLOCK_S))
     for t in range(first, last):
-        cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
-        col_ok = cols < S
-        w_inv = tl.load(w_inv_ptr + cols, mask=col_ok, other=0.0)
-        w_op = _operand(_load_rows(w_ptr, cols, col_ok, dims, dim_ok, d) * w_inv[:, None],
-                        COMPUTE, UPCAST)
+        cols, col_ok, w_hat = _class_tile(w_ptr, w_inv_ptr, t, S, dims, dim_ok, d, BLOCK_S)
+        w_op = _operand(w_hat, COMPUTE, UPCAST)
         cos = tl.dot(x, tl.trans(w_op), input_precision="ieee")
         g = _grad_entries(cos, cols[None, :], tgt[:, None], row_ok[:, None] & col_ok[None, :],
                           coef[:, None], row_max[:, None], scale, threshold, HAS_THRESHOLD)
