@@ -23,7 +23,7 @@ import torch
 __all__ = ["MarginConfig", "OptimizerConfig", "BankConfig", "HeadConfig", "BackboneConfig", "SyntheticDataConfig",
            "DataConfig", "ScheduleConfig", "TrainConfig", "EvaluationConfig", "CheckpointConfig", "DsPfcConfig",
            "split_config",
-           "from_dict", "DEEPSPEED_TOP_LEVEL_KEYS", "ConfigError"]
+           "from_dict", "DEEPSPEED_TOP_LEVEL_KEYS", "DEEPSPEED_REMOVED_KEYS", "ConfigError"]
 
 
 class ConfigError(ValueError):
@@ -33,16 +33,21 @@ class ConfigError(ValueError):
 # Top-level keys DeepSpeed 0.19 reads; anything else is most likely a typo.
 DEEPSPEED_TOP_LEVEL_KEYS = frozenset("""
 train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps steps_per_print optimizer
-scheduler fp16 bf16 amp torch_autocast gradient_clipping prescale_gradients gradient_predivide_factor
+scheduler fp16 bf16 torch_autocast gradient_clipping prescale_gradients gradient_predivide_factor
 gradient_allreduce_op zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
 activation_checkpointing wall_clock_breakdown memory_breakdown flops_profiler tensorboard wandb csv_monitor
-comet monitor_config elasticity communication_data_type seq_parallel_communication_data_type aio
-data_efficiency data_types checkpoint autotuning pipeline compression_training curriculum_learning
-eigenvalue progressive_layer_drop quantize_training sparse_attention dataloader_drop_last compile
-nebula weight_quantization hybrid_engine load_universal_checkpoint use_node_local_storage timers
+comet monitor_config communication_data_type seq_parallel_communication_data_type aio
+data_efficiency data_types checkpoint autotuning pipeline dataloader_drop_last compile
+weight_quantization hybrid_engine load_universal_checkpoint use_node_local_storage timers
 tensor_parallel dump_state disable_allgather disable_python_gc log_level lower_precision_safe_modules
-managed_gradient_accumulation use_data_before_expert_parallelism vocabulary_size sparse_gradients
-expert_parallel zenflow graph_harvesting mics_shard_size mics_hierarchical_params_gather
+managed_gradient_accumulation use_data_before_expert_parallelism vocabulary_size
+expert_parallel zenflow mics_shard_size mics_hierarchical_params_gather
+""".split())
+
+# Top-level keys DeepSpeed 0.19 removed (it refuses them at initialize).
+DEEPSPEED_REMOVED_KEYS = frozenset("""
+amp compression_training curriculum_learning eigenvalue elasticity graph_harvesting nebula
+progressive_layer_drop quantize_training sparse_attention sparse_gradients
 """.split())
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -531,6 +536,10 @@ def split_config(config: dict) -> tuple[dict, DsPfcConfig]:
     if "ds_pfc" not in config:
         raise ConfigError("the config has no 'ds_pfc' block (the Partial FC head's settings)")
     ds_config = {k: v for k, v in config.items() if k != "ds_pfc"}
+    removed = sorted(set(ds_config) & DEEPSPEED_REMOVED_KEYS)
+    if removed:
+        raise ConfigError(f"top-level config keys {removed} were removed from DeepSpeed 0.19 (their features no "
+                          "longer exist); delete them")
     unknown = sorted(set(ds_config) - DEEPSPEED_TOP_LEVEL_KEYS)
     if unknown:
         warnings.warn(f"top-level config keys {unknown} are not DeepSpeed keys and will be ignored by DeepSpeed "

@@ -119,3 +119,8 @@ def test_top_level_typos_and_missing_clipping_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")        # a clean config warns about nothing
         split_config(_config({"num_classes": 3}, bf16={"enabled": True}, zero_optimization={"stage": 1}))
+
+
+def test_keys_removed_from_deepspeed_are_refused():
+    with pytest.raises(ConfigError, match=r"\['amp'\] were removed from DeepSpeed"):
+        split_config({**BASE, "amp": {"enabled": True}, "ds_pfc": {"head": {"num_classes": 3}}})
