@@ -1,89 +1,23 @@
 """Insightface RecordIO reader (``ds_pfc.data.recordio``).
 
-The ``.rec``/``.idx`` files are written here with ``struct.pack`` straight from the
-format description (notes/insightface.md 4.1), sharing no code with the reader:
-physical records, the split at 4-byte-aligned magic words, the IRHeader and the
-insightface header/identity layout. Sizes are deliberately odd.
+The ``.rec``/``.idx`` files come from ``_recordio_writers``, written with
+``struct.pack`` straight from the format description and sharing no code with the
+reader; expectations come from the lists the tests hand to the writers. Sizes are
+deliberately odd.
 """
 from __future__ import annotations
 
 import os
 import pickle
 import struct
+import warnings
 
 import pytest
 import torch
 
+from _recordio_writers import (MAGIC_LE, fake_image, fake_png, header_layout, im2rec_pack_label, ir_pack,
+                               physical, write_property, write_rec)
 from ds_pfc.data.recordio import InsightFaceRecord, RecordIOReader, unpack_header
-
-MAGIC_LE = struct.pack("<I", 0xCED7230A)
-
-
-# -- independent writer -------------------------------------------------------------
-def physical(part: bytes, cflag: int) -> bytes:
-    return struct.pack("<II", 0xCED7230A, (cflag << 29) | len(part)) + part + b"\0" * (-len(part) % 4)
-
-
-def logical(payload: bytes) -> bytes:
-    """One logical record: cut at every magic word found at an offset divisible by 4,
-    dropping it; parts flagged 1 (first), 2 (middle), 3 (last); 0 when uncut."""
-    cuts = [i for i in range(0, len(payload) - 3, 4) if payload[i:i + 4] == MAGIC_LE]
-    if not cuts:
-        return physical(payload, 0)
-    starts = [0] + [c + 4 for c in cuts]
-    ends = cuts + [len(payload)]
-    flags = [1] + [2] * (len(cuts) - 1) + [3]
-    return b"".join(physical(payload[s:e], f) for s, e, f in zip(starts, ends, flags))
-
-
-def ir_pack(label, payload: bytes = b"", id1: int = 0, id2: int = 0) -> bytes:
-    if isinstance(label, (list, tuple)):
-        return struct.pack("<IfQQ", len(label), 0.0, id1, id2) + struct.pack(f"<{len(label)}f", *label) + payload
-    return struct.pack("<IfQQ", 0, float(label), id1, id2) + payload
-
-
-def write_rec(tmp_path, records, name="train", idx_order=None):
-    """``records`` = [(key, payload)]; returns (rec_path, idx_path, offsets)."""
-    rec, idx = tmp_path / f"{name}.rec", tmp_path / f"{name}.idx"
-    blob, offsets = bytearray(), {}
-    for key, payload in records:
-        offsets[key] = len(blob)
-        blob += logical(payload)
-    rec.write_bytes(bytes(blob))
-    order = idx_order if idx_order is not None else [k for k, _ in records]
-    idx.write_text("".join(f"{k}\t{offsets[k]}\n" for k in order))
-    return str(rec), str(idx), offsets
-
-
-def fake_image(i: int) -> bytes:
-    """Odd lengths; every third one holds the magic at an aligned offset of the record
-    payload (header of 24 or 36 bytes, then image offset 12), so those records are split."""
-    body = bytes((i * 7 + j) % 251 for j in range(5 + 3 * i))
-    if i % 3 == 0:
-        body = body[:10] + MAGIC_LE + body[10:]
-    return b"\xff\xd8" + body
-
-
-def header_layout(class_sizes, array_labels=False):
-    """Insightface layout: record 0 = [A, B], images 1..A-1 grouped by class,
-    identity records A..B-1 holding [img_start, img_end)."""
-    num_images = sum(class_sizes)
-    a, b = num_images + 1, num_images + 1 + len(class_sizes)
-    records, expect = [(0, ir_pack([float(a), float(b)], id2=1))], []
-    key = 1
-    for cls, n in enumerate(class_sizes):
-        for _ in range(n):
-            img = fake_image(key)
-            label = [float(cls), 0.25 * key, -1.0] if array_labels else float(cls)
-            records.append((key, ir_pack(label, img, id1=key)))
-            expect.append((img, cls))
-            key += 1
-    start = 1
-    for cls, n in enumerate(class_sizes):
-        records.append((a + cls, ir_pack([float(start), float(start + n)])))
-        start += n
-    return records, expect, (a, b)
-
 
 # -- layouts ------------------------------------------------------------------------
 @pytest.mark.parametrize("array_labels", [False, True], ids=["scalar", "array"])
@@ -131,6 +65,105 @@ def test_im2rec_array_labels_without_key0(tmp_path):
     assert ds.header is None and len(ds) == 7
     assert ds[2] == (fake_image(3), 3)
     assert ds.num_classes == 4
+
+
+# -- num_classes against the declared counts ------------------------------------------
+@pytest.mark.parametrize("class_ids", [
+    [1, 2, 3, 4, 5, 6, 7],       # face2rec-style, numbered from 1
+    [0, 3, 4, 9, 10, 17],        # sparse: only increasing
+    [2, 5, 6, 1000],             # one far-off class
+], ids=["one-based", "sparse", "far"])
+def test_num_classes_covers_largest_label(tmp_path, class_ids):
+    class_sizes = [3, 1, 4, 2, 1, 5, 2][:len(class_ids)]
+    records, _, (a, b) = header_layout(class_sizes, class_ids=class_ids)
+    rec, idx, _ = write_rec(tmp_path, records)
+    write_property(tmp_path, len(class_ids))  # what the writers record: one class per identity
+    expected_labels = [c for c, n in zip(class_ids, class_sizes) for _ in range(n)]
+    ds = InsightFaceRecord(rec, idx)
+    assert ds.header == (a, b) and b - a == len(class_ids) < max(class_ids) + 1
+    assert len(ds) == sum(class_sizes)
+    assert [ds[i][1] for i in range(len(ds))] == expected_labels
+    assert ds.labels().tolist() == expected_labels
+    with pytest.warns(UserWarning) as caught:
+        assert ds.num_classes == max(class_ids) + 1
+    messages = [str(w.message) for w in caught]
+    assert any("property" in m and f"declares {len(class_ids)} classes" in m for m in messages)
+    assert any(f"[{a}, {b}]" in m for m in messages)
+    assert all(f"largest label is {max(class_ids)}" in m for m in messages)
+    # cached: no second warning, and every label fits a head of that size
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ds.num_classes == max(class_ids) + 1
+    assert int(ds.labels().max()) < ds.num_classes
+
+
+@pytest.mark.parametrize("declared", [None, 5, 9], ids=["no-property", "property-exact", "property-larger"])
+def test_num_classes_when_declared_counts_agree(tmp_path, declared):
+    class_sizes = [2, 3, 1, 2, 4]
+    records, expect, _ = header_layout(class_sizes)
+    rec, idx, _ = write_rec(tmp_path, records)
+    if declared is not None:
+        write_property(tmp_path, declared)
+    ds = InsightFaceRecord(rec, idx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ds.num_classes == len(class_sizes)  # classes 0..4 hold images; a larger declared count is no error
+    assert ds.labels().tolist() == [c for _, c in expect]
+
+
+def test_unreadable_property_is_ignored(tmp_path):
+    records, _, _ = header_layout([1, 2, 2])
+    rec, idx, _ = write_rec(tmp_path, records)
+    (tmp_path / "property").write_text("classes: many\n")
+    ds = InsightFaceRecord(rec, idx)
+    with pytest.warns(UserWarning, match=r"property'.*num_classes,height,width.*ignoring it"):
+        assert ds.num_classes == 3
+
+
+# -- record 0: header or image --------------------------------------------------------
+@pytest.mark.parametrize("first_labels", [[3, 8], [1, 1], [0, 4], [6, 2]])
+@pytest.mark.parametrize("image", [fake_image, fake_png], ids=["jpeg", "png"])
+def test_im2rec_pack_label_numbered_from_zero(tmp_path, first_labels, image):
+    # im2rec --pack-label from a .lst numbered from 0 with two integer label columns:
+    # record 0 has flag=2 and a label that can read like [A, B], but carries an image.
+    lst = [(0, first_labels, image(0))] + [(i, [(5 * i) % 11, i % 3], image(i)) for i in range(1, 12)]
+    rec, idx, _ = write_rec(tmp_path, im2rec_pack_label(lst), name="packed")
+    write_property(tmp_path, 4)  # a stray property file is only checked against, never trusted
+    ds = InsightFaceRecord(rec, idx)
+    assert ds.header is None
+    assert len(ds) == len(lst)
+    assert [ds.key(i) for i in range(len(ds))] == [index for index, _, _ in lst]
+    assert [ds[i] for i in range(len(ds))] == [(img, labels[0]) for _, labels, img in lst]
+    assert ds.labels().tolist() == [labels[0] for _, labels, _ in lst]
+    with pytest.warns(UserWarning, match=r"property' declares 4 classes"):
+        assert ds.num_classes == max(labels[0] for _, labels, _ in lst) + 1
+
+
+def _pack_label_with_empty_first_image(num_lines):
+    # an im2rec --pack-label list whose first image file is empty: record 0 then has
+    # flag=2, label [3, 5] and no image bytes, just like a header
+    lst = [(0, [3, 5], b"")] + [(i, [i % 4, 1], fake_image(i)) for i in range(1, num_lines)]
+    return im2rec_pack_label(lst)
+
+
+@pytest.mark.parametrize("case", ["keys-past-B", "image-at-identity-key", "image-key-missing", "three-labels"])
+def test_ambiguous_record0_is_refused(tmp_path, case):
+    if case == "keys-past-B":
+        records = _pack_label_with_empty_first_image(10)  # keys 5..9 lie past B = 5
+        why = r"5 key\(s\) lie outside 0\.\.4, the first being 5"
+    elif case == "image-at-identity-key":
+        records = _pack_label_with_empty_first_image(5)  # keys 0..4, but key 3 is an image
+        why = r"record 3 should be an identity record \(flag=2, no image bytes\) and has flag=2 with \d+ image bytes"
+    elif case == "image-key-missing":
+        records, _, _ = header_layout([3, 2, 4])
+        records = [r for r in records if r[0] != 4]  # a hole inside 1..A-1, not at its end
+        why = r"images are keys 1\.\.9 but key 4 is not in the index \(1 of those 9 keys are missing\)"
+    else:
+        records = [(0, ir_pack([3.0, 5.0, 1.0]))] + [(k, ir_pack(float(k), fake_image(k))) for k in range(1, 5)]
+        why = r"so it is not an image record.*layout of this file is unknown"
+    rec, idx, _ = write_rec(tmp_path, records, name="ambiguous")
+    with pytest.raises(ValueError, match=r"ambiguous\.rec': record 0 has flag=\d.*no image bytes.*" + why):
+        InsightFaceRecord(rec, idx)
 
 
 def test_decode_callable_and_dataloader(tmp_path):
@@ -300,8 +333,9 @@ def test_bad_index_and_header(tmp_path):
                             name="short")
     with pytest.raises(ValueError, match="key 9 is not in"):
         InsightFaceRecord(rec, idx)
-    rec, idx, _ = write_rec(tmp_path, [(0, ir_pack([5.0, 0.5], b"img"))], name="multi")
-    with pytest.raises(ValueError, match=r"not \[A, B\]"):
+    # no image bytes, so not an image record, and [5, 0.5] is no header either
+    rec, idx, _ = write_rec(tmp_path, [(0, ir_pack([5.0, 0.5]))], name="multi")
+    with pytest.raises(ValueError, match=r"multi\.rec.*not an insightface header either.*\[A, B\]"):
         InsightFaceRecord(rec, idx)
     rec, idx, _ = write_rec(tmp_path, [(0, ir_pack(2.5, b"img"))], name="frac")
     with pytest.raises(ValueError, match="non-negative integer class id"):

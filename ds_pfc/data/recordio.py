@@ -16,10 +16,13 @@ description, not from MXNet's code:
   uint64 id, uint64 id2; 24 bytes). When ``flag > 0``, ``flag`` float32 labels follow
   and stand for the label; the rest of the payload is the encoded image.
 
-Insightface layout (:class:`InsightFaceRecord`): record 0 with ``flag > 0`` is a
-header whose label is ``[A, B]``; image records are keys ``1 .. A-1``, identity
-records ``A .. B-1`` (one per class, empty payload). Recs made by ``im2rec`` have no
-header and every key is an image.
+Insightface layout (:class:`InsightFaceRecord`): record 0 is a header with
+``flag = 2``, label ``[A, B]`` and an empty payload; image records are keys
+``1 .. A-1``, identity records ``A .. B-1`` (one per class, empty payload), and a
+``property`` text file beside the ``.rec`` holds ``num_classes,h,w``. Recs made by
+``im2rec`` have no header and every key is an image; with ``--pack-label`` their
+record 0 may also have ``flag = 2`` and two integer labels, but it carries the image,
+which a header never does.
 
 Nothing here decodes images: there is no image library among the dependencies, so
 items carry the encoded bytes unless the caller passes ``decode``.
@@ -30,6 +33,7 @@ import math
 import os
 import struct
 import threading
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -252,6 +256,24 @@ def _class_of(label) -> int:
     return int(value)
 
 
+def _property_num_classes(rec_path: str) -> tuple[str, int] | None:
+    """``(path, num_classes)`` from insightface's ``property`` file (``num_classes,h,w``)
+    beside ``rec_path``; ``None`` without one. An unreadable one is ignored with a
+    warning: nothing here depends on it."""
+    path = os.path.join(os.path.dirname(os.path.abspath(rec_path)), "property")
+    if not os.path.isfile(path):
+        return None
+    with open(path, "r", encoding="ascii", errors="replace") as f:
+        text = f.read(256)
+    try:
+        value = int(text.split(",")[0].strip())
+    except ValueError:
+        warnings.warn(f"{path!r}: expected 'num_classes,height,width', got {text.strip()[:60]!r}; ignoring it",
+                      stacklevel=3)
+        return None
+    return path, value
+
+
 class InsightFaceRecord(torch.utils.data.Dataset):
     """Face images and class ids from an insightface ``.rec``/``.idx`` pair.
 
@@ -260,10 +282,21 @@ class InsightFaceRecord(torch.utils.data.Dataset):
     insightface's recs: decode to RGB to match its training); ``label`` is the int
     class id, the scalar label or index 0 of an array label.
 
-    Layout: if record 0 has ``flag > 0`` it is the header ``[A, B]`` and images are
-    keys ``1 .. A-1`` with ``num_classes = B - A`` (one identity record per class);
-    otherwise (``im2rec``) every key in the index is an image, in index order, and
-    ``num_classes`` is ``max(label) + 1``, computed on first use.
+    Layout, decided from record 0 and the index:
+
+    - no key 0, or record 0 carries image bytes after its labels: no header (``im2rec``,
+      with or without ``--pack-label``); every key in the index is an image, in index
+      order. An ``im2rec --pack-label`` record 0 may well have two integer labels.
+    - record 0 has ``flag=2``, label ``[A, B]`` and no image bytes: the insightface
+      header, ``self.header = (A, B)``; images are keys ``1 .. A-1``. It is accepted
+      only when the index agrees: every key ``1 .. A-1`` is there, no key lies outside
+      ``0 .. B-1``, and the identity records ``A`` and ``B-1``, when present, have no
+      image bytes either.
+    - anything else (no image bytes but not ``[A, B]``, or an index that contradicts
+      the header) is refused with a ``ValueError`` saying why: reading such a file
+      either way could silently give wrong images or labels.
+
+    ``num_classes`` is ``max(label) + 1`` over the items (see there).
     """
 
     def __init__(self, rec_path: str | os.PathLike, idx_path: str | os.PathLike | None = None,
@@ -272,30 +305,47 @@ class InsightFaceRecord(torch.utils.data.Dataset):
             raise TypeError(f"decode must be a callable taking bytes or None, got {type(decode).__name__}")
         self.reader = RecordIOReader(rec_path, idx_path)
         self.decode = decode
-        self.header: tuple[int, int] | None = None
+        self.header: tuple[int, int] | None = self._find_header()
+        self._image_keys: Sequence[int] = range(1, self.header[0]) if self.header else self.reader.keys
         self._labels: torch.Tensor | None = None
         self._num_classes: int | None = None
-        if len(self.reader) == 0:
-            self._image_keys: Sequence[int] = []
-            return
-        # Insightface looks at key 0 only; a rec without key 0 cannot have its header.
-        flag, label = unpack_header(self.reader.read(0))[:2] if 0 in self.reader else (0, 0.0)
-        if flag > 0:
-            if len(label) != 2:
-                raise ValueError(f"{self.reader.rec_path!r}: header record 0 has flag={flag} labels {label}; "
-                                 f"the insightface header holds exactly two, [A, B]")
-            a, b = int(label[0]), int(label[1])
-            if a != label[0] or b != label[1] or a < 1 or b < a:
-                raise ValueError(f"{self.reader.rec_path!r}: header record 0 label {label} is not [A, B] with "
-                                 f"integers 1 <= A <= B")
-            if a > 1 and (a - 1) not in self.reader:
-                raise ValueError(f"{self.reader.rec_path!r}: header says images are keys 1..{a - 1} but key "
-                                 f"{a - 1} is not in {self.reader.idx_path!r}")
-            self.header = (a, b)
-            self._image_keys = range(1, a)
-            self._num_classes = b - a
-        else:
-            self._image_keys = self.reader.keys
+
+    def _find_header(self) -> tuple[int, int] | None:
+        reader = self.reader
+        if 0 not in reader:  # insightface looks at key 0 only
+            return None
+        flag, label, _, _, rest = unpack_header(reader.read(0))
+        if flag == 0 or rest:
+            return None  # an image record: a header never carries image bytes
+        where = f"{reader.rec_path!r}: record 0 has flag={flag}, label {list(label)} and no image bytes"
+        integral = all(math.isfinite(v) and v == int(v) for v in label)
+        if flag != 2 or not integral or not 1 <= label[0] <= label[1]:
+            raise ValueError(f"{where}, so it is not an image record, and it is not an insightface header "
+                             f"either: that holds exactly two labels [A, B], integers with 1 <= A <= B. The "
+                             f"layout of this file is unknown")
+        a, b = int(label[0]), int(label[1])
+        refuse = (f"{where}, like an insightface header [A, B] = [{a}, {b}] (images at keys 1..A-1, identity "
+                  f"records at A..B-1), but {reader.idx_path!r} does not match it: ")
+        keys = reader.keys
+        # Keys are unique, so exactly B of them between 0 and B-1 is the whole layout;
+        # only an index that is not that gets counted key by key.
+        if len(keys) != b or min(keys) < 0 or max(keys) >= b:
+            num_images = sum(1 for k in keys if 1 <= k < a)
+            if num_images < a - 1:
+                last = next(k for k in range(a - 1, 0, -1) if k not in reader)
+                raise ValueError(f"{refuse}header says images are keys 1..{a - 1} but key {last} is not in the "
+                                 f"index ({a - 1 - num_images} of those {a - 1} keys are missing)")
+            outside = [k for k in keys if not 0 <= k < b]
+            if outside:
+                raise ValueError(f"{refuse}{len(outside)} key(s) lie outside 0..{b - 1}, the first being "
+                                 f"{outside[0]}")
+        for key in sorted({a, b - 1}):
+            if a <= key < b and key in reader:
+                id_flag, _, _, _, id_rest = unpack_header(reader.read(key))
+                if id_flag != 2 or id_rest:
+                    raise ValueError(f"{refuse}record {key} should be an identity record (flag=2, no image "
+                                     f"bytes) and has flag={id_flag} with {len(id_rest)} image bytes")
+        return a, b
 
     def __len__(self) -> int:
         return len(self._image_keys)
@@ -328,7 +378,30 @@ class InsightFaceRecord(torch.utils.data.Dataset):
 
     @property
     def num_classes(self) -> int:
+        """``max(label) + 1`` over the items (0 when there are none), from
+        :meth:`labels` on first use (one read of every record header), cached.
+
+        The counts written beside the data are checked, not trusted: insightface's
+        ``property`` file (``num_classes,h,w`` next to the ``.rec``) and the header's
+        ``B - A`` identity records. insightface's writers only require increasing
+        labels, and 1-based or sparse class ids go past both counts: a head sized
+        from them would fail at the first batch holding such a label. A declared
+        count below ``max(label) + 1`` gives a warning naming it; a larger one
+        (classes with no image in this file) is no error.
+        """
         if self._num_classes is None:
             labels = self.labels()
-            self._num_classes = int(labels.max()) + 1 if len(labels) else 0
+            num_classes = int(labels.max()) + 1 if len(labels) else 0
+            declared = []
+            if self.header is not None:
+                declared.append((f"the header [A, B] = [{self.header[0]}, {self.header[1]}] "
+                                 f"(B - A identity records)", self.header[1] - self.header[0]))
+            prop = _property_num_classes(self.reader.rec_path)
+            if prop is not None:
+                declared.append((f"{prop[0]!r}", prop[1]))
+            for source, count in declared:
+                if count < num_classes:
+                    warnings.warn(f"{self.reader.rec_path!r}: {source} declares {count} classes but the largest "
+                                  f"label is {num_classes - 1}; using num_classes = {num_classes}", stacklevel=2)
+            self._num_classes = num_classes
         return self._num_classes
