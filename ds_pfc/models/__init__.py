@@ -6,7 +6,9 @@
 Every backbone ends with a BN1d whose scale (gamma) is fixed at 1 and has
 ``requires_grad=False`` (ArcFace's ``fix_gamma``); it is the only frozen parameter.
 Precision is left to the caller (DeepSpeed's fp16/bf16 casting, or ``torch.autocast``):
-the modules have no fp16 switch of their own.
+the modules have no fp16 switch of their own. Their BatchNorm layers
+(:mod:`ds_pfc.models.norm`) run with 16-bit parameters beside float32 running
+statistics, the state DeepSpeed's fp16/bf16 modes leave a module in.
 """
 from __future__ import annotations
 

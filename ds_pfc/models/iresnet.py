@@ -27,6 +27,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .norm import BatchNorm1d, BatchNorm2d
+
 __all__ = ["IResNet", "IBasicBlock", "INPUT_SHAPE"]
 
 INPUT_SHAPE = (3, 112, 112)
@@ -63,9 +65,9 @@ def scaled(channels: int, width: float, divisor: int = 1) -> int:
     return max(divisor, int(round(channels * width / divisor)) * divisor)
 
 
-def embedding_bn(num_features: int) -> nn.BatchNorm1d:
+def embedding_bn(num_features: int) -> BatchNorm1d:
     """The BN1d every backbone ends with: gamma fixed at 1 (frozen), beta trained."""
-    bn = nn.BatchNorm1d(num_features, eps=_BN_EPS)
+    bn = BatchNorm1d(num_features, eps=_BN_EPS)
     nn.init.ones_(bn.weight)
     bn.weight.requires_grad_(False)
     return bn
@@ -89,17 +91,17 @@ class IBasicBlock(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
         super().__init__()
-        self.bn1 = nn.BatchNorm2d(in_channels, eps=_BN_EPS)
+        self.bn1 = BatchNorm2d(in_channels, eps=_BN_EPS)
         self.conv1 = _conv3x3(in_channels, out_channels)
-        self.bn2 = nn.BatchNorm2d(out_channels, eps=_BN_EPS)
+        self.bn2 = BatchNorm2d(out_channels, eps=_BN_EPS)
         self.prelu = nn.PReLU(out_channels)
         self.conv2 = _conv3x3(out_channels, out_channels, stride)
-        self.bn3 = nn.BatchNorm2d(out_channels, eps=_BN_EPS)
+        self.bn3 = BatchNorm2d(out_channels, eps=_BN_EPS)
         self.shortcut = None
         if stride != 1 or in_channels != out_channels:
             self.shortcut = nn.Sequential(
                 nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
-                nn.BatchNorm2d(out_channels, eps=_BN_EPS),
+                BatchNorm2d(out_channels, eps=_BN_EPS),
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,7 @@ class IResNet(nn.Module):
         stem_channels = scaled(64, width)
         self.stem = nn.Sequential(
             _conv3x3(3, stem_channels),
-            nn.BatchNorm2d(stem_channels, eps=_BN_EPS),
+            BatchNorm2d(stem_channels, eps=_BN_EPS),
             nn.PReLU(stem_channels),
         )
         stages = []
@@ -144,7 +146,7 @@ class IResNet(nn.Module):
         self.stages = nn.Sequential(*stages)
 
         spatial = INPUT_SHAPE[1] // 2 ** len(layers)  # 7
-        self.bn = nn.BatchNorm2d(in_channels, eps=_BN_EPS)
+        self.bn = BatchNorm2d(in_channels, eps=_BN_EPS)
         self.dropout = nn.Dropout(dropout)
         self.fc = nn.Linear(in_channels * spatial * spatial, embedding_size)
         self.features = embedding_bn(embedding_size)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .iresnet import check_backbone_args, check_images, embedding_bn, init_convs, scaled
+from .norm import BatchNorm2d
 
 __all__ = ["MobileFaceNet", "DepthwiseBottleneck"]
 
@@ -50,7 +51,7 @@ class ConvBN(nn.Sequential):
         padding = kernel_size // 2 if padding is None else padding
         layers = [nn.Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                             groups=groups, bias=False),
-                  nn.BatchNorm2d(out_channels, eps=_BN_EPS)]
+                  BatchNorm2d(out_channels, eps=_BN_EPS)]
         if act:
             layers.append(nn.PReLU(out_channels))
         super().__init__(*layers)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .iresnet import INPUT_SHAPE, check_backbone_args, check_images, embedding_bn, scaled
+from .norm import BatchNorm1d
 
 __all__ = ["ViT"]
 
@@ -107,7 +108,7 @@ class ViT(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Sequential(
             nn.Linear(self.num_tokens * self.dim, self.dim, bias=False),
-            nn.BatchNorm1d(self.dim, eps=1e-5),
+            BatchNorm1d(self.dim, eps=1e-5),
             nn.Linear(self.dim, embedding_size, bias=False),
         )
         self.features = embedding_bn(embedding_size)
