@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import struct
 import uuid
 
@@ -80,12 +81,19 @@ def _fsync_dir(directory: str) -> None:
 def _atomic_file(path: str):
     """Yields a temporary name next to ``path`` to write; on success fsyncs it, renames
     it to ``path`` and fsyncs the directory; on any error removes it. ``path`` is
-    therefore either the old file or the complete new one, never a torn one."""
+    therefore either the old file or the complete new one, never a torn one. The
+    file gets the mode of any new file under the process umask (0644 by default),
+    also when the writer creates its own file: safetensors' ``save_file`` writes a
+    private (0600) temporary file and renames it over the name it is given."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        mode = stat.S_IMODE(os.stat(tmp).st_mode)
         yield tmp
+        if stat.S_IMODE(os.stat(tmp).st_mode) != mode:
+            os.chmod(tmp, mode)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -257,17 +265,22 @@ def load_head_shard(head, directory: str, *, name: str = "head") -> None:
 
 
 # ---------------------------------------------------------------------- offline
-def merge_shards(directory: str, *, name: str = "head") -> tuple[dict[str, torch.Tensor], dict]:
+def merge_shards(directory: str, *, name: str = "head",
+                 world_size: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Read every shard and return ``(tensors, meta)`` with full ``[C, ...]`` tensors.
 
-    Checks that exactly one world size is present, that ranks ``0..W-1`` are all there,
+    Checks that exactly one world size is present (or reads only the shards of
+    ``world_size`` when given, ignoring others), that ranks ``0..W-1`` are all there,
     that the shards agree on C, d, world size, seed, sampler/step counters, optimizer
     and dtypes, and that their class ranges tile ``[0, C)`` contiguously in the
     :class:`~ds_pfc.partition.Partition` layout. ``meta`` holds the common fields
     (``world_size`` is the source world size)."""
     shards = _list_shards(directory, name)
+    if world_size is not None:
+        shards = {w: files for w, files in shards.items() if w == world_size}
     if not shards:
-        raise FileNotFoundError(f"no {name!r} head shards in {directory}")
+        raise FileNotFoundError(f"no {name!r} head shards in {directory}"
+                                + (f" for world_size={world_size}" if world_size is not None else ""))
     if len(shards) > 1:
         raise ValueError(f"{directory} holds {name!r} shards of several world sizes {sorted(shards)} "
                          "(extra shards of another run?); keep one set")

@@ -19,19 +19,36 @@ Gradient scale, per optimizer step of the engine:
 
 - ``engine.backward`` divides the loss by the gradient accumulation steps; the heads'
   gradients are therefore the mean over the micro batches, like the backbone's.
-- fp16: the loss is also multiplied by the current loss scale. The scale in force
-  during the accumulation window is read before ``engine.step()`` and passed to
-  ``head.step(grad_scale=)``; when DeepSpeed skips the step (overflow) the heads
-  drop their gradients too.
+- Loss scaling (``fp16``, or ``torch_autocast`` with float16): :meth:`PfcEngine.backward`
+  checks, by behaviour, that the gradient reaching the loss carries the scale the
+  optimizer will divide by, and multiplies it in where DeepSpeed did not (its fp16
+  optimizers at ZeRO stage 0 divide by the scale without having multiplied by it).
+  The scale in force during the accumulation window is read before ``engine.step()``
+  and passed to ``head.step(grad_scale=)``.
+- Overflow: a head whose gradient is not finite poisons its embedding gradient, so
+  DeepSpeed's overflow check sees it and skips the step; when the engine skips (its
+  optimizer's overflow flag, or a drop of a torch ``GradScaler``'s scale) the heads
+  drop their gradients too. A head that overflows while the backbone did not (a
+  detached embedding) skips alone and the loss scale is lowered as for an overflow.
 - The heads' learning rate is the engine's (first parameter group) at that step,
   times each head's ``lr_ratio``.
-- ``gradient_clipping`` applies to the engine's parameters only; head rows are not
-  clipped (their gradients are already averaged over the global batch).
+- ``gradient_clipping`` applies to the engine's parameters only, as arcface_torch
+  clips the backbone only; head rows are not clipped.
+
+Refused at :func:`initialize`: a gradient all-reduce that does not average
+(``gradient_allreduce_op`` other than the mean; the backbone would get W times the
+heads' gradient). ``managed_gradient_accumulation: false`` is supported: every
+``step()`` is then an optimizer boundary, for the heads as for DeepSpeed. With a
+decoupled (asynchronous) checkpoint writer, :meth:`PfcEngine.save_checkpoint` waits
+for DeepSpeed's commit before it writes the completion marker.
 """
 from __future__ import annotations
 
-import json
+import contextlib
+import io
+import math
 import os
+import warnings
 import random
 import shutil
 import uuid
@@ -41,17 +58,16 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt
+from . import checkpoint_tags as tags
+from .checkpoint_tags import CheckpointError, CheckpointIncompleteError
+from .devices import collective_device
 from .head import PartialFC
 
 __all__ = ["attach", "attached_heads", "initialize", "PfcEngine", "loss_scale", "COMPLETE_MARKER",
-           "CheckpointIncompleteError", "list_checkpoints"]
+           "CheckpointError", "CheckpointIncompleteError", "list_checkpoints", "remove_checkpoint"]
 
-COMPLETE_MARKER = "ds_pfc_complete.json"
+COMPLETE_MARKER = tags.COMPLETE_MARKER
 _REGISTRY = "_ds_pfc_heads"
-
-
-class CheckpointIncompleteError(RuntimeError):
-    """A checkpoint tag directory lacks the completion marker (a save was interrupted)."""
 
 
 @dataclass
@@ -95,10 +111,17 @@ def attached_heads(module: nn.Module) -> dict[str, _Attached]:
     return found
 
 
+def _grad_scaler(engine):
+    """The torch ``GradScaler`` DeepSpeed uses for float16 autocast (ZeRO 0: the
+    engine's; ZeRO 1-3: the optimizer's), or None."""
+    return getattr(engine, "torch_autocast_z0_gradscaler", None) or \
+        getattr(getattr(engine, "optimizer", None), "torch_autocast_gradscaler", None)
+
+
 def loss_scale(engine) -> float:
-    """The factor DeepSpeed multiplies the loss by in ``engine.backward`` (1.0 unless
-    fp16 loss scaling or a torch-autocast grad scaler is active)."""
-    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    """The factor the optimizer divides the gradients by at the next step (1.0 unless
+    fp16 loss scaling or a float16-autocast grad scaler is active)."""
+    scaler = _grad_scaler(engine)
     if scaler is not None:
         return float(scaler.get_scale())
     if not engine.fp16_enabled():
@@ -111,6 +134,36 @@ def loss_scale(engine) -> float:
             return float(value)
     raise RuntimeError(f"fp16 is enabled but the loss scale of {type(engine.optimizer).__name__} cannot be read; "
                        "the heads' gradients could not be unscaled")
+
+
+def _uses_loss_scaling(engine) -> bool:
+    return _grad_scaler(engine) is not None or bool(engine.fp16_enabled())
+
+
+def _lower_loss_scale(engine) -> None:
+    """Let the optimizer's loss scaler react as to an overflow (a dynamic scale comes
+    down, after its hysteresis; a static one stays)."""
+    scaler = _grad_scaler(engine)
+    if scaler is not None:
+        scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
+        return
+    update = getattr(engine.optimizer, "_update_scale", None)   # DeepSpeed's fp16 and ZeRO optimizers
+    if update is not None:
+        update(True)
+
+
+class _LossScaleProbe(torch.autograd.Function):
+    """forward: identity on the loss; backward: hands the incoming gradient to
+    ``engine._scaled_grad`` (which may multiply the missing loss scale in)."""
+
+    @staticmethod
+    def forward(ctx, loss, engine):
+        ctx.engine = engine
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.engine._scaled_grad(grad), None
 
 
 def _checked_heads(model: nn.Module, heads: dict | None) -> dict[str, _Attached]:
@@ -156,6 +209,7 @@ def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, mod
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model_parameters,
                                            optimizer=optimizer, lr_scheduler=lr_scheduler, **kwargs)
+    _check_engine(engine, found)
     dp = engine.dp_world_size
     for name, entry in found.items():
         head = entry.head
@@ -163,6 +217,18 @@ def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, mod
             raise ValueError(f"head {name!r} is sharded over {head.world_size} ranks but the engine is data "
                              f"parallel over {dp}; build the head with the engine's data-parallel group")
     return PfcEngine(engine, found)
+
+
+def _check_engine(engine, heads: dict) -> None:
+    """Refuse engine options under which the heads would train wrong."""
+    if not heads:
+        return
+    names = sorted(heads)
+    if not getattr(engine, "gradient_average", True) and any(a.head.data_parallel_grad for a in heads.values()):
+        raise ValueError(f"heads {names}: the engine sums gradients over the data-parallel ranks "
+                         f"(gradient_allreduce_op={engine._config.gradient_allreduce_op!r}), but a head's embedding "
+                         "gradient is that of the mean loss over the global batch, which DeepSpeed must average; "
+                         "use the default gradient_allreduce_op (mean)")
 
 
 class PfcEngine:
@@ -180,10 +246,34 @@ class PfcEngine:
         self.lr_ratios = {name: a.lr_ratio for name, a in heads.items()}
         self.last_lr: float | None = None
         self.skipped_steps = 0
+        # Loss scaling: whether DeepSpeed's backward multiplies the loss by the scale
+        # (None until a backward with a scale != 1 has shown it), and the scale and
+        # gradient accumulation divisor of the backward in flight.
+        self._ds_scales_loss: bool | None = None
+        self._probe: tuple[float, float] | None = None
+        self._scaling = _uses_loss_scaling(engine)
+        for head in self.heads.values():
+            head.guard_nonfinite = self._scaling
+
+    def __getattr__(self, name):
+        # Only reached for names PfcEngine itself lacks: the engine answers them.
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
     # -- training -------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "PfcEngine":
+        """Training mode for the engine's module and every head."""
+        self.engine.train(mode)
+        for head in self.heads.values():
+            head.train(mode)
+        return self
+
+    def eval(self) -> "PfcEngine":
+        return self.train(False)
 
     @property
     def module(self) -> nn.Module:
@@ -202,24 +292,76 @@ class PfcEngine:
             return torch.bfloat16
         return torch.float32
 
-    def backward(self, loss: torch.Tensor):
-        return self.engine.backward(loss)
+    def backward(self, loss: torch.Tensor, **kwargs):
+        """``engine.backward(loss)``, making sure the gradient carries the loss scale
+        the optimizer will divide by (see the module docstring)."""
+        if not self._scaling:
+            return self.engine.backward(loss, **kwargs)
+        gas = self.engine.gradient_accumulation_steps() if kwargs.get("scale_wrt_gas", True) else 1
+        self._probe = (loss_scale(self.engine), float(gas))
+        try:
+            return self.engine.backward(_LossScaleProbe.apply(loss, self), **kwargs)
+        finally:
+            self._probe = None
+
+    def _scaled_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        scale, gas = self._probe
+        if scale == 1.0:
+            return grad
+        if self._ds_scales_loss is None:        # decided once, from what arrived (one host sync)
+            got = float(grad) * gas
+            if math.isclose(got, scale, rel_tol=1e-3):
+                self._ds_scales_loss = True
+            elif math.isclose(got, 1.0, rel_tol=1e-3):
+                self._ds_scales_loss = False
+            else:
+                raise RuntimeError(f"the loss gradient DeepSpeed back-propagates is {got:g} / "
+                                   f"gradient_accumulation_steps, neither 1 nor the loss scale {scale:g} its "
+                                   f"optimizer ({type(self.engine.optimizer).__name__}) divides by; the heads' "
+                                   "gradients cannot be unscaled")
+        return grad if self._ds_scales_loss else grad * scale
 
     def get_lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` is an optimizer step (every ``step()`` is one
+        without managed gradient accumulation)."""
+        if not self.engine.managed_gradient_accumulation():
+            return True
+        return bool(self.engine.is_gradient_accumulation_boundary())
+
     def step(self) -> bool:
         """``engine.step()``; at the optimizer boundary also step every head with the
-        learning rate the engine applied (times its ratio), unscaling fp16 gradients,
-        or drop the heads' gradients when the engine skipped the step. Returns True
+        learning rate the engine applied (times its ratio), unscaling loss-scaled
+        gradients, or drop the heads' gradients when the step is skipped. Returns True
         when an optimizer step was applied."""
-        boundary = self.engine.is_gradient_accumulation_boundary()
+        boundary = self.is_gradient_accumulation_boundary()
+        heads_finite = True
         if boundary:
             lr, scale = self.get_lr(), loss_scale(self.engine)
+            if self._scaling and self.heads:
+                heads_finite = self._heads_finite()
+        scaler = _grad_scaler(self.engine) if boundary else None
         self.engine.step()
         if not boundary:
             return False
-        if not self.engine.was_step_applied():
+        applied = bool(self.engine.was_step_applied())
+        if scaler is not None:
+            if scaler.get_scale() < scale:
+                applied = False      # the GradScaler skipped the optimizer (the engine may not say so)
+            elif not applied:
+                # ZeRO 1-3 skip an overflowing step before their GradScaler sees the
+                # overflow, so its scale would never come down and every later step
+                # would overflow too: lower it as the GradScaler would have.
+                scaler.update(new_scale=scale * scaler.get_backoff_factor())
+        if applied and not heads_finite:
+            # The backbone's gradient was finite (the head's embedding gradient was not
+            # back-propagated to it): the heads skip alone and the scale comes down.
+            _lower_loss_scale(self.engine)
+            warnings.warn(f"step {self.global_steps}: a head gradient overflowed at loss scale {scale:g}; the heads "
+                          "skipped this step", RuntimeWarning, stacklevel=2)
+        if not applied or not heads_finite:
             self.skipped_steps += 1
             for head in self.heads.values():
                 head.zero_grad()
@@ -228,6 +370,32 @@ class PfcEngine:
         for name, head in self.heads.items():
             head.step(lr * self.lr_ratios[name], grad_scale=scale)
         return True
+
+    def broadcast_buffers(self) -> None:
+        """Give every data-parallel rank the module buffers of the group's first rank
+        (BatchNorm running statistics). DeepSpeed never synchronises buffers, so each
+        rank's statistics follow its own micro batches; an export holds rank 0's. The
+        app calls this before evaluating and saving, so that every rank evaluates, and
+        every checkpoint holds, the model the export will be (DDP, and so
+        arcface_torch, broadcast them at every forward)."""
+        group = getattr(self.engine, "data_parallel_group", None)
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        if torch.distributed.get_world_size(group) == 1:
+            return
+        source = torch.distributed.get_global_rank(group, 0) if group is not None else 0
+        for buffer in self.engine.module.buffers():
+            if buffer.is_floating_point() or buffer.dtype in (torch.int64, torch.int32):
+                torch.distributed.broadcast(buffer.data, source, group=group)
+
+    def _heads_finite(self) -> bool:
+        """Whether every head's pending gradient is finite on every rank (one small
+        all-reduce over the world and one host sync, only under loss scaling)."""
+        flags = torch.stack([h.pending_grads_finite() for h in self.heads.values()]).all().to(torch.float32)
+        flag = flags.reshape(1).to(collective_device(None, self.device))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item() == 1.0)
 
     @property
     def global_steps(self) -> int:
@@ -247,89 +415,214 @@ class PfcEngine:
             torch.distributed.barrier()
 
     def save_checkpoint(self, save_dir: str, tag: str, *, client_state: dict | None = None,
-                        rank_state: dict | None = None, metadata: dict | None = None) -> str:
+                        rank_state: dict | None = None, metadata: dict | None = None, replace: bool = False) -> str:
         """Write checkpoint ``tag`` under ``save_dir`` on every rank (a collective).
 
         Layout of ``save_dir/tag``: DeepSpeed's files (module, optimizer, scheduler,
         ``client_state``), ``<head>-rankXXXXX-of-XXXXX.safetensors`` per head and
         rank, ``rank_state-XXXXX-of-XXXXX.pt`` (``rank_state`` plus this rank's RNG
-        states), and, last, ``ds_pfc_complete.json``, written by rank 0 after every
-        rank finished (it also holds ``metadata``, JSON); then ``save_dir/latest`` is
-        pointed at ``tag``. A crash at any point leaves the previous complete
-        checkpoint and ``latest`` intact."""
-        if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith("."):
-            raise ValueError(f"tag must be a plain directory name, got {tag!r}")
+        states) and ``ds_pfc_complete.json`` (steps, world size, heads, the size of
+        every DeepSpeed file, and ``metadata``, JSON).
+
+        Every rank writes into a fresh staging directory ``<tag>.tmp-<hex>`` and
+        fsyncs each file it wrote there (DeepSpeed's too, once DeepSpeed's
+        checkpoint writer has committed them); after all ranks are done, rank 0
+        writes the marker, renames the directory to ``tag``, fsyncs ``save_dir``,
+        points ``save_dir/latest`` at the tag and deletes what interrupted saves left
+        (:mod:`ds_pfc.checkpoint_tags`). A crash or power loss at any point leaves
+        the previous complete checkpoints untouched and the new tag either absent or
+        complete; files of another save never mix into it. A complete ``tag`` is
+        replaced only with ``replace`` (FileExistsError otherwise). An error on any
+        rank raises on every rank."""
+        tag = tags.check_tag_name(tag)
         tag_dir = os.path.join(save_dir, tag)
-        if os.path.exists(os.path.join(tag_dir, COMPLETE_MARKER)):
-            raise FileExistsError(f"checkpoint {tag_dir} exists and is complete; use a new tag")
-        self.engine.save_checkpoint(save_dir, tag, client_state=client_state or {}, save_latest=False)
-        os.makedirs(tag_dir, exist_ok=True)
-        for name, head in self.heads.items():
-            ckpt.save_head_shard(head, tag_dir, name=name)
-        state = {"user": rank_state or {}, "rng": _rng_state(), "world_size": self.world_size, "rank": self.rank,
-                 "skipped_steps": self.skipped_steps}
-        _atomic_torch_save(state, os.path.join(tag_dir, _rank_file(self.rank, self.world_size)))
-        self._barrier()
-        if self.rank == 0:
-            marker = {"tag": tag, "world_size": self.world_size, "global_steps": self.global_steps,
-                      "heads": sorted(self.heads), "metadata": metadata or {}}
-            _atomic_write(os.path.join(tag_dir, COMPLETE_MARKER), json.dumps(marker, indent=1).encode())
-            _atomic_write(os.path.join(save_dir, "latest"), tag.encode())
-        self._barrier()
-        return tag_dir
+
+        def prepare():
+            os.makedirs(save_dir, exist_ok=True)
+            if not replace and os.path.isfile(os.path.join(tag_dir, COMPLETE_MARKER)):
+                raise FileExistsError(f"checkpoint {tag_dir} exists and is complete; use a new tag")
+            return f"{tag}{tags.TMP_INFIX}{uuid.uuid4().hex}"
+
+        staging = tags.on_rank0(prepare)
+        staging_dir = os.path.join(save_dir, staging)
+        error = None
+        try:
+            with _recorded_writes(self.engine) as written:
+                self.engine.save_checkpoint(save_dir, staging, client_state=client_state or {}, save_latest=False)
+                _wait_for_commit(self.engine)
+            os.makedirs(staging_dir, exist_ok=True)
+            for name, head in self.heads.items():
+                written.append(ckpt.save_head_shard(head, staging_dir, name=name))
+            state = {"user": rank_state or {}, "rng": _rng_state(), "world_size": self.world_size, "rank": self.rank,
+                     "skipped_steps": self.skipped_steps}
+            written.append(os.path.join(staging_dir, _rank_file(self.rank, self.world_size)))
+            _atomic_torch_save(state, written[-1])
+            _fsync_written(written, staging_dir, self.engine)
+        except Exception as err:
+            error = err
+        try:
+            tags.agree(error)
+        except Exception:
+            if self.rank == 0:
+                shutil.rmtree(staging_dir, ignore_errors=True)
+            raise
+        marker = {"tag": tag, "world_size": self.world_size, "global_steps": self.global_steps,
+                  "heads": sorted(self.heads), "metadata": metadata or {}}
+
+        def commit():
+            marker["engine_files"] = tags.engine_files(staging_dir, self.heads, self.world_size)
+            return tags.commit_staged(save_dir, staging, tag, marker)
+
+        return tags.on_rank0(commit)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, *, restore_rng: bool = True) -> dict | None:
-        """Load checkpoint ``tag`` (default: the one ``load_dir/latest`` names) on every
-        rank. Returns ``{"tag", "client_state", "rank_state", "world_size"}`` or None
-        when there is no checkpoint. ``rank_state`` is this rank's own when the world
-        size is unchanged, else rank 0's (sampler positions are global); RNG states
-        are restored only at the same world size. Heads saved at another world size
-        are resharded in memory (every rank reads every shard: for very large heads
-        reshard offline with ``launch/export.py reshard``)."""
-        if tag is None:
-            latest = os.path.join(load_dir, "latest")
-            if not os.path.isfile(latest):
-                return None
-            with open(latest) as f:
-                tag = f.read().strip()
-        tag_dir = os.path.join(load_dir, tag)
-        marker_path = os.path.join(tag_dir, COMPLETE_MARKER)
-        if not os.path.isfile(marker_path):
-            raise CheckpointIncompleteError(f"{tag_dir} has no {COMPLETE_MARKER}: the save did not finish; "
-                                            "load an earlier tag")
-        with open(marker_path) as f:
-            marker = json.load(f)
-        missing = sorted(set(marker["heads"]) ^ set(self.heads))
-        if missing:
+        """Load checkpoint ``tag`` on every rank (a collective). Without ``tag``: the
+        one ``load_dir/latest`` names, or the newest complete tag when ``latest`` is
+        missing or lags behind it (:func:`ds_pfc.checkpoint_tags.choose_tag`).
+
+        Rank 0 first checks every file of the tag (present, sizes as saved, readable
+        structure, checksums of the ``torch.save`` files); a missing, truncated or
+        corrupt file, a ``latest`` that names no complete tag or an unreadable marker
+        raises :class:`~ds_pfc.checkpoint_tags.CheckpointError` on every rank, naming
+        the file and the newest intact tag to load instead.
+
+        Returns ``{"tag", "client_state", "rank_state", "world_size", "metadata",
+        "note"}`` (``note``: why the tag is not the one ``latest`` names, or None) or
+        None when there is no checkpoint. ``rank_state`` is this rank's own when the
+        world size is unchanged, else rank 0's (sampler positions are global); RNG
+        states are restored only at the same world size. Heads saved at another world
+        size are resharded in memory (every rank reads every shard: for very large
+        heads reshard offline with ``launch/export.py reshard``)."""
+        def choose():
+            choice = tags.choose_tag(load_dir, tag)
+            if choice is not None:
+                try:
+                    tags.verify_tag(os.path.join(load_dir, choice.tag), choice.marker)
+                except tags.CheckpointError as err:
+                    raise tags.with_fallback(err, load_dir, exclude=(choice.tag,)) from None
+            return choice
+
+        choice = tags.on_rank0(choose)
+        if choice is None:
+            return None
+        marker, tag_dir = choice.marker, os.path.join(load_dir, choice.tag)
+        if sorted(marker["heads"]) != sorted(self.heads):
             raise ValueError(f"{tag_dir} holds heads {marker['heads']} but this model has {sorted(self.heads)}")
-        path, client_state = self.engine.load_checkpoint(load_dir, tag)
-        if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no engine checkpoint in {tag_dir}")
         saved_world = int(marker["world_size"])
-        for name, head in self.heads.items():
+        error = state = client_state = None
+        try:
+            client_state, state = _load_files(self, load_dir, choice.tag, saved_world)
+        except Exception as err:
+            error = tags.with_fallback(err, load_dir, exclude=(choice.tag,)) \
+                if isinstance(err, tags.CheckpointError) else err
+        tags.agree(error)
+        if saved_world == self.world_size and restore_rng and state.get("rng") is not None:
+            _set_rng_state(state["rng"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        return {"tag": choice.tag, "client_state": client_state, "rank_state": state["user"],
+                "world_size": saved_world, "metadata": marker.get("metadata", {}), "note": choice.note}
+
+
+def _load_files(engine: PfcEngine, load_dir: str, tag: str, saved_world: int) -> tuple[dict, dict]:
+    """This rank's part of a load: DeepSpeed's files, the head shards, the per-rank
+    state. Damaged files raise CheckpointCorruptError naming them; mismatches
+    between checkpoint and model (classes, dimensions) raise ValueError."""
+    tag_dir = os.path.join(load_dir, tag)
+    try:
+        path, client_state = engine.engine.load_checkpoint(load_dir, tag)
+    except Exception as err:
+        raise tags.CheckpointCorruptError(f"DeepSpeed could not load its files in {tag_dir} "
+                                          f"({type(err).__name__}: {err})", path=tag_dir) from err
+    if path is None:
+        raise tags.CheckpointCorruptError(f"DeepSpeed found no engine checkpoint in {tag_dir}", path=tag_dir)
+    for name, head in engine.heads.items():
+        shard = os.path.join(tag_dir, ckpt.shard_file_name(name, head.rank, head.world_size))
+        try:
             if saved_world == head.world_size:
                 ckpt.load_head_shard(head, tag_dir, name=name)
             else:
-                _load_resharded(head, tag_dir, name)
-        same_world = saved_world == self.world_size
-        rank_file = os.path.join(tag_dir, _rank_file(self.rank if same_world else 0, saved_world))
+                _load_resharded(head, tag_dir, name, saved_world)
+        except (ValueError, TypeError):
+            raise      # the model does not match the checkpoint (classes, dimensions, optimizer)
+        except Exception as err:     # safetensors' own error type, OSError
+            where = shard if saved_world == head.world_size else f"the {name!r} shards in {tag_dir}"
+            raise tags.CheckpointCorruptError(f"{where} could not be read ({type(err).__name__}: {err})",
+                                              path=shard) from err
+    same_world = saved_world == engine.world_size
+    rank_file = os.path.join(tag_dir, _rank_file(engine.rank if same_world else 0, saved_world))
+    try:
         state = torch.load(rank_file, map_location="cpu", weights_only=False)
-        if same_world and restore_rng and state.get("rng") is not None:
-            _set_rng_state(state["rng"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        return {"tag": tag, "client_state": client_state, "rank_state": state["user"], "world_size": saved_world}
+    except Exception as err:
+        raise tags.CheckpointCorruptError(f"{rank_file} could not be read ({type(err).__name__}: {err})",
+                                          path=rank_file) from err
+    return client_state, state
+
+
+@contextlib.contextmanager
+def _recorded_writes(engine):
+    """Yields a list that collects the paths DeepSpeed's checkpoint writer saves to
+    inside the block (every engine, optimizer and ZeRO file goes through its
+    ``save(state_dict, path)``)."""
+    written: list[str] = []
+    writer = getattr(engine, "checkpoint_engine", None)
+    if writer is None:
+        yield written
+        return
+    own = vars(writer).get("save")
+    save = writer.save
+
+    def recording_save(*args, **kwargs):
+        result = save(*args, **kwargs)
+        written.append(str(kwargs["path"] if "path" in kwargs else args[1]))
+        return result
+
+    writer.save = recording_save
+    try:
+        yield written
+    finally:
+        if own is None:
+            del writer.save
+        else:
+            writer.save = own
+
+
+def _wait_for_commit(engine) -> None:
+    """Return once DeepSpeed's files are written: a decoupled (asynchronous) writer
+    commits them only at the next optimizer step, or here, on request."""
+    writer = getattr(engine, "checkpoint_engine", None)
+    if writer is None or not writer.is_decoupled():
+        return
+    commit = getattr(engine, "_commit_decoupled_checkpoint", None)
+    if commit is None:
+        raise RuntimeError(f"DeepSpeed's checkpoint writer {type(writer).__name__} commits asynchronously and this "
+                           "DeepSpeed version offers no way to wait for it; the completion marker would precede "
+                           "its files. Use the default checkpoint writer")
+    commit()
+
+
+def _fsync_written(paths: list[str], staging_dir: str, engine) -> None:
+    """fsync the files this rank wrote for a checkpoint and the directories holding
+    them (also DeepSpeed's copy of NVMe-offloaded optimizer state for this rank)."""
+    files = {os.path.abspath(p) for p in paths if os.path.isfile(p)}
+    offload = os.path.join(staging_dir, "offloaded_tensors")
+    if os.path.isdir(offload):
+        rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+        for root, _, names in os.walk(os.path.join(offload, f"rank{rank:0>2d}")):
+            files.update(os.path.join(root, n) for n in names)
+    for path in sorted(files):
+        tags.fsync_file(path)
+    for directory in sorted({os.path.dirname(p) for p in files} | {os.path.abspath(staging_dir)}):
+        tags.fsync_dir(directory)
 
 
 def list_checkpoints(save_dir: str) -> list[str]:
-    """Complete checkpoint tags in ``save_dir``, oldest first (by modification time)."""
-    if not os.path.isdir(save_dir):
-        return []
-    tags = [t for t in os.listdir(save_dir) if os.path.isfile(os.path.join(save_dir, t, COMPLETE_MARKER))]
-    return sorted(tags, key=lambda t: os.path.getmtime(os.path.join(save_dir, t, COMPLETE_MARKER)))
+    """Complete checkpoint tags in ``save_dir``, oldest first by the optimizer step
+    their marker records (ties by name)."""
+    return [info.name for info in tags.complete_tags(save_dir)]
 
 
-def _load_resharded(head: PartialFC, tag_dir: str, name: str) -> None:
-    tensors, meta = ckpt.merge_shards(tag_dir, name=name)
+def _load_resharded(head: PartialFC, tag_dir: str, name: str, world_size: int | None = None) -> None:
+    tensors, meta = ckpt.merge_shards(tag_dir, name=name, world_size=world_size)
     for key in ("num_classes", "embedding_size"):
         if meta[key] != getattr(head, key):
             raise ValueError(f"{tag_dir}: head {name!r} has {key}={meta[key]} but the model's has "
@@ -342,7 +635,7 @@ def _load_resharded(head: PartialFC, tag_dir: str, name: str) -> None:
 
 
 def _rank_file(rank: int, world_size: int) -> str:
-    return f"rank_state-{rank:05d}-of-{world_size:05d}.pt"
+    return tags.rank_state_name(rank, world_size)
 
 
 def _rng_state() -> dict:
@@ -360,28 +653,19 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Temporary file, fsync, rename, directory fsync (:func:`ds_pfc.checkpoint_tags.atomic_write`)."""
+    tags.atomic_write(path, data)
 
 
 def _atomic_torch_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """``torch.save`` with :func:`_atomic_write`'s guarantees (for small objects: it
+    is serialised in memory first)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    tags.atomic_write(path, buffer.getvalue())
 
 
 def remove_checkpoint(save_dir: str, tag: str) -> None:
-    """Delete a checkpoint tag directory (the marker first, so a half-deleted tag is
-    never taken for complete)."""
-    tag_dir = os.path.join(save_dir, tag)
-    marker = os.path.join(tag_dir, COMPLETE_MARKER)
-    if os.path.exists(marker):
-        os.remove(marker)
-    shutil.rmtree(tag_dir, ignore_errors=True)
+    """Delete a checkpoint tag directory: renamed away first, so it leaves the listings
+    at once, and a crash during the deletion leaves a leftover the next save removes."""
+    tags.remove_tag(save_dir, tag)

@@ -2,10 +2,9 @@
 merged classifier(s), and the backbone as ONNX.
 
 A checkpoint tag directory (see :class:`~ds_pfc.deepspeed_plugin.PfcEngine`) holds
-DeepSpeed's engine files and per-rank head shards. The backbone's float32 weights
-come from DeepSpeed's ``zero_to_fp32`` reconstruction for ZeRO stages 1 to 3 (the
-master weights live partitioned in the optimizer states) and from the module states
-file for stage 0; the classifier from :func:`ds_pfc.checkpoint.merge_shards`.
+DeepSpeed's engine files and per-rank head shards. The backbone's state dict comes
+from DeepSpeed's files (:func:`backbone_state_dict`); the classifier from
+:func:`ds_pfc.checkpoint.merge_shards`.
 """
 from __future__ import annotations
 
@@ -24,30 +23,66 @@ EXPORT_FORMAT = "ds_pfc.model/1"
 
 
 def resolve_tag(checkpoint_dir: str, tag: str | None = None) -> str:
-    """``checkpoint_dir/tag`` (default: the tag ``latest`` names), checked complete."""
-    if tag is None:
-        latest = os.path.join(checkpoint_dir, "latest")
-        if not os.path.isfile(latest):
-            raise FileNotFoundError(f"{checkpoint_dir} has no 'latest' file; pass the tag explicitly")
-        with open(latest) as f:
-            tag = f.read().strip()
-    tag_dir = os.path.join(checkpoint_dir, tag)
-    if not os.path.isfile(os.path.join(tag_dir, COMPLETE_MARKER)):
-        raise FileNotFoundError(f"{tag_dir} is not a complete ds_pfc checkpoint (no {COMPLETE_MARKER})")
+    """``checkpoint_dir/tag``, checked complete and intact (every file there, sizes as
+    saved, checksums of the ``torch.save`` files). Without ``tag``: the tag ``latest``
+    names, or the newest complete one when ``latest`` is missing or lags behind it
+    (a warning says so). A damaged checkpoint raises
+    :class:`~ds_pfc.checkpoint_tags.CheckpointError` naming the file and the newest
+    intact tag; a directory without checkpoints raises FileNotFoundError."""
+    import warnings
+
+    from . import checkpoint_tags as tags
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
+    choice = tags.choose_tag(checkpoint_dir, tag)
+    if choice is None:
+        raise FileNotFoundError(f"{checkpoint_dir} holds no complete ds_pfc checkpoint (no {COMPLETE_MARKER})")
+    tag_dir = os.path.join(checkpoint_dir, choice.tag)
+    try:
+        tags.verify_tag(tag_dir, choice.marker)
+    except tags.CheckpointError as err:
+        err = tags.with_fallback(err, checkpoint_dir, exclude=(choice.tag,))
+        if err.fallback is not None:
+            err = type(err)(f"{err}; pass that tag explicitly", path=err.path, fallback=err.fallback)
+        raise err from None
+    if choice.note:
+        warnings.warn(choice.note, stacklevel=2)
     return tag_dir
 
 
 def backbone_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
-    """The engine module's weights in float32 (buffers as saved)."""
-    model_files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
-    if not model_files:
-        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed module states (mp_rank_*_model_states.pt)")
-    if glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*optim_states.pt")):
+    """The engine module's full state dict (every parameter, frozen ones included, and
+    every persistent buffer), floating-point tensors in float32, in the module's order.
+
+    Where ZeRO optimizer partitions exist (ZeRO 1-3), the trainable parameters are
+    DeepSpeed's ``zero_to_fp32`` reconstruction of the float32 master weights. It holds
+    frozen parameters only at ZeRO 2 and 3, where DeepSpeed saves their fragments; at
+    ZeRO 1 they, and everything at ZeRO 0, come whole from rank 0's module states file,
+    which also holds the buffers (rank 0's BatchNorm statistics). Under fp16/bf16 at
+    ZeRO 0 the module states hold the 16-bit weights, widened here."""
+    # ZeRO 0-2 write mp_rank_00_model_states.pt (rank 0 only); ZeRO 3 writes
+    # zero_pp_rank_<r>_mp_rank_00_model_states.pt on every rank, parameters as empty placeholders.
+    sharded = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    whole = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    path = whole if os.path.isfile(whole) else sharded
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed module states of rank 0 "
+                                f"({os.path.basename(whole)} or {os.path.basename(sharded)})")
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    state = dict(saved["module"])
+    if glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        state = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(os.path.abspath(tag_dir)),
-                                                         os.path.basename(os.path.normpath(tag_dir)))
-    else:
-        state = torch.load(model_files[0], map_location="cpu", weights_only=False)["module"]
+        merged = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(os.path.abspath(tag_dir)),
+                                                          os.path.basename(os.path.normpath(tag_dir)))
+        unknown = sorted(set(merged) - set(state))
+        if unknown:
+            raise ValueError(f"{tag_dir}: the ZeRO partitions hold tensors the module states do not: {unknown}")
+        if path == sharded:
+            # e.g. a checkpoint saved with exclude_frozen_parameters=True
+            placeholders = sorted(set(state) - set(merged) - set(saved["buffer_names"]))
+            if placeholders:
+                raise ValueError(f"{tag_dir}: ZeRO-3 checkpoint without the values of parameters {placeholders}")
+        state.update(merged)
     return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in state.items()}
 
 

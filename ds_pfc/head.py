@@ -161,6 +161,9 @@ class PartialFC(nn.Module):
         self.compute_dtype, self.dtype, self.init_std = compute_dtype, dtype, init_std
         self.data_parallel_grad = bool(data_parallel_grad)
         self.block_bytes, self.backend, self.validate = block_bytes, backend, bool(validate)
+        # Set by PfcEngine under loss scaling: a non-finite center gradient makes the
+        # embedding gradient NaN, so the engine's overflow check skips the step.
+        self.guard_nonfinite = False
         self.optimizer = row_optimizer
         self.partition = Partition(num_classes, self.world_size)
         self.class_start, self.class_end = self.partition.bounds(self.rank)
@@ -277,7 +280,8 @@ class PartialFC(nn.Module):
         result = margin_softmax_cross_entropy(
             x, centers, target_col, self.margin, filter_threshold=self.filter_threshold,
             group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details,
-            block_bytes=self.block_bytes, backend=self.backend, validate=self.validate)
+            block_bytes=self.block_bytes, backend=self.backend, validate=self.validate,
+            guard_nonfinite=training and self.guard_nonfinite)
         if training:
             self._fold_finished()
             self._pending.append((active, centers, slot))
@@ -444,6 +448,17 @@ class PartialFC(nn.Module):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this PartialFC is closed; build a new one (resume=True reopens NVMe banks)")
+
+    def pending_grads_finite(self) -> torch.Tensor:
+        """A 0-d bool tensor on the head's device: every gradient accumulated since the
+        last step is finite (no host sync)."""
+        grads = [c.grad for _, c, _ in self._pending if c.grad is not None]
+        if self._acc is not None:
+            grads.append(self._acc[1])
+        ok = torch.ones((), dtype=torch.bool, device=self.device)
+        for g in grads:
+            ok = ok & torch.isfinite(g).all()
+        return ok
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated since the last step."""

@@ -248,7 +248,7 @@ def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
 class _MarginSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, target_col, margin, threshold, group, compute_dtype, want_correct, block_bytes,
-                keep_bytes, backend, validate):
+                keep_bytes, backend, validate, guard_nonfinite):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         compute = acc if compute_dtype is None else compute_dtype
         n = x.shape[0]
@@ -295,6 +295,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
                               kept if kept is not None else torch.empty(0))
         ctx.margin, ctx.compute, ctx.in_dtypes = margin, compute, (x.dtype, w.dtype)
         ctx.threshold, ctx.block_bytes, ctx.backend, ctx.kept = threshold, block_bytes, backend, kept is not None
+        ctx.guard_nonfinite = guard_nonfinite
         correct = stats[3].clone() if want_correct else torch.zeros(n, dtype=acc, device=x.device)
         ctx.mark_non_differentiable(correct)
         return per_sample.mean(), per_sample, correct
@@ -333,7 +334,9 @@ class _MarginSoftmaxCE(torch.autograd.Function):
                 w_inv.index_select(0, col)[:, None]
             dw.index_add_(0, col, dw_t.to(dw.dtype))
         dx = (dx_hat - x_hat * (x_hat * dx_hat).sum(1, keepdim=True)) / x_norm
-        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None
+        if ctx.guard_nonfinite:     # an overflow in dw reaches the embeddings, hence the overflow check
+            dx = dx + torch.where(torch.isfinite(dw).all(), 0.0, float("nan")).to(dx.dtype)
+        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None
 
 
 def margin_softmax_cross_entropy(
@@ -349,6 +352,7 @@ def margin_softmax_cross_entropy(
     block_bytes: int | None = None,
     backend: str = "auto",
     validate: bool = True,
+    guard_nonfinite: bool = False,
 ) -> SoftmaxResult:
     """Margin softmax CE of the gathered batch against this rank's active centers.
 
@@ -364,7 +368,9 @@ def margin_softmax_cross_entropy(
     backward (None: :func:`default_block_bytes` of the device per block, and
     :data:`KEEP_BYTES` kept). ``backend``: one of :data:`BACKENDS`. ``validate=False``
     checks label ownership on the device (``torch._assert_async``) instead of with a
-    host sync and a readable error.
+    host sync and a readable error. ``guard_nonfinite=True`` makes the gradient of
+    ``x`` NaN when that of ``w`` is not finite (for loss-scaled training, whose
+    overflow check sees the embeddings' gradients only).
     """
     check_block_bytes(block_bytes)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -374,5 +380,5 @@ def margin_softmax_cross_entropy(
     block_bytes = default_block_bytes(x.device) if block_bytes is None else block_bytes
     loss, per_sample, correct = _MarginSoftmaxCE.apply(
         x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct, block_bytes, keep_bytes,
-        backend, bool(validate))
+        backend, bool(validate), bool(guard_nonfinite))
     return SoftmaxResult(loss, per_sample, correct)

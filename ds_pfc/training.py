@@ -24,7 +24,8 @@ import torch.distributed as dist
 from .config import ConfigError, DsPfcConfig, ScheduleConfig, split_config
 from .data.loader import MicroBatchLoader
 from .data.sampler import DistributedIdentitySampler
-from .deepspeed_plugin import PfcEngine, initialize, list_checkpoints, remove_checkpoint
+from . import checkpoint_tags as tags
+from .deepspeed_plugin import PfcEngine, initialize, list_checkpoints
 from .devices import bind_local_device
 
 __all__ = ["Trainer", "load_config", "schedule_factor", "build_eval_sets", "evaluate"]
@@ -158,10 +159,14 @@ class Trainer:
         output_dir: overrides ``ds_pfc.train.output_dir``.
         max_steps: overrides ``ds_pfc.train.max_steps``.
         log: where rank 0's progress lines go (default: stdout).
+        resume_from: checkpoint tag to resume instead of the newest (see :meth:`resume`).
+        allow_batch_change: resume a checkpoint trained with another global batch.
     """
 
-    def __init__(self, config: dict, *, output_dir: str | None = None, max_steps: int | None = None, log=None):
+    def __init__(self, config: dict, *, output_dir: str | None = None, max_steps: int | None = None, log=None,
+                 resume_from: str | None = None, allow_batch_change: bool = False):
         self.raw_config = config
+        self.resume_from, self.allow_batch_change = resume_from, bool(allow_batch_change)
         self.ds_config, self.cfg = split_config(config)
         if output_dir is not None:
             self.cfg.train.output_dir = output_dir
@@ -172,8 +177,9 @@ class Trainer:
 
     def _check_ds_config(self) -> None:
         ds = self.ds_config
-        if "train_micro_batch_size_per_gpu" not in ds:
-            raise ConfigError("the config must set train_micro_batch_size_per_gpu (the per-rank micro batch)")
+        if "train_micro_batch_size_per_gpu" not in ds and "train_batch_size" not in ds:
+            raise ConfigError("the config must set train_micro_batch_size_per_gpu (the per-rank micro batch) or "
+                              "train_batch_size (the global batch), and optionally gradient_accumulation_steps")
         if self.cfg.train.schedule is not None and "scheduler" in ds:
             raise ConfigError("set either DeepSpeed's 'scheduler' block or ds_pfc.train.schedule, not both")
         if "optimizer" not in ds:
@@ -199,8 +205,9 @@ class Trainer:
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = bound or torch.device(get_accelerator().current_device_name())
-        self.micro = int(self.ds_config["train_micro_batch_size_per_gpu"])
-        self.gas = int(self.ds_config.get("gradient_accumulation_steps", 1))
+        # The batch geometry as DeepSpeed resolves it (any two of the three batch keys,
+        # elasticity): the engine built below must agree.
+        self.micro, self.gas = _batch_geometry(self.ds_config)
         self.output_dir = cfg.train.output_dir
         self.checkpoint_dir = os.path.join(self.output_dir, "checkpoints")
 
@@ -232,8 +239,14 @@ class Trainer:
         self.engine: PfcEngine = initialize(model=backbone, config=ds_config, lr_scheduler=scheduler,
                                             heads={"head": (head, cfg.head.optimizer.lr_ratio)})
         self.head = head
+        inner = self.engine.engine
+        resolved = (int(inner.train_micro_batch_size_per_gpu()), int(inner.gradient_accumulation_steps()))
+        if resolved != (self.micro, self.gas):
+            raise RuntimeError(f"the engine runs micro batches of {resolved[0]} x {resolved[1]} accumulation steps, "
+                               f"the app planned {self.micro} x {self.gas}")
         self.eval_sets = build_eval_sets(cfg)
-        params = sum(p.numel() for p in backbone.parameters())
+        # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its true size.
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in backbone.parameters())
         self.log(f"ds_pfc: {self.world_size} rank(s) on {self.device.type}, backbone {cfg.backbone.name} "
                  f"(width {cfg.backbone.width}, {params / 1e6:.2f} M parameters), {head}")
         self.log(f"data: {cfg.data.source}, {len(self.dataset)} images, {self.steps_per_epoch} steps/epoch of "
@@ -241,15 +254,54 @@ class Trainer:
                  f"{self.total_steps} steps")
 
     # -- checkpoints ------------------------------------------------------------------
+    _resumed_tag: str | None = None
+    """The tag this run resumed from (its state is on disk already)."""
+    _saved_tag: str | None = None
+    """The tag this run saved last."""
+
     def resume(self) -> bool:
+        """Continue from a checkpoint in ``checkpoint_dir``; every rank calls it at
+        start-up (a collective). Returns whether a checkpoint was loaded.
+
+        First checks that every rank sees the files rank 0 writes there
+        (:func:`ds_pfc.checkpoint_tags.check_shared_directory`). Loads ``resume_from``
+        if set, else the tag ``latest`` names, or the newest complete tag when
+        ``latest`` is missing or lags behind one (logged, and ``latest`` moved). After
+        an explicit ``resume_from`` of an older tag, the newer ones move to
+        ``checkpoints/superseded/``. A damaged checkpoint stops the run with an error
+        naming the file and the newest intact tag; a global batch (micro x
+        accumulation x ranks) other than the checkpoint's stops it unless
+        ``allow_batch_change``. Restores the run history (``history``: per-step
+        losses and evaluations since step 1) saved with the checkpoint."""
+        self.history = {"start_step": 0, "losses": [], "evaluations": {}}
+        self._resumed_tag = None
+        tags.check_shared_directory(self.checkpoint_dir)
         if not self.cfg.checkpoint.resume:
+            if self.resume_from is not None:
+                raise ConfigError(f"resume_from={self.resume_from!r} but ds_pfc.checkpoint.resume is false")
             if list_checkpoints(self.checkpoint_dir):
                 raise ConfigError(f"{self.checkpoint_dir} holds checkpoints but resuming is off; use another "
                                   "output_dir or remove them")
             return False
-        loaded = self.engine.load_checkpoint(self.checkpoint_dir)
-        if loaded is None:
-            return False
+        try:
+            choice = tags.on_rank0(lambda: tags.choose_tag(self.checkpoint_dir, self.resume_from))
+            if choice is None:
+                return False
+            self._check_batch(choice.tag, choice.marker)
+            loaded = self.engine.load_checkpoint(self.checkpoint_dir, choice.tag)
+        except tags.CheckpointError as err:
+            raise _with_resume_hint(err) from None
+        tag = loaded["tag"]
+        if choice.note:
+            self.log(choice.note)
+        if self.resume_from is not None:
+            moved = tags.on_rank0(lambda: tags.supersede(self.checkpoint_dir, tag))
+            if moved:
+                self.log(f"resumed {tag} on request: moved the newer checkpoint(s) {', '.join(moved)} to "
+                         f"{os.path.join(self.checkpoint_dir, tags.SUPERSEDED)}")
+        elif choice.note:
+            tags.on_rank0(lambda: tags.write_latest(self.checkpoint_dir, tag))
+        self._resumed_tag = tag
         self.sampler.load_state_dict(loaded["rank_state"]["sampler"])
         if self.schedule is not None:
             # The saved optimizer carries the learning rate the saved run's schedule set
@@ -257,24 +309,53 @@ class Trainer:
             engine = self.engine.engine
             for group, base in zip(engine.optimizer.param_groups, engine.lr_scheduler.base_lrs):
                 group["lr"] = base * self.schedule(engine.lr_scheduler.last_epoch)
-        self.log(f"resumed from {os.path.join(self.checkpoint_dir, loaded['tag'])} at step "
+        self.history = _restored_history(loaded["client_state"].get("ds_pfc_history"), self.engine.global_steps)
+        self.log(f"resumed from {os.path.join(self.checkpoint_dir, tag)} at step "
                  f"{self.engine.global_steps} (epoch {self.sampler.epoch}, saved on {loaded['world_size']} rank(s))")
         return True
 
+    def _check_batch(self, tag: str, marker: dict) -> None:
+        """Refuse to resume a checkpoint trained with another global batch unless
+        ``allow_batch_change`` (the sampler position, the schedule and the steps per
+        epoch all count in global batches)."""
+        saved = _saved_batch(marker)
+        now = (self.micro, self.gas, self.world_size)
+        if saved is None or math.prod(saved) == math.prod(now):
+            return
+        detail = (f"{os.path.join(self.checkpoint_dir, tag)} was trained with a global batch of {math.prod(saved)} "
+                  f"({saved[0]} micro x {saved[1]} accumulation x {saved[2]} rank(s)); this run's is "
+                  f"{math.prod(now)} ({now[0]} x {now[1]} x {now[2]})")
+        if not self.allow_batch_change:
+            raise ConfigError(f"{detail}. Keep the global batch (scale gradient_accumulation_steps with the number "
+                              "of ranks) or resume anyway with --allow_batch_change (Trainer(allow_batch_change=True))")
+        self.log(f"warning: {detail}; resuming anyway (allow_batch_change)")
+
     def save(self) -> str:
+        """Checkpoint the current step as tag ``stepNNNNNNNN`` (every rank: a collective)
+        with the sampler position, the run history and the batch geometry in the
+        marker's metadata; then remove the oldest complete checkpoints beyond
+        ``ds_pfc.checkpoint.keep`` (by step; never the newest nor the one ``latest``
+        names). A tag holding this very state (the one this run resumed or last saved)
+        is not written again, but ``latest`` is pointed at it. Returns the tag
+        directory."""
         tag = f"step{self.engine.global_steps:08d}"
-        if os.path.isdir(os.path.join(self.checkpoint_dir, tag)) and tag in list_checkpoints(self.checkpoint_dir):
-            return os.path.join(self.checkpoint_dir, tag)
-        path = self.engine.save_checkpoint(self.checkpoint_dir, tag,
-                                           client_state={"ds_pfc_config": self.raw_config["ds_pfc"]},
-                                           rank_state={"sampler": self.sampler.state_dict()},
-                                           metadata={"config": self.raw_config})
+        path = os.path.join(self.checkpoint_dir, tag)
+        history = getattr(self, "history", None) or {"start_step": self.engine.global_steps, "losses": [],
+                                                     "evaluations": {}}
+        if tag in (self._resumed_tag, self._saved_tag):
+            tags.on_rank0(lambda: _point_latest(self.checkpoint_dir, tag))
+        else:
+            metadata = {"config": self.raw_config, "micro": self.micro, "gradient_accumulation_steps": self.gas,
+                        "world_size": self.world_size, "global_batch": self.micro * self.gas * self.world_size}
+            # A complete tag of this step that this run did not write belongs to a run
+            # rolled back past it: this run's state replaces it.
+            path = self.engine.save_checkpoint(self.checkpoint_dir, tag, replace=True, metadata=metadata,
+                                               client_state={"ds_pfc_config": self.raw_config["ds_pfc"],
+                                                             "ds_pfc_history": _plain_history(history)},
+                                               rank_state={"sampler": self.sampler.state_dict()})
+            self._saved_tag = tag
         keep = self.cfg.checkpoint.keep
-        if self.rank == 0 and keep:
-            for old in list_checkpoints(self.checkpoint_dir)[:-keep]:
-                remove_checkpoint(self.checkpoint_dir, old)
-        if self.world_size > 1:
-            dist.barrier()
+        tags.on_rank0(lambda: tags.prune(self.checkpoint_dir, keep))
         self.log(f"checkpoint {path}")
         return path
 
@@ -303,11 +384,21 @@ class Trainer:
             return {}
         ev = self.cfg.evaluation
         start = time.perf_counter()
+        self.engine.broadcast_buffers()       # every rank evaluates the model the export will hold
         results = evaluate(self.engine.module, self.eval_sets, batch_size=ev.batch_size, flip=ev.flip, far=ev.far,
                            device=self.device, dtype=self.engine.dtype, rank=self.rank, world_size=self.world_size)
         self.log(f"eval step {self.engine.global_steps}: {_format_eval(results)} "
                  f"({time.perf_counter() - start:.1f} s)")
+        self._monitor([(f"Eval/Samples/{name}_accuracy", r.accuracy) for name, r in results.items()])
         return results
+
+    def _monitor(self, events: list[tuple[str, float]]) -> None:
+        """Write ``(name, value)`` events to DeepSpeed's monitors (csv, TensorBoard,
+        W&B) at the engine's sample count, as DeepSpeed writes the learning rate."""
+        inner = self.engine.engine
+        monitor = getattr(inner, "monitor", None)
+        if monitor is not None and monitor.enabled and self.rank == 0:
+            monitor.write_events([(name, value, inner.global_samples) for name, value in events])
 
     def run(self) -> dict:
         """Train to ``total_steps`` (resuming if a checkpoint exists), evaluate, save,
@@ -316,7 +407,7 @@ class Trainer:
             self.setup()
         resumed = self.resume()
         cfg, engine = self.cfg, self.engine
-        summary = {"losses": [], "evaluations": {}, "resumed": resumed}
+        summary = {"losses": self.history["losses"], "evaluations": self.history["evaluations"], "resumed": resumed}
         if not resumed and cfg.evaluation.every_steps:
             summary["evaluations"][0] = self.run_evaluation()
         step = engine.global_steps
@@ -325,39 +416,48 @@ class Trainer:
         window, batches = [], self._batches()
         batch = next(batches)
         while step < self.total_steps:
-            step_loss = 0.0
+            step_loss = step_acc = 0.0
             for _ in range(self.gas):
                 images, labels = batch
-                loss = self.head(engine(images), labels)
-                engine.backward(loss)
+                out = self.head(engine(images), labels, return_details=True)
+                engine.backward(out.loss)
                 self.sampler.advance(self.micro)
                 batch = next(batches)
                 if self.head._stager is not None:      # tiered bank: stage the next step's rows now
                     self.head.prefetch(batch[1])
                 engine.step()
-                step_loss += float(loss.detach()) / self.gas
+                loss_value, acc_value = torch.stack([out.loss.detach(), out.accuracy.detach()]).tolist()
+                step_loss += loss_value / self.gas
+                step_acc += acc_value / self.gas
             step = engine.global_steps
             progress.samples += self.micro * self.gas * self.world_size
             summary["losses"].append(step_loss)
-            window.append(step_loss)
+            window.append((step_loss, step_acc))
+            self._monitor([("Train/Samples/train_loss", step_loss), ("Train/Samples/train_accuracy", step_acc)])
             if bar is not None:
                 bar.update(step, step_loss)
             if step % cfg.train.log_every == 0 or step == self.total_steps:
                 elapsed = time.perf_counter() - progress.start
                 rate = progress.samples / max(elapsed, 1e-9)
                 eta = (self.total_steps - step) * (elapsed / max(step - progress.start_step, 1))
+                # The learning rate the last optimizer step applied (the engine's
+                # get_lr() already holds the next step's).
+                lr = engine.last_lr if engine.last_lr is not None else engine.get_lr()
                 self.log(f"step {step}/{self.total_steps} epoch {self.sampler.epoch} loss "
-                         f"{sum(window) / len(window):.4f} lr {engine.get_lr():.3e} {rate:.1f} samples/s "
-                         f"eta {_duration(eta)}")
+                         f"{sum(w[0] for w in window) / len(window):.4f} acc "
+                         f"{sum(w[1] for w in window) / len(window):.4f} lr {lr:.3e} {rate:.1f} samples/s "
+                         f"eta {_duration(eta)}" + (f" skipped {engine.skipped_steps}" if engine.skipped_steps else ""))
                 window = []
             if cfg.evaluation.every_steps and step % cfg.evaluation.every_steps == 0 and step < self.total_steps:
                 summary["evaluations"][step] = self.run_evaluation()
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < self.total_steps:
+                self.engine.broadcast_buffers()
                 self.save()
         batches.close()
         if bar is not None:
             bar.close()
         summary["evaluations"][step] = self.run_evaluation()
+        self.engine.broadcast_buffers()
         summary["checkpoint"] = self.save()
         if cfg.checkpoint.export:
             summary["export"] = self.export(summary["checkpoint"])
@@ -365,17 +465,92 @@ class Trainer:
         return summary
 
     def export(self, tag_dir: str) -> str:
+        """Write ``export/model.safetensors`` (backbone + merged classifier) from
+        checkpoint ``tag_dir`` on rank 0; every rank calls it and an error raises on
+        every rank. The file gets the usual mode (0644 under the default umask)."""
         from .export import export_checkpoint
         out = os.path.join(self.output_dir, "export", "model.safetensors")
-        if self.rank == 0:
-            export_checkpoint(tag_dir, out, config=self.raw_config)
-            self.log(f"export {out}")
-        if self.world_size > 1:
-            dist.barrier()
+        tags.on_rank0(lambda: export_checkpoint(tag_dir, out, config=self.raw_config))
+        self.log(f"export {out}")
         return out
 
     def close(self) -> None:
         self.head.close()
+
+
+def _batch_geometry(ds_config: dict) -> tuple[int, int]:
+    """``(micro batch per rank, gradient accumulation steps)`` as DeepSpeed derives them
+    from the config at this world size (after ``init_distributed``)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    try:
+        resolved = DeepSpeedConfig(dict(ds_config))
+    except (AssertionError, ValueError) as err:
+        raise ConfigError(f"DeepSpeed rejects the batch settings: {err}") from None
+    return int(resolved.train_micro_batch_size_per_gpu), int(resolved.gradient_accumulation_steps)
+
+
+def _with_resume_hint(err: tags.CheckpointError) -> tags.CheckpointError:
+    if err.fallback is None:
+        return err
+    return type(err)(f"{err}; resume from it with launch/train.py --resume_from {err.fallback} "
+                     f"(Trainer(resume_from={err.fallback!r}))", path=err.path, fallback=err.fallback)
+
+
+def _point_latest(checkpoint_dir: str, tag: str) -> None:
+    try:
+        current = tags.read_latest(checkpoint_dir)
+    except tags.CheckpointError:
+        current = None
+    if current != tag:
+        tags.write_latest(checkpoint_dir, tag)
+    tags.clean_leftovers(checkpoint_dir)
+
+
+def _saved_batch(marker: dict) -> tuple[int, int, int] | None:
+    """``(micro, accumulation, ranks)`` a checkpoint was trained with: recorded in its
+    marker, or, for markers without them, from the job config it carries."""
+    meta = marker.get("metadata") or {}
+    try:
+        if "micro" in meta:
+            return int(meta["micro"]), int(meta["gradient_accumulation_steps"]), int(meta["world_size"])
+        ds = meta.get("config") or {}
+        if "train_micro_batch_size_per_gpu" in ds:
+            return (int(ds["train_micro_batch_size_per_gpu"]), int(ds.get("gradient_accumulation_steps", 1)),
+                    int(marker["world_size"]))
+    except (KeyError, TypeError, ValueError):
+        pass
+    return None
+
+
+def _plain_evaluation(results) -> dict:
+    """One evaluation (``name -> VerificationResult`` or its plain form) as plain data."""
+    out = {}
+    for name, r in results.items():
+        if isinstance(r, dict):
+            out[name] = dict(r)
+        else:
+            out[name] = {"accuracy": float(r.accuracy), "accuracy_std": float(r.accuracy_std),
+                         "tar_at_far": {str(k): float(v) for k, v in r.tar_at_far.items()}}
+    return out
+
+
+def _plain_history(history: dict) -> dict:
+    """The run history as plain Python data (checkpoints must load without this
+    module's classes)."""
+    return {"start_step": int(history["start_step"]), "losses": [float(x) for x in history["losses"]],
+            "evaluations": {int(step): _plain_evaluation(r) for step, r in history["evaluations"].items()}}
+
+
+def _restored_history(saved: dict | None, steps: int) -> dict:
+    """The history saved with a checkpoint at ``steps``; one that does not end there
+    (or none) keeps only what is consistent."""
+    if not saved:
+        return {"start_step": steps, "losses": [], "evaluations": {}}
+    start, losses = int(saved.get("start_step", 0)), list(saved.get("losses", []))
+    evaluations = {int(k): v for k, v in (saved.get("evaluations") or {}).items() if int(k) <= steps}
+    if start + len(losses) != steps:
+        start, losses = steps, []
+    return {"start_step": start, "losses": losses, "evaluations": evaluations}
 
 
 def _duration(seconds: float) -> str:

@@ -6,7 +6,9 @@
 The config is DeepSpeed's JSON plus a ``ds_pfc`` block (see ds_pfc/config.py and the
 README's configs table). Checkpoints, the csv monitor, the summary and the
 safetensors export go to ``ds_pfc.train.output_dir``; a rerun resumes from the
-latest complete checkpoint there.
+newest complete checkpoint there (``--resume_from TAG`` picks another one).
+``summary.json`` covers the whole run, across resumes: the loss of every step and
+every evaluation since step 1.
 """
 from __future__ import annotations
 
@@ -20,16 +22,38 @@ import _common
 DEFAULT_CONFIG = os.path.join(_common.ROOT, "configs", "cpu_quickstart.json")
 
 
+def _evaluation_json(results) -> dict:
+    """One evaluation (``name -> VerificationResult``, or its plain form restored from a
+    checkpoint) as JSON."""
+    out = {}
+    for name, r in results.items():
+        if isinstance(r, dict):
+            out[name] = {"accuracy": r["accuracy"], "accuracy_std": r["accuracy_std"],
+                         "tar_at_far": {str(k): v for k, v in r["tar_at_far"].items()}}
+        else:
+            out[name] = {"accuracy": r.accuracy, "accuracy_std": r.accuracy_std,
+                         "tar_at_far": {str(k): v for k, v in r.tar_at_far.items()}}
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--deepspeed_config", default=DEFAULT_CONFIG, help="job JSON (default: the CPU quickstart)")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     p.add_argument("--output_dir", default=None, help="overrides ds_pfc.train.output_dir")
     p.add_argument("--max_steps", type=int, default=None, help="overrides ds_pfc.train.max_steps")
-    p.add_argument("--no_resume", action="store_true", help="start fresh even if checkpoints exist")
+    p.add_argument("--no_resume", action="store_true", help="start fresh (refused if checkpoints exist)")
+    p.add_argument("--resume_from", default=None, metavar="TAG",
+                   help="resume this checkpoint tag (e.g. step00004000) instead of the newest; newer tags move to "
+                        "checkpoints/superseded/")
+    p.add_argument("--allow_batch_change", action="store_true",
+                   help="resume a checkpoint trained with another global batch (micro x accumulation x ranks)")
     args = p.parse_args(argv)
+    if args.no_resume and args.resume_from is not None:
+        p.error("--no_resume and --resume_from exclude each other")
 
     _common.single_process_env()
+    from ds_pfc.checkpoint_tags import CheckpointError, atomic_write
     from ds_pfc.config import ConfigError
     from ds_pfc.training import Trainer, load_config
 
@@ -37,25 +61,28 @@ def main(argv=None) -> dict:
         config = load_config(args.deepspeed_config)
         if args.no_resume:
             config.setdefault("ds_pfc", {}).setdefault("checkpoint", {})["resume"] = False
-        trainer = Trainer(config, output_dir=args.output_dir, max_steps=args.max_steps)
+        trainer = Trainer(config, output_dir=args.output_dir, max_steps=args.max_steps,
+                          resume_from=args.resume_from, allow_batch_change=args.allow_batch_change)
         trainer.setup()
     except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
     try:
         summary = trainer.run()
+    except (ConfigError, CheckpointError) as err:
+        sys.exit(f"error: {err}" if trainer.rank == 0 else 1)     # every rank raises the same error
     finally:
         trainer.close()
     if trainer.rank == 0:
-        out = {"steps": len(summary["losses"]), "final_loss": summary["losses"][-1] if summary["losses"] else None,
-               "losses": summary["losses"], "elapsed_s": summary["elapsed_s"], "resumed": summary["resumed"],
+        history = trainer.history
+        losses = summary["losses"]
+        out = {"steps": history["start_step"] + len(losses), "first_loss_step": history["start_step"] + 1,
+               "final_loss": losses[-1] if losses else None, "losses": losses,
+               "elapsed_s": summary["elapsed_s"], "resumed": summary["resumed"],
                "checkpoint": summary["checkpoint"], "export": summary.get("export"),
-               "evaluations": {str(step): {name: {"accuracy": r.accuracy, "accuracy_std": r.accuracy_std,
-                                                  "tar_at_far": {str(k): v for k, v in r.tar_at_far.items()}}
-                                           for name, r in results.items()}
-                               for step, results in summary["evaluations"].items()}}
+               "evaluations": {str(step): _evaluation_json(results)
+                               for step, results in sorted(summary["evaluations"].items())}}
         path = os.path.join(trainer.output_dir, "summary.json")
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
+        atomic_write(path, json.dumps(out, indent=1).encode())
         print(f"summary {path}", flush=True)
     return summary
 

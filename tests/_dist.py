@@ -34,3 +34,12 @@ def run_ranks(fn, world_size: int, *args):
         init_file = os.path.join(tmp, "init")
         mp.spawn(_entry, args=(world_size, init_file, tmp, fn, args), nprocs=world_size, join=True)
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for MASTER_PORT: DeepSpeed names its shared
+    memory after the port, so a fixed one can meet a stale buffer of an earlier run)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

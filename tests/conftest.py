@@ -15,3 +15,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 # build in the checkout so every test process, and every later run, reuses it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                            ".torch_extensions"))
+
+
+def pytest_sessionstart(session):
+    session.config._ds_pfc_started = __import__("time").time()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """DeepSpeed's CPU shared-memory all-reduce leaves a buffer per process in
+    /dev/shm (tens of MB each, named after the master port); remove this session's."""
+    import glob
+    started = getattr(session.config, "_ds_pfc_started", None)
+    if started is None:
+        return
+    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+        try:
+            if os.path.getmtime(path) >= started - 1:
+                os.remove(path)
+        except OSError:
+            pass

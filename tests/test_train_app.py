@@ -121,9 +121,14 @@ def test_two_rank_launcher_run_trains_checkpoints_and_exports(two_rank_run):
     with open(os.path.join(out, "checkpoints", "latest")) as f:
         assert f.read() == os.path.basename(tag_dir)
     assert sorted(os.listdir(os.path.join(out, "checkpoints")))[:3] == ["latest", "step00000002", "step00000004"]
-    # the csv monitor wrote the loss and lr series
-    monitor = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(out, "monitor")) for f in fs]
-    assert any(f.endswith(".csv") for f in monitor)
+    # the csv monitor wrote the loss series (the summary's losses), the accuracy and the lr
+    monitor = {f: os.path.join(d, f) for d, _, fs in os.walk(os.path.join(out, "monitor")) for f in fs}
+    assert {"Train_Samples_train_loss.csv", "Train_Samples_train_accuracy.csv", "Train_Samples_lr.csv",
+            "Eval_Samples_synthetic_held_out_accuracy.csv"} <= set(monitor), sorted(monitor)
+    with open(monitor["Train_Samples_train_loss.csv"]) as f:
+        rows = [line.strip().split(",") for line in f][1:]
+    assert [int(r[0]) for r in rows] == [16 * (i + 1) for i in range(STEPS)]      # at the global sample count
+    assert [float(r[1]) for r in rows] == pytest.approx(summary["losses"], rel=1e-6)
     acc = summary["evaluations"][str(STEPS)]["synthetic_held_out"]["accuracy"]
     assert 0.0 <= acc <= 1.0
 
@@ -140,6 +145,23 @@ def test_one_rank_matches_two_ranks_and_the_golden_losses(two_rank_run, one_rank
     torch.testing.assert_close(torch.tensor(one), torch.tensor(golden), rtol=2e-3, atol=1e-3)
 
 
+def test_batch_geometry_comes_from_deepspeed(one_rank_run, tmp_path):
+    """train_batch_size 16 with micro batches of 8 on 1 rank: DeepSpeed accumulates 2
+    micro batches per step, so the run is the 2-accumulation run, step for step."""
+    config = copy.deepcopy(TINY)
+    del config["gradient_accumulation_steps"]
+    config["train_batch_size"] = 16
+    path = os.path.join(tmp_path, "tbs.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    out = os.path.join(tmp_path, "run")
+    stdout = _run(["--deepspeed_config", path, "--output_dir", out])
+    assert "of 8 x 2 x 1 = 16 images" in stdout
+    assert _summary(out)["losses"] == _summary(one_rank_run)["losses"]
+    assert sorted(t for t in os.listdir(os.path.join(out, "checkpoints")) if t.startswith("step")) == \
+        sorted(t for t in os.listdir(os.path.join(one_rank_run, "checkpoints")) if t.startswith("step"))
+
+
 def test_resume_continues_the_loss_curve_exactly(one_rank_run, tmp_path):
     out = os.path.join(tmp_path, "run")
     config = _config(tmp_path, "one", gradient_accumulation_steps=2)
@@ -147,9 +169,10 @@ def test_resume_continues_the_loss_curve_exactly(one_rank_run, tmp_path):
     first = _summary(out)["losses"]
     _run(["--deepspeed_config", config, "--output_dir", out])
     resumed = _summary(out)
-    assert resumed["resumed"] and len(resumed["losses"]) == STEPS - 3
-    assert first + resumed["losses"] == _summary(one_rank_run)["losses"][:3] + resumed["losses"]
-    assert resumed["losses"] == _summary(one_rank_run)["losses"][3:]     # bitwise
+    # the summary covers the whole run, the first 3 steps included
+    assert resumed["resumed"] and len(resumed["losses"]) == STEPS and resumed["losses"][:3] == first
+    assert first == _summary(one_rank_run)["losses"][:3]
+    assert resumed["losses"] == _summary(one_rank_run)["losses"]     # bitwise
 
 
 def test_resume_on_another_world_size(two_rank_run, tmp_path):
@@ -164,7 +187,8 @@ def test_resume_on_another_world_size(two_rank_run, tmp_path):
     _run(["--deepspeed_config", config, "--output_dir", os.path.join(tmp_path, "run")])
     resumed = _summary(os.path.join(tmp_path, "run"))
     assert resumed["resumed"]
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(_summary(two_rank_run[0])["losses"][2:]),
+    # the first 2 losses come with the checkpoint (the whole run's history)
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(_summary(two_rank_run[0])["losses"]),
                                rtol=1e-4, atol=1e-5)
 
 
@@ -237,6 +261,10 @@ def test_export_reshard_round_trip_onnx_and_eval(two_rank_run, tmp_path):
         emb = torch.nn.functional.normalize(backbone(x) + backbone(x.flip(3)))
     ref = verification_metrics(emb[0::2], emb[1::2], issame).accuracy
     assert acc == pytest.approx(ref, abs=1e-9)
+    # and the app's own last evaluation saw that model: the ranks' BatchNorm statistics
+    # are rank 0's before evaluating and saving, as in the export
+    in_run = _summary(out)["evaluations"][str(STEPS)]["synthetic_held_out"]["accuracy"]
+    assert in_run == pytest.approx(acc, abs=1e-9)
 
     # ONNX
     onnx = pytest.importorskip("onnx")
