@@ -7,13 +7,14 @@ all-gathers, so rows are padded to the largest batch and the padding is dropped.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["world_size", "rank", "gather_sizes", "all_gather_batch", "all_gather_rows", "all_reduce_",
-           "all_gather_scalars"]
+           "all_gather_scalars", "BatchLayout", "batch_layout", "group_ranks"]
 
 # torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep both spellings working.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -142,3 +143,139 @@ def all_gather_batch(embeddings: torch.Tensor, labels: torch.Tensor, group=None,
     gathered = _AllGatherRows.apply(embeddings, sizes, group)
     gathered_labels = _gather_rows(labels, sizes, group)
     return gathered, gathered_labels, sizes
+
+
+# ----------------------------------------------------------------- two groups
+def group_ranks(group=None) -> list[int]:
+    """Global ranks of ``group`` in group-rank order (``[0]`` for a single process)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return [0]
+    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How the samples are laid out over a class group ``G`` when they are gathered over
+    a smaller batch group ``B`` (tensor parallelism: the ranks of ``G`` at the same
+    position of their ``B`` are peers holding identical samples).
+
+    ``positions[q]``: the position in its batch group of rank ``q`` of ``G``;
+    ``peer_group``: this rank's peers (None when ``B`` spans ``G``: no peers);
+    ``batch_rank`` / ``batch_world``: this rank's position in ``B`` and its size."""
+
+    batch_group: object
+    peer_group: object
+    positions: tuple[int, ...]
+    batch_rank: int
+    batch_world: int
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of ``G`` per batch position (the tensor-parallel degree)."""
+        return len(self.positions) // self.batch_world
+
+
+_LAYOUTS: dict = {}
+
+
+def batch_layout(group, batch_group, device) -> BatchLayout:
+    """The :class:`BatchLayout` of ``batch_group`` within ``group`` (a collective over
+    ``group`` the first time for a pair of groups; cached after).
+
+    Checks, on every rank together (so a bad layout fails everywhere instead of
+    leaving some rank in a later collective): ``batch_group``'s ranks all belong to
+    ``group``; every batch group has the same size; every position has the same
+    number of peers. The peers' group is created among the peers only."""
+    key = (id(group), id(batch_group))
+    if key in _LAYOUTS:
+        return _LAYOUTS[key][0]
+    g_ranks = group_ranks(group)
+    problem, b_rank, b_world = None, -1, -1
+    try:
+        b_ranks = group_ranks(batch_group)
+        outside = sorted(set(b_ranks) - set(g_ranks))
+        if outside:
+            raise ValueError(f"batch_group has ranks {outside} outside group (its ranks {b_ranks}, the group's "
+                             f"{g_ranks}); the samples must be gathered over a subset of the ranks the classes "
+                             "are sharded over")
+        b_rank, b_world = rank(batch_group), world_size(batch_group)
+    except (TypeError, ValueError, RuntimeError) as err:
+        problem = err
+    table = all_gather_scalars([b_rank, b_world, int(problem is None)], group, device).long().tolist()
+    if problem is not None:
+        raise problem
+    failed = [q for q, row in enumerate(table) if row[2] != 1]
+    if failed:
+        raise ValueError(f"ranks {failed} of the group rejected their batch_group (see their errors)")
+    worlds = sorted({row[1] for row in table})
+    positions = tuple(row[0] for row in table)
+    counts = {p: positions.count(p) for p in range(worlds[0])}
+    if len(worlds) > 1 or len(set(counts.values())) != 1 or sum(counts.values()) != len(g_ranks):
+        layout = {g_ranks[q]: f"{positions[q]}/{table[q][1]}" for q in range(len(g_ranks))}
+        raise ValueError(f"batch groups must split the group into equal data-parallel groups with every position "
+                         f"held by the same number of ranks; rank -> position/size: {layout}")
+    me = rank(group)
+    peers = [g_ranks[q] for q in range(len(g_ranks)) if positions[q] == positions[me]]
+    peer_group = None
+    if len(peers) > 1:
+        peer_group = dist.new_group(peers, use_local_synchronization=True)
+    layout = BatchLayout(batch_group, peer_group, positions, positions[me], worlds[0])
+    _LAYOUTS[key] = (layout, group, batch_group)     # the groups stay alive with their key
+    return layout
+
+
+def gather_batch_sizes(num_rows: int, group, layout: BatchLayout, device=None, error: Exception | None = None,
+                       what: str = "input") -> list[int]:
+    """:func:`gather_sizes` over ``group`` reduced to one size per batch position; peers
+    must agree (they hold the same samples)."""
+    sizes = gather_sizes(num_rows, group, device, error, what)
+    per_position: dict[int, set] = {}
+    for q, n in enumerate(sizes):
+        per_position.setdefault(layout.positions[q], set()).add(n)
+    bad = {p: sorted(v) for p, v in per_position.items() if len(v) > 1}
+    if bad:
+        raise ValueError(f"{what}: ranks at the same batch position (tensor-parallel peers) must pass the same "
+                         f"samples, but their batch sizes differ: position -> sizes {bad}")
+    return [per_position[p].pop() for p in range(layout.batch_world)]
+
+
+class _PeerSum(torch.autograd.Function):
+    """forward: identity; backward: all-reduce (sum) of the gradient over the peers
+    (the ranks holding the same samples), so each gets the whole gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def all_gather_batch_2d(embeddings: torch.Tensor, labels: torch.Tensor, layout: BatchLayout, sizes: list[int]):
+    """:func:`all_gather_batch` over ``layout.batch_group`` for a class group larger
+    than it. backward: reduce-scatter over the batch group (each rank's own rows of
+    the sum of the batch group's gradients), then an all-reduce over the peers: every
+    peer gets the gradient summed over the whole class group."""
+    if layout.peer_group is not None:
+        embeddings = _PeerSum.apply(embeddings, layout.peer_group)
+    if layout.batch_world == 1:
+        return embeddings, labels, sizes
+    gathered = _AllGatherRows.apply(embeddings, sizes, layout.batch_group)
+    return gathered, _gather_rows(labels, sizes, layout.batch_group), sizes
+
+
+def check_same_labels(y: torch.Tensor, group, device=None) -> None:
+    """Every rank of ``group`` must hold the same gathered labels ``y`` (one small
+    all-reduce and a host sync): tensor-parallel peers that feed different samples,
+    or batch groups ordered differently, would otherwise train on mixed-up targets."""
+    weights = torch.arange(1, y.numel() + 1, device=y.device, dtype=torch.float64)
+    h = (y.double() * weights).sum()
+    probe = torch.stack([h, -h]).to(device if device is not None else y.device)
+    all_reduce_(probe, "max", group)
+    if float(probe[0]) != -float(probe[1]):
+        raise ValueError("labels: the ranks of the class group gathered different labels; tensor-parallel peers "
+                         "(the same position in their batch groups) must pass identical samples")

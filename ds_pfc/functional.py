@@ -27,6 +27,7 @@ def margin_cross_entropy(
     margin: Margin,
     filter_threshold: float | None = None,
     group=None,
+    batch_group=None,
     class_start: int = 0,
     compute_dtype: torch.dtype | None = None,
     return_details: bool = False,
@@ -37,7 +38,10 @@ def margin_cross_entropy(
     """Exact margin softmax cross-entropy with class-sharded centers.
 
     ``embeddings [N, d]`` and ``labels [N]`` are this rank's samples; they are gathered
-    across ``group`` here. ``centers [C_q, d]`` is this rank's shard, whose row ``i`` is
+    across ``batch_group`` here (None: ``group``). With a ``batch_group`` smaller than
+    ``group`` (tensor parallelism: ``group`` = TP x DP, ``batch_group`` = DP), the
+    ranks at the same position of their batch groups pass identical samples and each
+    gets the gradient summed over the whole ``group``. ``centers [C_q, d]`` is this rank's shard, whose row ``i`` is
     global class ``class_start + i``; the shards of all ranks must tile ``[0, C)``.
     Differentiable with respect to ``embeddings`` and ``centers``. The loss is the mean
     over the global batch, and the gradient with respect to ``embeddings`` is that of
@@ -77,10 +81,20 @@ def margin_cross_entropy(
     except (TypeError, ValueError) as err:
         error = err
     device = embeddings.device if isinstance(embeddings, torch.Tensor) else None
-    sizes = collectives.gather_sizes(embeddings.shape[0] if error is None else 0, group, device, error,
-                                     what="embeddings/labels")
-
-    x, y, sizes = collectives.all_gather_batch(embeddings, labels.long(), group, sizes)
+    rows = embeddings.shape[0] if error is None else 0
+    if batch_group is None or batch_group is group:
+        sizes = collectives.gather_sizes(rows, group, device, error, what="embeddings/labels")
+        x, y, sizes = collectives.all_gather_batch(embeddings, labels.long(), group, sizes)
+        me = collectives.rank(group)
+    else:
+        from .devices import collective_device
+        small = collective_device(group, device)
+        layout = collectives.batch_layout(group, batch_group, small)
+        sizes = collectives.gather_batch_sizes(rows, group, layout, device, error, what="embeddings/labels")
+        x, y, sizes = collectives.all_gather_batch_2d(embeddings, labels.long(), layout, sizes)
+        if validate:
+            collectives.check_same_labels(y, group, small)
+        me = layout.batch_rank
     if x.shape[0] == 0:
         raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
     local = y.long() - class_start
@@ -92,7 +106,6 @@ def margin_cross_entropy(
         return_correct=return_details, block_bytes=block_bytes, backend=backend, validate=validate)
     if not return_details:
         return result.loss
-    me = collectives.rank(group)
     offset = sum(sizes[:me])
     return CrossEntropyOutput(result.loss, result.per_sample[offset: offset + sizes[me]],
                               result.correct.mean())

@@ -88,6 +88,13 @@ class PartialFC(nn.Module):
         filter_threshold: PFC* conflict filter ``tau`` (None: off).
         group: process group the classes are sharded over (None: the default group
             if initialised, else a single process).
+        batch_group: process group the samples are gathered over (None: ``group``).
+            Under tensor parallelism (TP) x data parallelism (DP) the classes can be
+            sharded over every rank (``group`` = TP x DP) while the distinct samples
+            are gathered over the data-parallel group: TP peers, which hold identical
+            embeddings, then share the classes instead of each holding a copy, and
+            each gets the complete embedding gradient. Every rank of ``batch_group``
+            must be in ``group``; all batch groups have one size.
         device: where the bank and the computation live. None: the current CUDA
             device when ``group`` uses NCCL, else the CPU; ``"cuda"`` means the current
             CUDA device (``cuda:<torch.cuda.current_device()>``).
@@ -99,10 +106,11 @@ class PartialFC(nn.Module):
         init_std: standard deviation of the initial centers.
         dtype: storage dtype of the centers (float32; float64 for exactness checks).
         data_parallel_grad: the backbone producing ``embeddings`` is data parallel over
-            ``group`` and its gradients get *averaged* (DDP, DeepSpeed). The gradient
-            returned to ``embeddings`` is then multiplied by the group size, here and
-            only here, so that the average equals the gradient of the global mean
-            loss. Set False if nothing averages (single process, or summed gradients).
+            ``batch_group`` and its gradients get *averaged* (DDP, DeepSpeed). The
+            gradient returned to ``embeddings`` is then multiplied by that group's
+            size, here and only here, so that the average equals the gradient of the
+            global mean loss. Set False if nothing averages (single process, or summed
+            gradients).
         bank: a factory ``(num_rows, device) -> ClassBank`` (default: DeviceBank).
         block_bytes: bytes of float32 logits per class block of the softmax, and of
             rows per chunk of the row optimizer (None: 256 MiB on CUDA, 2 MiB on CPU).
@@ -125,6 +133,7 @@ class PartialFC(nn.Module):
         margin: Margin | None = None,
         filter_threshold: float | None = None,
         group=None,
+        batch_group=None,
         device=None,
         seed: int = 0,
         optimizer: str | RowOptimizer = "sgd",
@@ -154,6 +163,13 @@ class PartialFC(nn.Module):
         # Every rank takes part in the agreement check even when its own arguments are
         # bad, so that one rank's error never leaves the others waiting in a collective.
         self._check_agreement(error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin)
+        # Two groups: the layout of the samples over the class group (a collective).
+        self.batch_group = group if batch_group is None else batch_group
+        self._layout = None
+        if batch_group is not None and batch_group is not group:
+            self._layout = collectives.batch_layout(group, batch_group, collective_device(group, self.device))
+        self.batch_world_size = self.world_size if self._layout is None else self._layout.batch_world
+        self.batch_rank = self.rank if self._layout is None else self._layout.batch_rank
 
         self.num_classes, self.embedding_size = num_classes, embedding_size
         self.sample_rate = float(sample_rate)
@@ -248,16 +264,8 @@ class PartialFC(nn.Module):
         except (TypeError, ValueError) as err:
             error = err
         # Every rank joins this gather even with bad input, so none is left waiting.
-        sizes = collectives.gather_sizes(embeddings.shape[0] if error is None else 0, self.group, self.device, error,
-                                         what="embeddings/labels")
-
+        x, y, sizes = self._gather(embeddings, labels, error, "embeddings/labels")
         training = self.training and torch.is_grad_enabled()
-        if self.data_parallel_grad and self.world_size > 1:
-            embeddings = _ScaleGrad.apply(embeddings, float(self.world_size))
-        # int64 before any collective: NCCL has no int16, and every rank must agree on one dtype.
-        x, y, sizes = collectives.all_gather_batch(embeddings, labels.long(), self.group, sizes)
-        if x.shape[0] == 0:
-            raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
         local = self.partition.to_local(y, self.rank)
         lookahead, self._lookahead = self._lookahead, None
         if training and lookahead is not None and lookahead[0] == self.sample_step and torch.equal(lookahead[1], y):
@@ -288,9 +296,31 @@ class PartialFC(nn.Module):
             self.sample_step += 1
         if not return_details:
             return result.loss
-        offset = sum(sizes[: self.rank])
-        return CrossEntropyOutput(result.loss, result.per_sample[offset: offset + sizes[self.rank]],
+        offset = sum(sizes[: self.batch_rank])
+        return CrossEntropyOutput(result.loss, result.per_sample[offset: offset + sizes[self.batch_rank]],
                                   result.correct.mean())
+
+    def _gather(self, embeddings, labels, error, what):
+        """The global batch ``(x, y, sizes per batch rank)``; the gradient path scales
+        for data-parallel averaging and sums over the class group."""
+        if self._layout is None:
+            sizes = collectives.gather_sizes(embeddings.shape[0] if error is None else 0, self.group, self.device,
+                                             error, what=what)
+        else:
+            sizes = collectives.gather_batch_sizes(embeddings.shape[0] if error is None else 0, self.group,
+                                                   self._layout, self.device, error, what=what)
+        if self.data_parallel_grad and self.batch_world_size > 1:
+            embeddings = _ScaleGrad.apply(embeddings, float(self.batch_world_size))
+        # int64 before any collective: NCCL has no int16, and every rank must agree on one dtype.
+        if self._layout is None:
+            x, y, sizes = collectives.all_gather_batch(embeddings, labels.long(), self.group, sizes)
+        else:
+            x, y, sizes = collectives.all_gather_batch_2d(embeddings, labels.long(), self._layout, sizes)
+            if self.validate:
+                collectives.check_same_labels(y, self.group, collective_device(self.group, self.device))
+        if x.shape[0] == 0:
+            raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
+        return x, y, sizes
 
     def prefetch(self, next_labels: torch.Tensor) -> None:
         """Lookahead: this rank's labels of the *next* training forward.
@@ -322,9 +352,14 @@ class PartialFC(nn.Module):
             if error is not None:
                 raise error
             return
-        sizes = collectives.gather_sizes(next_labels.shape[0] if error is None else 0, self.group, self.device, error,
-                                         what="next_labels")
-        y = collectives.all_gather_rows(next_labels.long(), self.group, sizes)
+        if self._layout is None:
+            sizes = collectives.gather_sizes(next_labels.shape[0] if error is None else 0, self.group, self.device,
+                                             error, what="next_labels")
+            y = collectives.all_gather_rows(next_labels.long(), self.group, sizes)
+        else:
+            sizes = collectives.gather_batch_sizes(next_labels.shape[0] if error is None else 0, self.group,
+                                                   self._layout, self.device, error, what="next_labels")
+            y = collectives.all_gather_rows(next_labels.long(), self._layout.batch_group, sizes)
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
         rows = torch.arange(self.num_local, device=self.device) if active is None else active
