@@ -59,6 +59,7 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import checkpoint_tags as tags
+from . import universal
 from .checkpoint_tags import CheckpointError, CheckpointIncompleteError
 from .devices import collective_device
 from .head import PartialFC
@@ -496,6 +497,14 @@ class PfcEngine:
         def choose():
             choice = tags.choose_tag(load_dir, tag)
             if choice is not None:
+                # Another world size and ZeRO partitions: DeepSpeed needs the universal
+                # conversion of the tag (UniversalCheckpointError with the recipe without one).
+                name, _ = universal.loadable_tag(load_dir, choice.tag, self.world_size)
+                if name != choice.tag:
+                    note = (f"{choice.tag} holds ZeRO partitions of {choice.marker['world_size']} rank(s): loading "
+                            f"its universal conversion {name} on {self.world_size}")
+                    choice = tags.Choice(name, tags.read_marker(os.path.join(load_dir, name)),
+                                         f"{choice.note}; {note}" if choice.note else note)
                 try:
                     tags.verify_tag(os.path.join(load_dir, choice.tag), choice.marker)
                 except tags.CheckpointError as err:
@@ -511,7 +520,8 @@ class PfcEngine:
         saved_world = int(marker["world_size"])
         error = state = client_state = None
         try:
-            client_state, state = _load_files(self, load_dir, choice.tag, saved_world)
+            client_state, state = _load_files(self, load_dir, choice.tag, saved_world,
+                                              universal_tag=bool(marker.get("universal")))
         except Exception as err:
             error = tags.with_fallback(err, load_dir, exclude=(choice.tag,)) \
                 if isinstance(err, tags.CheckpointError) else err
@@ -523,13 +533,19 @@ class PfcEngine:
                 "world_size": saved_world, "metadata": marker.get("metadata", {}), "note": choice.note}
 
 
-def _load_files(engine: PfcEngine, load_dir: str, tag: str, saved_world: int) -> tuple[dict, dict]:
+def _load_files(engine: PfcEngine, load_dir: str, tag: str, saved_world: int, *,
+                universal_tag: bool = False) -> tuple[dict, dict]:
     """This rank's part of a load: DeepSpeed's files, the head shards, the per-rank
     state. Damaged files raise CheckpointCorruptError naming them; mismatches
     between checkpoint and model (classes, dimensions) raise ValueError."""
     tag_dir = os.path.join(load_dir, tag)
     try:
-        path, client_state = engine.engine.load_checkpoint(load_dir, tag)
+        if universal_tag:
+            path, client_state = universal.load_universal(engine.engine, load_dir, tag)
+        else:
+            path, client_state = engine.engine.load_checkpoint(load_dir, tag)
+    except universal.UniversalCheckpointError:
+        raise       # the tag cannot load into this engine (ZeRO stage); not a damaged file
     except Exception as err:
         raise tags.CheckpointCorruptError(f"DeepSpeed could not load its files in {tag_dir} "
                                           f"({type(err).__name__}: {err})", path=tag_dir) from err

@@ -60,6 +60,10 @@ def backbone_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     ZeRO 1 they, and everything at ZeRO 0, come whole from rank 0's module states file,
     which also holds the buffers (rank 0's BatchNorm statistics). Under fp16/bf16 at
     ZeRO 0 the module states hold the 16-bit weights, widened here."""
+    if os.path.isdir(os.path.join(tag_dir, "zero")):     # a universal checkpoint (ds_pfc.universal)
+        from .universal import universal_state_dict
+        return {k: (v.float() if v.is_floating_point() else v).contiguous()
+                for k, v in universal_state_dict(tag_dir).items()}
     # ZeRO 0-2 write mp_rank_00_model_states.pt (rank 0 only); ZeRO 3 writes
     # zero_pp_rank_<r>_mp_rank_00_model_states.pt on every rank, parameters as empty placeholders.
     sharded = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")

@@ -288,6 +288,7 @@ class Trainer:
             if choice is None:
                 return False
             self._check_batch(choice.tag, choice.marker)
+            self._convert_for_world_size(choice.tag)
             loaded = self.engine.load_checkpoint(self.checkpoint_dir, choice.tag)
         except tags.CheckpointError as err:
             raise _with_resume_hint(err) from None
@@ -313,6 +314,26 @@ class Trainer:
         self.log(f"resumed from {os.path.join(self.checkpoint_dir, tag)} at step "
                  f"{self.engine.global_steps} (epoch {self.sampler.epoch}, saved on {loaded['world_size']} rank(s))")
         return True
+
+    def _convert_for_world_size(self, tag: str) -> None:
+        """A ZeRO 1-3 checkpoint saved on another number of ranks: rank 0 converts it
+        once to DeepSpeed's universal checkpoint (``<tag>-universal``, see
+        :mod:`ds_pfc.universal`), which the load then uses."""
+        from . import universal
+
+        def convert():
+            tag_dir = os.path.join(self.checkpoint_dir, tag)
+            sibling = os.path.join(self.checkpoint_dir, tag + universal.UNIVERSAL_SUFFIX)
+            if not universal.needs_universal(tag_dir, self.world_size) or os.path.isdir(sibling):
+                return None
+            start = time.perf_counter()
+            universal.to_universal(tag_dir, sibling, impl="ds_pfc", progress=False)
+            return time.perf_counter() - start
+
+        seconds = tags.on_rank0(convert)
+        if seconds is not None:
+            self.log(f"{tag} holds ZeRO partitions of another number of ranks: converted it to a universal "
+                     f"checkpoint for {self.world_size} rank(s) in {seconds:.1f} s")
 
     def _check_batch(self, tag: str, marker: dict) -> None:
         """Refuse to resume a checkpoint trained with another global batch unless

@@ -2,13 +2,18 @@
 
     python launch/export.py safetensors --checkpoint runs/x/checkpoints [--tag T] --out model.safetensors
     python launch/export.py reshard --checkpoint runs/x/checkpoints [--tag T] --world_size 5 --out runs/y/checkpoints
+    python launch/export.py universal --checkpoint runs/x/checkpoints [--tag T] [--out DIR] [--workers 4]
     python launch/export.py onnx --model runs/x/export/model.safetensors --out backbone.onnx
 
 ``safetensors``: one file with the backbone's float32 weights (``backbone.*``) and
 each head's full classifier (``heads.<name>.weight [C, d]``, classes in id order).
 ``reshard``: a copy of the checkpoint for another number of ranks, exact for the
 heads (resume from it by pointing ``ds_pfc.train.output_dir`` at the parent of
-``--out``). ``onnx``: the backbone with a dynamic batch axis (needs ``onnx``).
+``--out``). ``universal``: the tag converted to DeepSpeed's universal checkpoint
+(default ``<checkpoint>/<tag>-universal``), which resumes on any number of ranks
+with ZeRO 1-3; the next resume on another number of ranks picks it up by itself
+(ZeRO 0 checkpoints need no conversion). ``onnx``: the backbone with a dynamic
+batch axis (needs ``onnx``).
 """
 from __future__ import annotations
 
@@ -30,6 +35,14 @@ def main(argv=None) -> str:
     r.add_argument("--tag", default=None)
     r.add_argument("--world_size", type=int, required=True)
     r.add_argument("--out", required=True, help="new checkpoints directory")
+    u = sub.add_parser("universal", help="convert a ZeRO 1-3 checkpoint to DeepSpeed's universal checkpoint "
+                                         "(resumes on any number of ranks)")
+    u.add_argument("--checkpoint", required=True, help="the checkpoints directory (holds 'latest')")
+    u.add_argument("--tag", default=None)
+    u.add_argument("--out", default=None, help="the new tag directory (default: <checkpoint>/<tag>-universal)")
+    u.add_argument("--workers", type=int, default=4, help="parallel extraction processes / writer threads")
+    u.add_argument("--impl", choices=("auto", "deepspeed", "ds_pfc"), default="auto",
+                   help="converter: DeepSpeed's (Adam states only), ds_pfc's (any states), or auto")
     o = sub.add_parser("onnx", help="the backbone as ONNX")
     o.add_argument("--model", required=True, help="an export .safetensors or a checkpoints directory")
     o.add_argument("--tag", default=None)
@@ -42,6 +55,10 @@ def main(argv=None) -> str:
             tag_dir = export.resolve_tag(args.checkpoint, args.tag)
             out = export.export_checkpoint(tag_dir, args.out, config=export.read_marker(tag_dir)
                                            .get("metadata", {}).get("config"))
+        elif args.command == "universal":
+            from ds_pfc import universal
+            out = universal.to_universal(export.resolve_tag(args.checkpoint, args.tag), args.out,
+                                         workers=args.workers, impl=args.impl)
         elif args.command == "reshard":
             if args.world_size < 1:
                 raise ValueError(f"--world_size must be >= 1, got {args.world_size}")

@@ -192,6 +192,22 @@ def test_resume_on_another_world_size(two_rank_run, tmp_path):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_zero1_checkpoint_resumes_on_another_world_size(two_rank_run, tmp_path):
+    """ZeRO 1 partitions its optimizer state over the ranks; a 2-rank checkpoint is
+    converted to DeepSpeed's universal checkpoint by the app itself and resumed on 1
+    rank: the curve continues as the 2-rank run's did (the ZeRO 0 run's, same math)."""
+    out = os.path.join(tmp_path, "run")
+    z1 = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+    _run(["--deepspeed_config", _config(tmp_path, "two_z1", **z1), "--output_dir", out, "--max_steps", "2"], ranks=2)
+    stdout = _run(["--deepspeed_config", _config(tmp_path, "one_z1", gradient_accumulation_steps=2, **z1),
+                   "--output_dir", out])
+    assert "converted it to a universal checkpoint for 1 rank(s)" in stdout
+    resumed = _summary(out)
+    assert resumed["resumed"] and resumed["steps"] == STEPS
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(_summary(two_rank_run[0])["losses"]),
+                               rtol=1e-4, atol=1e-5)
+
+
 def _script(name, *args):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", name), *args], env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
