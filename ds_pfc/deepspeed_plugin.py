@@ -64,30 +64,75 @@ from .checkpoint_tags import CheckpointError, CheckpointIncompleteError
 from .devices import collective_device
 from .head import PartialFC
 
-__all__ = ["attach", "attached_heads", "initialize", "PfcEngine", "loss_scale", "COMPLETE_MARKER",
-           "CheckpointError", "CheckpointIncompleteError", "list_checkpoints", "remove_checkpoint"]
+__all__ = ["attach", "attached_heads", "head_spec", "HeadSpec", "initialize", "PfcEngine", "loss_scale",
+           "COMPLETE_MARKER", "CheckpointError", "CheckpointIncompleteError", "list_checkpoints", "remove_checkpoint"]
 
 COMPLETE_MARKER = tags.COMPLETE_MARKER
 _REGISTRY = "_ds_pfc_heads"
 
 
+SHARDINGS = ("model", "data")
+
+
+@dataclass
+class HeadSpec:
+    """A :class:`PartialFC` declared before :func:`initialize` and built inside it, on
+    the engine's device and from the engine's process groups (which, with AutoTP's
+    ``"tensor_parallel": {"autotp_size": N}``, exist only inside
+    ``deepspeed.initialize``). Make one with :func:`head_spec`."""
+
+    num_classes: int
+    embedding_size: int
+    shard: str
+    kwargs: dict
+
+    def build(self, *, group, batch_group, device) -> PartialFC:
+        return PartialFC(self.num_classes, self.embedding_size, group=group, batch_group=batch_group, device=device,
+                         **self.kwargs)
+
+
+def head_spec(num_classes: int, embedding_size: int, *, shard: str = "model", **kwargs) -> HeadSpec:
+    """Declare a head for :func:`attach` / ``initialize(heads=...)``, built by
+    :func:`initialize` from the engine's groups:
+
+    - ``shard="model"``: classes sharded over every rank of the tensor x data parallel
+      grid (the paper's model parallelism over all GPUs), samples gathered over the
+      data-parallel group; tensor-parallel peers share the classes.
+    - ``shard="data"``: classes sharded over the data-parallel group only; each
+      tensor-parallel rank holds a copy (TP times the memory).
+
+    Without tensor parallelism both are the data-parallel group. ``kwargs`` go to
+    :class:`PartialFC` (not ``group``, ``batch_group``, ``device``)."""
+    if shard not in SHARDINGS:
+        raise ValueError(f"shard must be one of {SHARDINGS}, got {shard!r}")
+    taken = sorted({"group", "batch_group", "device"} & set(kwargs))
+    if taken:
+        raise TypeError(f"head_spec sets {taken} from the engine; do not pass them")
+    return HeadSpec(num_classes, embedding_size, shard, dict(kwargs))
+
+
 @dataclass
 class _Attached:
-    head: PartialFC
+    head: PartialFC | HeadSpec
     lr_ratio: float
+    owner: nn.Module | None = None
+    attr: str | None = None
 
 
-def attach(module: nn.Module, name: str, head: PartialFC, *, lr_ratio: float = 1.0) -> PartialFC:
+def attach(module: nn.Module, name: str, head: PartialFC | HeadSpec, *,
+           lr_ratio: float = 1.0) -> PartialFC | HeadSpec:
     """Make ``head`` available as ``module.<name>`` without registering it.
 
     The head takes no part in ``module.parameters()``, ``module.state_dict()``,
     ``module.to()`` or DeepSpeed's broadcast, averaging and ZeRO partitioning.
     :func:`initialize` finds it and :class:`PfcEngine` steps and checkpoints it.
+    ``head`` may be a :class:`HeadSpec` (:func:`head_spec`): :func:`initialize` then
+    builds the head from the engine's groups and puts it in its place.
     ``lr_ratio`` multiplies the engine's learning rate for this head."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    if not isinstance(head, PartialFC):
-        raise TypeError(f"head must be a ds_pfc.PartialFC, got {type(head).__name__}")
+    if not isinstance(head, (PartialFC, HeadSpec)):
+        raise TypeError(f"head must be a ds_pfc.PartialFC or a head_spec(...), got {type(head).__name__}")
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"name must be a Python identifier, got {name!r}")
     if isinstance(lr_ratio, bool) or not isinstance(lr_ratio, (int, float)) or not lr_ratio >= 0:
@@ -98,7 +143,7 @@ def attach(module: nn.Module, name: str, head: PartialFC, *, lr_ratio: float = 1
     if registry is None:
         registry = {}
         object.__setattr__(module, _REGISTRY, registry)
-    registry[name] = _Attached(head, float(lr_ratio))
+    registry[name] = _Attached(head, float(lr_ratio), module, name)
     object.__setattr__(module, name, head)      # bypasses nn.Module.__setattr__: not a submodule
     return head
 
@@ -170,12 +215,13 @@ class _LossScaleProbe(torch.autograd.Function):
 def _checked_heads(model: nn.Module, heads: dict | None) -> dict[str, _Attached]:
     found = attached_heads(model)
     for name, value in (heads or {}).items():
-        if isinstance(value, PartialFC):
+        if isinstance(value, (PartialFC, HeadSpec)):
             value = _Attached(value, 1.0)
-        elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], PartialFC):
+        elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], (PartialFC, HeadSpec)):
             value = _Attached(value[0], float(value[1]))
         else:
-            raise TypeError(f"heads[{name!r}] must be a PartialFC or (PartialFC, lr_ratio), got {value!r}")
+            raise TypeError(f"heads[{name!r}] must be a PartialFC or head_spec (optionally with an lr_ratio: "
+                            f"(head, lr_ratio)), got {value!r}")
         if name in found and found[name].head is not value.head:
             raise ValueError(f"heads[{name!r}] differs from the head attached to the model under that name")
         found[name] = value
@@ -191,13 +237,20 @@ def _checked_heads(model: nn.Module, heads: dict | None) -> dict[str, _Attached]
 
 
 def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, model_parameters=None,
-               optimizer=None, lr_scheduler=None, **kwargs) -> "PfcEngine":
+               optimizer=None, lr_scheduler=None, mpu=None, **kwargs) -> "PfcEngine":
     """``deepspeed.initialize`` for ``model`` plus the Partial FC heads attached to it
-    (and any given in ``heads``: name -> PartialFC or (PartialFC, lr_ratio)).
+    (and any given in ``heads``: name -> PartialFC, head_spec, or (either, lr_ratio)).
 
-    ``config`` is DeepSpeed's config dict (without the ``ds_pfc`` block). Build the
-    heads outside ``deepspeed.zero.Init``: ZeRO-3 would partition a shard created
-    inside it. Returns a :class:`PfcEngine`."""
+    ``config`` is DeepSpeed's config dict (without the ``ds_pfc`` block). ``mpu``: a
+    Megatron-style model-parallel unit (``get_data_parallel_group``,
+    ``get_tensor_model_parallel_group``, ...), passed on to DeepSpeed. The process
+    groups come from one place: ``mpu`` when given, else DeepSpeed's own
+    (``deepspeed.utils.groups``, where AutoTP puts its groups). Heads declared with
+    :func:`head_spec` are built here from them; every head's groups are then
+    compared by membership with the engine's data-parallel (sequence-data-parallel
+    under sequence parallelism) and tensor-parallel groups, and a mismatch is refused
+    naming the head and both rank lists. Build heads outside ``deepspeed.zero.Init``:
+    ZeRO-3 would partition a shard created inside it. Returns a :class:`PfcEngine`."""
     import deepspeed
 
     if not isinstance(config, dict):
@@ -208,16 +261,92 @@ def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, mod
     found = _checked_heads(model, heads)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
+    if mpu is not None:
+        kwargs["mpu"] = mpu
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model_parameters,
                                            optimizer=optimizer, lr_scheduler=lr_scheduler, **kwargs)
     _check_engine(engine, found)
-    dp = engine.dp_world_size
+    layout = _EngineGroups.of(engine, mpu)
     for name, entry in found.items():
-        head = entry.head
-        if head.data_parallel_grad and head.world_size != dp:
-            raise ValueError(f"head {name!r} is sharded over {head.world_size} ranks but the engine is data "
-                             f"parallel over {dp}; build the head with the engine's data-parallel group")
+        if isinstance(entry.head, HeadSpec):
+            entry.head = layout.build(entry.head)
+            if entry.owner is not None:
+                object.__setattr__(entry.owner, entry.attr, entry.head)
+        layout.check(name, entry.head)
     return PfcEngine(engine, found)
+
+
+@dataclass
+class _EngineGroups:
+    """The engine's data-parallel and tensor-parallel groups, and their ranks."""
+
+    dp_group: object
+    tp_group: object
+    dp_ranks: list
+    tp_ranks: list
+    model_ranks: list
+    """Every rank of the tensor x data parallel grid this rank is in (the union of
+    the tensor-parallel groups of the data-parallel ranks)."""
+    device: torch.device
+    _model_group: object = None
+
+    @classmethod
+    def of(cls, engine, mpu) -> "_EngineGroups":
+        from .collectives import group_ranks
+        dp = getattr(engine, "data_parallel_group", None)
+        seq = getattr(engine, "seq_data_parallel_group", None)
+        if seq is not None and getattr(engine, "sequence_parallel_size", 1) > 1:
+            dp = seq
+        tp = None
+        if mpu is not None and hasattr(mpu, "get_tensor_model_parallel_group"):
+            tp = mpu.get_tensor_model_parallel_group()
+        else:
+            from deepspeed.utils import groups
+            tp = getattr(groups, "_TENSOR_MODEL_PARALLEL_GROUP", None)
+        dp_ranks = sorted(group_ranks(dp))
+        tp_ranks = sorted(group_ranks(tp)) if tp is not None else [torch.distributed.get_rank()
+                                                                   if torch.distributed.is_initialized() else 0]
+        device = torch.device(engine.device)
+        model_ranks = dp_ranks
+        if len(tp_ranks) > 1:       # the TP groups of every DP rank, gathered over DP
+            if len(dp_ranks) > 1:
+                table = [None] * len(dp_ranks)
+                torch.distributed.all_gather_object(table, tp_ranks, group=dp)
+            else:
+                table = [tp_ranks]
+            model_ranks = sorted({r for ranks in table for r in ranks})
+        return cls(dp, tp, dp_ranks, tp_ranks, model_ranks, device)
+
+    def _groups_for(self, shard: str):
+        if shard == "data" or len(self.tp_ranks) == 1:
+            return self.dp_group, self.dp_group
+        if self._model_group is None:
+            world = torch.distributed.get_world_size()
+            self._model_group = torch.distributed.group.WORLD if len(self.model_ranks) == world else \
+                torch.distributed.new_group(self.model_ranks, use_local_synchronization=True)
+        return self._model_group, self.dp_group
+
+    def build(self, spec: HeadSpec) -> PartialFC:
+        group, batch_group = self._groups_for(spec.shard)
+        return spec.build(group=group, batch_group=batch_group, device=self.device)
+
+    def check(self, name: str, head: PartialFC) -> None:
+        """Refuse a head whose groups are not the engine's, by membership."""
+        from .collectives import group_ranks
+        if not head.data_parallel_grad:
+            return
+        batch = sorted(group_ranks(head.batch_group))
+        if batch != self.dp_ranks:
+            raise ValueError(f"head {name!r} gathers its samples over ranks {batch}, but the engine's data-parallel "
+                             f"group is ranks {self.dp_ranks}: build it with the engine's data-parallel group "
+                             "(or declare it with ds_pfc.deepspeed_plugin.head_spec)")
+        classes = sorted(group_ranks(head.group))
+        if classes not in (self.dp_ranks, self.model_ranks):
+            allowed = f"ranks {self.dp_ranks} (data parallel)"
+            if self.model_ranks != self.dp_ranks:
+                allowed += f" or ranks {self.model_ranks} (tensor x data parallel)"
+            raise ValueError(f"head {name!r} shards its classes over ranks {classes}, but with the engine's groups "
+                             f"they must be sharded over {allowed}")
 
 
 def _check_engine(engine, heads: dict) -> None:

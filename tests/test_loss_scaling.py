@@ -139,7 +139,8 @@ def _detached_head_overflow():
         applied = engine.step()
     return {"applied": applied, "before": before, "after": loss_scale(engine.engine),
             "backbone_moved": not torch.equal(_weight(engine), w0),
-            "head_finite": bool(torch.isfinite(head.centers()).all()), "head_moved": not torch.equal(head.centers(), c0),
+            "head_finite": bool(torch.isfinite(head.centers()).all()),
+            "head_moved": not torch.equal(head.centers(), c0),
             "warned": any("head gradient overflowed" in str(w.message) for w in caught)}
 
 
