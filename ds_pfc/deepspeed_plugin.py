@@ -236,6 +236,23 @@ def _checked_heads(model: nn.Module, heads: dict | None) -> dict[str, _Attached]
     return found
 
 
+def _last_stage_heads(model: nn.Module, found: dict[str, _Attached]) -> dict[str, _Attached]:
+    """On a DeepSpeed ``PipelineModule`` the heads live on the last stage, the one that
+    runs ``loss_fn``: elsewhere head_spec declarations are not built and a built
+    head is refused."""
+    from deepspeed.pipe import PipelineModule
+    if not isinstance(model, PipelineModule) or model.mpu().is_last_stage:
+        return found
+    built = sorted(name for name, entry in found.items() if isinstance(entry.head, PartialFC))
+    if built:
+        grid = model.mpu()
+        raise ValueError(f"heads {built} are on pipeline stage {grid.get_stage_id()} of "
+                         f"{grid.get_pipe_parallel_world_size()}, but heads belong to the last stage (its loss_fn "
+                         "calls them): build them only where model.mpu().is_last_stage, over "
+                         "model.mpu().get_data_parallel_group(), or declare them with head_spec")
+    return {}
+
+
 def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, model_parameters=None,
                optimizer=None, lr_scheduler=None, mpu=None, **kwargs) -> "PfcEngine":
     """``deepspeed.initialize`` for ``model`` plus the Partial FC heads attached to it
@@ -249,8 +266,10 @@ def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, mod
     :func:`head_spec` are built here from them; every head's groups are then
     compared by membership with the engine's data-parallel (sequence-data-parallel
     under sequence parallelism) and tensor-parallel groups, and a mismatch is refused
-    naming the head and both rank lists. Build heads outside ``deepspeed.zero.Init``:
-    ZeRO-3 would partition a shard created inside it. Returns a :class:`PfcEngine`."""
+    naming the head and both rank lists. With a ``PipelineModule`` only last-stage
+    ranks hold heads (:meth:`PfcEngine.train_batch`). Build heads outside
+    ``deepspeed.zero.Init``: ZeRO-3 would partition a shard created inside it.
+    Returns a :class:`PfcEngine`."""
     import deepspeed
 
     if not isinstance(config, dict):
@@ -259,6 +278,7 @@ def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, mod
         raise ValueError("config still holds the 'ds_pfc' block; pass the DeepSpeed part "
                          "(ds_pfc.config.split_config returns both)")
     found = _checked_heads(model, heads)
+    found = _last_stage_heads(model, found)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     if mpu is not None:
@@ -393,6 +413,7 @@ class PfcEngine:
 
     # -- training -------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        self._refuse_on_pipeline("engine(...)")
         return self.engine(*args, **kwargs)
 
     def train(self, mode: bool = True) -> "PfcEngine":
@@ -425,6 +446,7 @@ class PfcEngine:
     def backward(self, loss: torch.Tensor, **kwargs):
         """``engine.backward(loss)``, making sure the gradient carries the loss scale
         the optimizer will divide by (see the module docstring)."""
+        self._refuse_on_pipeline("engine.backward")
         if not self._scaling:
             return self.engine.backward(loss, **kwargs)
         gas = self.engine.gradient_accumulation_steps() if kwargs.get("scale_wrt_gas", True) else 1
@@ -466,6 +488,7 @@ class PfcEngine:
         learning rate the engine applied (times its ratio), unscaling loss-scaled
         gradients, or drop the heads' gradients when the step is skipped. Returns True
         when an optimizer step was applied."""
+        self._refuse_on_pipeline("engine.step")
         boundary = self.is_gradient_accumulation_boundary()
         heads_finite = True
         if boundary:
@@ -500,6 +523,108 @@ class PfcEngine:
         for name, head in self.heads.items():
             head.step(lr * self.lr_ratios[name], grad_scale=scale)
         return True
+
+    # -- pipeline parallelism -------------------------------------------------------
+    def _is_pipeline(self) -> bool:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+        return isinstance(self.engine, PipelineEngine)
+
+    def _refuse_on_pipeline(self, what: str) -> None:
+        if self._is_pipeline():
+            raise RuntimeError(f"{what} is not available on a DeepSpeed pipeline (PipelineModule): its optimizer step "
+                               "is one engine.train_batch(data_iter) call, which also steps the heads")
+
+    def train_batch(self, data_iter=None):
+        """One optimizer step of a DeepSpeed pipeline (``PipelineEngine.train_batch``:
+        ``gradient_accumulation_steps`` micro batches through every stage), then the
+        heads' step on the last stage with the learning rate the engine applied (times
+        each head's ratio); a skipped step drops the heads' gradients. Every rank of
+        the pipeline calls it. Returns DeepSpeed's loss (the mean over the micro
+        batches and the data-parallel ranks).
+
+        The last stage back-propagates each micro batch's ``loss_fn`` value divided by
+        the number of micro batches (``DeepSpeedEngine.backward``), so the heads'
+        gradients, like the backbone's, are the mean over the micro batches. Under fp16
+        loss scaling the loss leaves ``loss_fn`` through the probe :meth:`backward`
+        uses, which supplies the scale where DeepSpeed's optimizer divides by one it
+        never multiplied in; the gradients sent to the earlier stages carry it too."""
+        if not self._is_pipeline():
+            raise RuntimeError("train_batch needs a DeepSpeed pipeline (a PipelineModule model); this engine trains "
+                               "with engine(...), engine.backward(loss), engine.step()")
+        engine = self.engine
+        if _grad_scaler(engine) is not None:
+            # torch's GradScaler takes no part in collectives: each stage would decide
+            # alone to skip a step and lower its scale, and the stages would diverge.
+            raise ValueError("float16 torch_autocast is not supported with pipeline parallelism: every stage's "
+                             "GradScaler decides on overflow alone, so stages would skip different steps; use "
+                             "\"fp16\" (DeepSpeed's loss scaler checks overflow over the whole pipeline) or bf16")
+        if self._scaling and engine.module.loss_fn is None:
+            raise ValueError("fp16 loss scaling on a pipeline needs the loss computed by PipelineModule(loss_fn=...) "
+                             "(the heads' loss scale is checked where loss_fn's value enters backward)")
+        lr, scale = self.get_lr(), loss_scale(engine)
+        for head in self.heads.values():
+            head.train()            # DeepSpeed puts the module in training mode for train_batch
+        with self._probed_loss_fn(scale):
+            loss = engine.train_batch(data_iter)
+        applied = bool(engine.was_step_applied())
+        heads_finite = self._heads_finite_on_every_stage() if self._scaling else True
+        if applied and not heads_finite:
+            _lower_loss_scale(engine)
+            warnings.warn(f"step {self.global_steps}: a head gradient overflowed at loss scale {scale:g}; the heads "
+                          "skipped this step", RuntimeWarning, stacklevel=2)
+        if not applied or not heads_finite:
+            self.skipped_steps += 1
+            for head in self.heads.values():
+                head.zero_grad()
+            return loss
+        self.last_lr = lr
+        for name, head in self.heads.items():
+            head.step(lr * self.lr_ratios[name], grad_scale=scale)
+        return loss
+
+    def eval_batch(self, data_iter, **kwargs):
+        """``PipelineEngine.eval_batch`` with the heads in evaluation mode, as DeepSpeed
+        leaves the module; :meth:`train_batch` puts both back in training mode."""
+        if not self._is_pipeline():
+            raise RuntimeError("eval_batch needs a DeepSpeed pipeline (a PipelineModule model)")
+        for head in self.heads.values():
+            head.eval()
+        return self.engine.eval_batch(data_iter, **kwargs)
+
+    @contextlib.contextmanager
+    def _probed_loss_fn(self, scale: float):
+        """On the last stage under loss scaling: the module's ``loss_fn`` returns its
+        loss through :class:`_LossScaleProbe` inside the block."""
+        module = self.engine.module
+        if not self._scaling or not self.engine.is_last_stage():
+            yield
+            return
+        loss_fn = module.loss_fn
+
+        def probed(outputs, labels):
+            return _LossScaleProbe.apply(loss_fn(outputs, labels), self)
+
+        own = vars(module).get("loss_fn")          # None: a module loss_fn, registered in _modules
+        object.__setattr__(module, "loss_fn", probed)
+        self._probe = (scale, float(self.engine.gradient_accumulation_steps()))
+        try:
+            yield
+        finally:
+            self._probe = None
+            if own is None:
+                del vars(module)["loss_fn"]
+            else:
+                object.__setattr__(module, "loss_fn", own)
+
+    def _heads_finite_on_every_stage(self) -> bool:
+        """:meth:`_heads_finite` for a pipeline, where only the last stage holds heads:
+        every rank joins the all-reduce (one host sync, only under loss scaling)."""
+        flag = torch.ones((), dtype=torch.float32, device=torch.device(self.device))
+        for head in self.heads.values():
+            flag = flag * head.pending_grads_finite().to(flag)
+        flag = flag.reshape(1).to(collective_device(None, self.device))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item() == 1.0)
 
     def broadcast_buffers(self) -> None:
         """Give every data-parallel rank the module buffers of the group's first rank
