@@ -669,6 +669,20 @@ class PfcEngine:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
 
+    def _check_checkpointable(self, what: str) -> None:
+        """Checkpoints name head shards by rank in the head's class group and expect
+        that group to be the world: pipelines (heads on the last stage only) and heads
+        replicated over tensor-parallel ranks (``head_spec(shard="data")``) are not
+        supported yet, and are refused on every rank before anything is written."""
+        if self._is_pipeline():
+            raise RuntimeError(f"{what}: checkpoints of a pipeline-parallel job are not supported yet (the heads live "
+                               "on the last stage only)")
+        partial = sorted(name for name, head in self.heads.items() if head.world_size != self.world_size)
+        if partial:
+            raise RuntimeError(f"{what}: heads {partial} are sharded over a subgroup of the {self.world_size} ranks "
+                               "(replicated over tensor-parallel ranks); checkpoints support heads sharded over every "
+                               "rank (head_spec(shard=\"model\") or the default group)")
+
     def save_checkpoint(self, save_dir: str, tag: str, *, client_state: dict | None = None,
                         rank_state: dict | None = None, metadata: dict | None = None, replace: bool = False) -> str:
         """Write checkpoint ``tag`` under ``save_dir`` on every rank (a collective).
@@ -689,6 +703,7 @@ class PfcEngine:
         complete; files of another save never mix into it. A complete ``tag`` is
         replaced only with ``replace`` (FileExistsError otherwise). An error on any
         rank raises on every rank."""
+        self._check_checkpointable("save_checkpoint")
         tag = tags.check_tag_name(tag)
         tag_dir = os.path.join(save_dir, tag)
 
@@ -748,6 +763,8 @@ class PfcEngine:
         states are restored only at the same world size. Heads saved at another world
         size are resharded in memory (every rank reads every shard: for very large
         heads reshard offline with ``launch/export.py reshard``)."""
+        self._check_checkpointable("load_checkpoint")
+
         def choose():
             choice = tags.choose_tag(load_dir, tag)
             if choice is not None:

@@ -121,6 +121,15 @@ def _worker(rank, world_size, port):
     out["losses"] = losses
     out["weight"] = engine.module.weight.detach().clone()
     out["centers"] = head.centers()
+    # A head replicated over the TP ranks cannot be checkpointed yet: refused on every
+    # rank before anything is written.
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            engine.save_checkpoint(tmp, "step1")
+            out["save"] = None
+        except RuntimeError as err:
+            out["save"] = (str(err), os.listdir(tmp))
 
     # Right size, wrong members: a head sharded over the TP group (2 ranks, like DP).
     bad = torch.nn.Linear(D_IN, D)
@@ -250,3 +259,9 @@ def test_autotp_backbone_with_a_head_built_inside_initialize(autotp):
             assert out["losses"][step] == pytest.approx(float(loss.detach()), rel=1e-5), (r, step)
     got = torch.cat([o["centers"] for o in order]).double()
     torch.testing.assert_close(got, centers.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_checkpoints_of_replicated_heads_are_refused_before_writing(results):
+    for out in results:
+        message, written = out["save"]
+        assert "['replicated']" in message and written == []
