@@ -30,6 +30,8 @@ def _entry(rank, world_size, init_file, out_dir, fn, args):
 
 
 def run_ranks(fn, world_size: int, *args):
+    # A fresh port for workers that set up DeepSpeed's env:// rendezvous themselves.
+    os.environ["DS_PFC_TEST_PORT"] = str(free_port())
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         mp.spawn(_entry, args=(world_size, init_file, tmp, fn, args), nprocs=world_size, join=True)

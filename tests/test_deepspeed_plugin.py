@@ -70,7 +70,7 @@ def _worker(rank, world_size, stage, precision):
 
     from ds_pfc.deepspeed_plugin import attach, initialize, loss_scale
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="29555")
+                      MASTER_PORT=os.environ["DS_PFC_TEST_PORT"])
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     device = torch.device(get_accelerator().current_device_name())
     model = MultiTask()

@@ -168,7 +168,7 @@ def _worker(rank, world_size, root):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="29563")
+                      MASTER_PORT=os.environ["DS_PFC_TEST_PORT"])
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     results = {}
     for precision, stage in EXPORT_CASES:

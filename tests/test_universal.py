@@ -101,7 +101,7 @@ def _ds_config(case, world):
 def _init_deepspeed(rank, world):
     import deepspeed
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="29557")
+                      MASTER_PORT=os.environ["DS_PFC_TEST_PORT"])
     deepspeed.init_distributed(dist_backend="gloo")
 
 
