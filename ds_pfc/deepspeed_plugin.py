@@ -508,12 +508,18 @@ class PfcEngine:
                 # overflow, so its scale would never come down and every later step
                 # would overflow too: lower it as the GradScaler would have.
                 scaler.update(new_scale=scale * scaler.get_backoff_factor())
+        return self._step_heads(applied, heads_finite, lr, scale)
+
+    def _step_heads(self, applied: bool, heads_finite: bool, lr: float, scale: float) -> bool:
+        """After the engine's optimizer step: step the heads with ``lr`` (times each
+        ratio), unscaling by ``scale``, or drop their gradients when the step was
+        skipped. A head overflow on a step the engine applied (the backbone's gradient
+        was finite: the head's embedding gradient did not reach it) skips the heads
+        alone and lowers the loss scale. Returns whether the heads stepped."""
         if applied and not heads_finite:
-            # The backbone's gradient was finite (the head's embedding gradient was not
-            # back-propagated to it): the heads skip alone and the scale comes down.
             _lower_loss_scale(self.engine)
             warnings.warn(f"step {self.global_steps}: a head gradient overflowed at loss scale {scale:g}; the heads "
-                          "skipped this step", RuntimeWarning, stacklevel=2)
+                          "skipped this step", RuntimeWarning, stacklevel=3)
         if not applied or not heads_finite:
             self.skipped_steps += 1
             for head in self.heads.values():
@@ -568,18 +574,7 @@ class PfcEngine:
             loss = engine.train_batch(data_iter)
         applied = bool(engine.was_step_applied())
         heads_finite = self._heads_finite_on_every_stage() if self._scaling else True
-        if applied and not heads_finite:
-            _lower_loss_scale(engine)
-            warnings.warn(f"step {self.global_steps}: a head gradient overflowed at loss scale {scale:g}; the heads "
-                          "skipped this step", RuntimeWarning, stacklevel=2)
-        if not applied or not heads_finite:
-            self.skipped_steps += 1
-            for head in self.heads.values():
-                head.zero_grad()
-            return loss
-        self.last_lr = lr
-        for name, head in self.heads.items():
-            head.step(lr * self.lr_ratios[name], grad_scale=scale)
+        self._step_heads(applied, heads_finite, lr, scale)
         return loss
 
     def eval_batch(self, data_iter, **kwargs):

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import checkpoint as ckpt
 # Attributes read at call time: deepspeed_plugin may import this module while it initialises.
 from . import deepspeed_plugin as _plugin
 
@@ -496,20 +497,9 @@ def _fsync_tree(root: str) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(directory)
+        ckpt._fsync_dir(directory)
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def to_universal(tag_dir: str, out_dir: str | None = None, *, workers: int = 4, impl: str = "auto",
@@ -596,7 +586,7 @@ def to_universal(tag_dir: str, out_dir: str | None = None, *, workers: int = 4, 
         if os.path.exists(out_dir):
             raise FileExistsError(f"{out_dir} appeared during the conversion")
         os.rename(work, out_dir)
-        _fsync_dir(parent)
+        ckpt._fsync_dir(parent)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     say(f"done: {out_dir}")
