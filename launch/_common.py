@@ -19,3 +19,13 @@ def single_process_env() -> None:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+
+
+def leave_process_groups() -> None:
+    """At the end of a script run by a launcher: wait for every rank, then destroy the
+    process groups. gloo's worker threads still alive at interpreter teardown abort
+    the process ("terminate called without an active exception")."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

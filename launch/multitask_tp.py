@@ -112,8 +112,10 @@ def main(argv=None) -> list[float]:
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} ({positions} data-parallel positions x "
                   f"{args.micro} samples)", flush=True)
+    engine.destroy()
     return losses
 
 
 if __name__ == "__main__":
     main()
+    _common.leave_process_groups()

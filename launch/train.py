@@ -89,3 +89,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    _common.leave_process_groups()
