@@ -23,6 +23,7 @@ import os
 import re
 import stat
 import struct
+import zlib
 import uuid
 
 import safetensors
@@ -35,6 +36,9 @@ __all__ = ["save_head_shard", "load_head_shard", "merge_shards", "reshard", "exp
            "shard_file_name", "FORMAT"]
 
 FORMAT = "ds_pfc.head_shard/1"
+CRC_KEY = "crc32"
+"""Shard metadata: comma-separated CRC-32 (8 hex digits) of each state's bytes, in
+``states`` order."""
 CLASSIFIER_FORMAT = "ds_pfc.classifier/1"
 
 # Integer metadata fields (the head's training_state() plus the rank).
@@ -134,36 +138,69 @@ def _atomic_stream_save(specs: dict, chunks, path: str, metadata: dict[str, str]
         header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         sizes[name] = nbytes
         offset += nbytes
+    # Each tensor's CRC-32 goes into the metadata once its bytes are written: a
+    # fixed-width placeholder now, patched in place afterwards.
+    header["__metadata__"][CRC_KEY] = ",".join("0" * 8 for _ in specs)
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
+    placeholder = json.dumps({CRC_KEY: header["__metadata__"][CRC_KEY]}, separators=(",", ":"))[1:-1].encode()
+    crc_at = 8 + encoded.index(placeholder) + len(placeholder) - len(header["__metadata__"][CRC_KEY]) - 1
+    crcs = []
     with _atomic_file(path) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for name, (shape, dtype) in specs.items():
-            written = 0
+            written, crc = 0, 0
             for chunk in chunks(name):
                 if chunk.dtype != dtype or tuple(chunk.shape[1:]) != tuple(shape[1:]):
                     raise ValueError(f"{path}: chunk of {name!r} is {chunk.dtype} {tuple(chunk.shape)}, "
                                      f"expected {dtype} rows of {tuple(shape[1:])}")
                 raw = chunk.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
                 f.write(raw.data)
+                crc = zlib.crc32(raw.data, crc)
                 written += raw.nbytes
             if written != sizes[name]:
                 raise ValueError(f"{path}: {name!r} got {written} bytes, expected {sizes[name]}")
+            crcs.append(f"{crc:08x}")
+        f.seek(crc_at)
+        f.write(",".join(crcs).encode())
     return path
+
+
+class ShardChecksumError(OSError):
+    """A head shard's tensor bytes do not match the CRC-32 its save recorded."""
+
+
+def _verify_crcs(path: str, raw_meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    recorded = raw_meta.get(CRC_KEY)
+    if recorded is None:          # written before shards carried checksums
+        return
+    names = json.loads(raw_meta["states"])
+    values = recorded.split(",")
+    if len(values) != len(names):
+        raise ShardChecksumError(f"{path}: {len(values)} checksums recorded for {len(names)} tensors")
+    for name, want in zip(names, values):
+        data = tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy()
+        if f"{zlib.crc32(data.data):08x}" != want:
+            raise ShardChecksumError(f"{path}: the bytes of tensor {name!r} do not match the checksum its save "
+                                     "recorded (the file is damaged)")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _read_shard(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """Tensors and parsed metadata of one shard file (ValueError if it is not one)."""
+def _read_shard(path: str, *, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and parsed metadata of one shard file (ValueError if it is not one;
+    :class:`ShardChecksumError` if ``verify`` and its bytes do not match the CRC-32s
+    its save recorded)."""
     with safetensors.safe_open(path, framework="pt") as f:
         raw = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     if raw.get("format") != FORMAT:
         raise ValueError(f"{path}: not a ds_pfc head shard (format {raw.get('format')!r}, expected {FORMAT!r})")
+    if verify:
+        _verify_crcs(path, raw, tensors)
     try:
         meta = dict(raw)
         for key in _INT_FIELDS:
@@ -188,6 +225,8 @@ def _metadata(meta: dict, tensors: dict) -> dict[str, str]:
     """Shard metadata; ``tensors`` maps state names to tensors or to dtypes."""
     dtypes = {k: v if isinstance(v, torch.dtype) else v.dtype for k, v in tensors.items()}
     out = {"format": FORMAT, "optimizer": str(meta["optimizer"]),
+           # the class dimension, as DeepSpeed tags a tensor-parallel parameter
+           "tensor_model_parallel": "true", "partition_dim": "0",
            "states": json.dumps(list(tensors)),
            "dtypes": json.dumps({k: _dtype_name(v) for k, v in dtypes.items()}),
            "torch_version": torch.__version__}

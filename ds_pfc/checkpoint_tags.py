@@ -293,9 +293,16 @@ def rank_state_name(rank: int, world_size: int) -> str:
     return f"rank_state-{rank:05d}-of-{world_size:05d}.pt"
 
 
+def head_world_sizes(marker: dict) -> dict[str, int]:
+    """``head name -> number of shards`` of a checkpoint: each head's class-group size
+    (``head_layouts``), the job's world size for markers that predate it."""
+    layouts = marker.get("head_layouts") or {}
+    return {name: int(layouts.get(name, {}).get("world_size", marker["world_size"])) for name in marker["heads"]}
+
+
 def verify_tag(tag_dir: str, marker: dict | None = None, *, deep: bool = True) -> dict:
     """Check that every file of the checkpoint in ``tag_dir`` is there and sound,
-    without loading it: head shards (ranks ``0..W-1`` of the marker's world size,
+    without loading it: head shards (ranks ``0..k-1`` of each head's class group,
     safetensors header and length), per-rank state files and DeepSpeed's files (the
     sizes the marker recorded; zip structure, with ``deep`` every CRC). Shards of
     another world size are ignored. Returns the marker; raises CheckpointError
@@ -309,9 +316,9 @@ def verify_tag(tag_dir: str, marker: dict | None = None, *, deep: bool = True) -
             raise CheckpointCorruptError(f"{path} is missing", path=path)
         return path
 
-    for name in marker["heads"]:
-        for rank in range(world):
-            _check_shard(present(os.path.join(tag_dir, ckpt.shard_file_name(name, rank, world))), name, rank, world)
+    for name, shards in head_world_sizes(marker).items():
+        for rank in range(shards):
+            _check_shard(present(os.path.join(tag_dir, ckpt.shard_file_name(name, rank, shards))), name, rank, shards)
     for rank in range(world):
         _check_torch_file(present(os.path.join(tag_dir, rank_state_name(rank, world))), deep)
     files = marker.get("engine_files")
@@ -331,10 +338,11 @@ def verify_tag(tag_dir: str, marker: dict | None = None, *, deep: bool = True) -
     return marker
 
 
-def engine_files(staging_dir: str, heads, world_size: int) -> dict[str, int]:
+def engine_files(staging_dir: str, head_shards: dict[str, int], world_size: int) -> dict[str, int]:
     """``relative path -> size`` of every file in ``staging_dir`` other than ds_pfc's
-    own (head shards, per-rank state, marker, temporaries): DeepSpeed's files."""
-    own = {ckpt.shard_file_name(h, r, world_size) for h in heads for r in range(world_size)}
+    own (head shards: ``head name -> number of shards``, per-rank state, marker,
+    temporaries): DeepSpeed's files."""
+    own = {ckpt.shard_file_name(h, r, k) for h, k in head_shards.items() for r in range(k)}
     own |= {rank_state_name(r, world_size) for r in range(world_size)} | {COMPLETE_MARKER}
     found = {}
     for root, _, names in os.walk(staging_dir):

@@ -353,8 +353,8 @@ class _EngineGroups:
     def check(self, name: str, head: PartialFC) -> None:
         """Refuse a head whose groups are not the engine's, by membership."""
         from .collectives import group_ranks
-        if not head.data_parallel_grad:
-            return
+        # Also without data_parallel_grad: a head gathering over other ranks than the
+        # engine's data-parallel group trains on duplicated or missing samples.
         batch = sorted(group_ranks(head.batch_group))
         if batch != self.dp_ranks:
             raise ValueError(f"head {name!r} gathers its samples over ranks {batch}, but the engine's data-parallel "
@@ -379,6 +379,10 @@ def _check_engine(engine, heads: dict) -> None:
                          f"(gradient_allreduce_op={engine._config.gradient_allreduce_op!r}), but a head's embedding "
                          "gradient is that of the mean loss over the global batch, which DeepSpeed must average; "
                          "use the default gradient_allreduce_op (mean)")
+    if engine.use_node_local_storage():
+        raise ValueError(f"heads {names}: checkpoint.use_node_local_storage is not supported: ds_pfc's checkpoints "
+                         "need one output directory that every rank reads and writes (rank 0 writes the marker and "
+                         "latest; a resume on another number of ranks reads every rank's head shards)")
 
 
 class PfcEngine:
@@ -664,19 +668,36 @@ class PfcEngine:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
 
-    def _check_checkpointable(self, what: str) -> None:
-        """Checkpoints name head shards by rank in the head's class group and expect
-        that group to be the world: pipelines (heads on the last stage only) and heads
-        replicated over tensor-parallel ranks (``head_spec(shard="data")``) are not
-        supported yet, and are refused on every rank before anything is written."""
-        if self._is_pipeline():
-            raise RuntimeError(f"{what}: checkpoints of a pipeline-parallel job are not supported yet (the heads live "
-                               "on the last stage only)")
-        partial = sorted(name for name, head in self.heads.items() if head.world_size != self.world_size)
-        if partial:
-            raise RuntimeError(f"{what}: heads {partial} are sharded over a subgroup of the {self.world_size} ranks "
-                               "(replicated over tensor-parallel ranks); checkpoints support heads sharded over every "
-                               "rank (head_spec(shard=\"model\") or the default group)")
+    def _head_layouts(self) -> dict[str, dict]:
+        """Every head of the job, as every rank sees it (a collective over the world):
+        ``name -> {"world_size": k, "num_classes": C, "embedding_size": d,
+        "writers": {class rank: global rank}}``. A head's shards are indexed by its rank
+        in its class group; ranks that hold the same shard (a head replicated over
+        tensor-parallel ranks) leave it to the lowest global rank among them; ranks
+        without the head (earlier pipeline stages) hold none."""
+        mine = {name: (head.rank, head.world_size, head.num_classes, head.embedding_size)
+                for name, head in self.heads.items()}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
+            table = [None] * self.world_size
+            torch.distributed.all_gather_object(table, mine)
+        else:
+            table = [mine]
+        layouts: dict[str, dict] = {}
+        for global_rank, heads in enumerate(table):
+            for name, (rank, k, num_classes, d) in heads.items():
+                layout = layouts.setdefault(name, {"world_size": k, "num_classes": num_classes, "embedding_size": d,
+                                                   "writers": {}})
+                if (layout["world_size"], layout["num_classes"], layout["embedding_size"]) != (k, num_classes, d):
+                    raise ValueError(f"head {name!r} is not the same head on every rank: rank {global_rank} has "
+                                     f"{num_classes} classes of size {d} over {k} rank(s), another rank "
+                                     f"{layout['num_classes']} of size {layout['embedding_size']} over "
+                                     f"{layout['world_size']}")
+                layout["writers"].setdefault(rank, global_rank)
+        for name, layout in layouts.items():
+            missing = sorted(set(range(layout["world_size"])) - set(layout["writers"]))
+            if missing:
+                raise ValueError(f"head {name!r}: no rank holds its shard(s) {missing} of {layout['world_size']}")
+        return layouts
 
     def save_checkpoint(self, save_dir: str, tag: str, *, client_state: dict | None = None,
                         rank_state: dict | None = None, metadata: dict | None = None, replace: bool = False) -> str:
@@ -698,7 +719,7 @@ class PfcEngine:
         complete; files of another save never mix into it. A complete ``tag`` is
         replaced only with ``replace`` (FileExistsError otherwise). An error on any
         rank raises on every rank."""
-        self._check_checkpointable("save_checkpoint")
+        layouts = self._head_layouts()
         tag = tags.check_tag_name(tag)
         tag_dir = os.path.join(save_dir, tag)
 
@@ -717,7 +738,8 @@ class PfcEngine:
                 _wait_for_commit(self.engine)
             os.makedirs(staging_dir, exist_ok=True)
             for name, head in self.heads.items():
-                written.append(ckpt.save_head_shard(head, staging_dir, name=name))
+                if layouts[name]["writers"][head.rank] == self.rank:      # one copy of a replicated shard
+                    written.append(ckpt.save_head_shard(head, staging_dir, name=name))
             state = {"user": rank_state or {}, "rng": _rng_state(), "world_size": self.world_size, "rank": self.rank,
                      "skipped_steps": self.skipped_steps}
             written.append(os.path.join(staging_dir, _rank_file(self.rank, self.world_size)))
@@ -732,10 +754,10 @@ class PfcEngine:
                 shutil.rmtree(staging_dir, ignore_errors=True)
             raise
         marker = {"tag": tag, "world_size": self.world_size, "global_steps": self.global_steps,
-                  "heads": sorted(self.heads), "metadata": metadata or {}}
+                  "heads": sorted(layouts), "head_layouts": _layout_record(layouts), "metadata": metadata or {}}
 
         def commit():
-            marker["engine_files"] = tags.engine_files(staging_dir, self.heads, self.world_size)
+            marker["engine_files"] = tags.engine_files(staging_dir, tags.head_world_sizes(marker), self.world_size)
             return tags.commit_staged(save_dir, staging, tag, marker)
 
         return tags.on_rank0(commit)
@@ -758,7 +780,7 @@ class PfcEngine:
         states are restored only at the same world size. Heads saved at another world
         size are resharded in memory (every rank reads every shard: for very large
         heads reshard offline with ``launch/export.py reshard``)."""
-        self._check_checkpointable("load_checkpoint")
+        layouts = self._head_layouts()
 
         def choose():
             choice = tags.choose_tag(load_dir, tag)
@@ -781,12 +803,12 @@ class PfcEngine:
         if choice is None:
             return None
         marker, tag_dir = choice.marker, os.path.join(load_dir, choice.tag)
-        if sorted(marker["heads"]) != sorted(self.heads):
-            raise ValueError(f"{tag_dir} holds heads {marker['heads']} but this model has {sorted(self.heads)}")
+        if sorted(marker["heads"]) != sorted(layouts):
+            raise ValueError(f"{tag_dir} holds heads {marker['heads']} but this model has {sorted(layouts)}")
         saved_world = int(marker["world_size"])
         error = state = client_state = None
         try:
-            client_state, state = _load_files(self, load_dir, choice.tag, saved_world,
+            client_state, state = _load_files(self, load_dir, choice.tag, saved_world, tags.head_world_sizes(marker),
                                               universal_tag=bool(marker.get("universal")))
         except Exception as err:
             error = tags.with_fallback(err, load_dir, exclude=(choice.tag,)) \
@@ -799,7 +821,19 @@ class PfcEngine:
                 "world_size": saved_world, "metadata": marker.get("metadata", {}), "note": choice.note}
 
 
-def _load_files(engine: PfcEngine, load_dir: str, tag: str, saved_world: int, *,
+def _layout_record(layouts: dict) -> dict:
+    """The marker's ``head_layouts``: per head its number of shards and how they split
+    the classes, described as DeepSpeed describes a tensor-parallel parameter
+    (partitioned along dimension 0, the class dimension, contiguously, the first
+    ``C mod k`` shards one row larger)."""
+    return {name: {"world_size": lay["world_size"], "num_classes": lay["num_classes"],
+                   "embedding_size": lay["embedding_size"], "partition_dim": 0, "tensor_model_parallel": True,
+                   "partition": "contiguous; the first num_classes mod world_size shards hold one more class",
+                   "writers": {str(r): g for r, g in sorted(lay["writers"].items())}}
+            for name, lay in sorted(layouts.items())}
+
+
+def _load_files(engine: PfcEngine, load_dir: str, tag: str, saved_world: int, head_shards: dict[str, int], *,
                 universal_tag: bool = False) -> tuple[dict, dict]:
     """This rank's part of a load: DeepSpeed's files, the head shards, the per-rank
     state. Damaged files raise CheckpointCorruptError naming them; mismatches
@@ -819,15 +853,16 @@ def _load_files(engine: PfcEngine, load_dir: str, tag: str, saved_world: int, *,
         raise tags.CheckpointCorruptError(f"DeepSpeed found no engine checkpoint in {tag_dir}", path=tag_dir)
     for name, head in engine.heads.items():
         shard = os.path.join(tag_dir, ckpt.shard_file_name(name, head.rank, head.world_size))
+        saved_shards = head_shards[name]
         try:
-            if saved_world == head.world_size:
+            if saved_shards == head.world_size:
                 ckpt.load_head_shard(head, tag_dir, name=name)
             else:
-                _load_resharded(head, tag_dir, name, saved_world)
+                _load_resharded(head, tag_dir, name, saved_shards)
         except (ValueError, TypeError):
             raise      # the model does not match the checkpoint (classes, dimensions, optimizer)
         except Exception as err:     # safetensors' own error type, OSError
-            where = shard if saved_world == head.world_size else f"the {name!r} shards in {tag_dir}"
+            where = shard if saved_shards == head.world_size else f"the {name!r} shards in {tag_dir}"
             raise tags.CheckpointCorruptError(f"{where} could not be read ({type(err).__name__}: {err})",
                                               path=shard) from err
     same_world = saved_world == engine.world_size

@@ -199,6 +199,11 @@ def reshard_checkpoint(tag_dir: str, out_dir: str, world_size: int) -> str:
     for rank in range(world_size):
         _atomic_torch_save(dict(state, rng=None, rank=rank, world_size=world_size),
                            os.path.join(dst, _rank_file(rank, world_size)))
-    _atomic_write(os.path.join(dst, COMPLETE_MARKER), json.dumps(dict(marker, world_size=world_size)).encode())
+    new_marker = dict(marker, world_size=world_size)
+    if marker.get("head_layouts"):       # every head now sharded over the new ranks, rank r writing shard r
+        new_marker["head_layouts"] = {
+            name: dict(layout, world_size=world_size, writers={str(r): r for r in range(world_size)})
+            for name, layout in marker["head_layouts"].items()}
+    _atomic_write(os.path.join(dst, COMPLETE_MARKER), json.dumps(new_marker).encode())
     _atomic_write(os.path.join(out_dir, "latest"), tag.encode())
     return dst

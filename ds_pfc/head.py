@@ -111,7 +111,9 @@ class PartialFC(nn.Module):
             size, here and only here, so that the average equals the gradient of the
             global mean loss. Set False if nothing averages (single process, or summed
             gradients).
-        bank: a factory ``(num_rows, device) -> ClassBank`` (default: DeviceBank).
+        bank: a factory ``(num_rows, device, class_start=...) -> ClassBank`` (default:
+            DeviceBank); one with ``takes_owner = True`` (``TieredBank.factory``) also
+            gets ``owner="rank<global rank>"``, which names its NVMe files.
         block_bytes: bytes of float32 logits per class block of the softmax, and of
             rows per chunk of the row optimizer (None: 256 MiB on CUDA, 2 MiB on CPU).
             Logits larger than one block are recomputed in backward, never kept.
@@ -194,7 +196,9 @@ class PartialFC(nn.Module):
         self._acc: tuple | None = None
         self.last_step_traffic: dict[str, int] = {}
 
-        self.bank = (bank or DeviceBank)(self.num_local, self.device, class_start=self.class_start)
+        factory = bank or DeviceBank
+        owner = {"owner": f"rank{_global_rank()}"} if getattr(factory, "takes_owner", False) else {}
+        self.bank = factory(self.num_local, self.device, class_start=self.class_start, **owner)
         start = self.class_start
         self.bank.add_state("weight", embedding_size, dtype, init=lambda lo, hi: initial_centers(
             seed, start + lo, hi - lo, embedding_size, init_std, device=self.device))
@@ -592,3 +596,11 @@ class PartialFC(nn.Module):
         for name, t in tensors.items():
             self.bank.load(name, t.to(self.device))
         self.seed, self.sample_step, self.step_count = meta["seed"], meta["sample_step"], meta["step_count"]
+
+
+def _global_rank() -> int:
+    """This process's rank in the default group (0 without torch.distributed): names
+    the files a bank keeps per process."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    return torch.distributed.get_rank()

@@ -453,10 +453,13 @@ def _convert_deepspeed(src: _Source, out_dir: str, workers: int, progress: bool)
 
 
 def _ds_pfc_files(src: _Source) -> list[str]:
-    """The head shards and per-rank state files of the tag's world size."""
+    """The head shards (each head's own number of them) and the per-rank state files
+    of the tag's world size."""
+    from . import checkpoint as ckpt
+    from .checkpoint_tags import head_world_sizes
     world = len(src.optim_files)
-    names = [f"{head}-rank{r:05d}-of-{world:05d}.safetensors" for head in src.marker.get("heads", [])
-             for r in range(world)] + [f"rank_state-{r:05d}-of-{world:05d}.pt" for r in range(world)]
+    names = [ckpt.shard_file_name(head, r, k) for head, k in head_world_sizes(src.marker).items()
+             for r in range(k)] + [f"rank_state-{r:05d}-of-{world:05d}.pt" for r in range(world)]
     missing = [n for n in names if not os.path.isfile(os.path.join(src.tag_dir, n))]
     if missing:
         raise UniversalCheckpointError(f"{src.tag_dir} lacks {missing}")

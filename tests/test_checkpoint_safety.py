@@ -327,6 +327,11 @@ CORRUPTIONS = {
     "head shard truncated": (lambda d: _truncate(_at(d, f"{TAG(6)}/{SHARD}")), f"{TAG(6)}/{SHARD}", TAG(4)),
     "head shard header overwritten": (lambda d: _overwrite(_at(d, f"{TAG(6)}/{SHARD}"), b"\xff" * 8, 0),
                                       f"{TAG(6)}/{SHARD}", TAG(4)),
+    # a few bytes inside the centers' data: the header is intact, only the checksum tells
+    "head shard tensor bytes changed": (lambda d: _overwrite(_at(d, f"{TAG(6)}/{SHARD}"), b"\x5a\xa5\x5a\xa5",
+                                                             os.path.getsize(_at(d, f"{TAG(6)}/{SHARD}")) - 64),
+                                        f"{TAG(6)}/{SHARD}", TAG(4)),
+    "head shard missing": (lambda d: os.remove(_at(d, f"{TAG(6)}/{SHARD}")), f"{TAG(6)}/{SHARD}", TAG(4)),
     "rank state truncated": (lambda d: _truncate(_at(d, f"{TAG(6)}/{RANK_STATE}")), f"{TAG(6)}/{RANK_STATE}",
                              TAG(4)),
     "engine file truncated": (lambda d: _truncate(_at(d, f"{TAG(6)}/{MODEL}")), f"{TAG(6)}/{MODEL}", TAG(4)),
@@ -434,7 +439,23 @@ def test_resuming_with_another_global_batch_is_refused_unless_allowed(reference,
 
 
 # ------------------------------------------------------------------------ 4. fsync, 5. decoupled writers
-def test_every_file_is_fsynced_before_the_marker_and_renames_after(trainer, tmp_path, monkeypatch):
+@pytest.fixture(params=[0, 1], ids=["zero0", "zero1"])
+def any_stage_trainer(request, trainer, tmp_path_factory):
+    """The shared stage-0 app, or a ZeRO-1 one (whose tags also hold the optimizer's
+    partitions)."""
+    if request.param == 0:
+        yield trainer
+        return
+    config = _config()
+    config["zero_optimization"] = {"stage": 1}
+    config["zero_allow_untested_optimizer"] = True     # SGD under ZeRO, as the ZeRO-1 configs run it
+    zero1 = _trainer(str(tmp_path_factory.mktemp("zero1") / "run"), config=config)
+    yield zero1
+    zero1.close()
+
+
+def test_every_file_is_fsynced_before_the_marker_and_renames_after(any_stage_trainer, tmp_path, monkeypatch):
+    trainer = any_stage_trainer
     save_dir = os.path.realpath(str(tmp_path))
     events = []
     real = {name: getattr(os, name) for name in ("fsync", "replace", "rename")}
@@ -458,6 +479,8 @@ def test_every_file_is_fsynced_before_the_marker_and_renames_after(trainer, tmp_
     synced = {os.path.basename(e[1]) for e in events[:marker] if e[0] == "fsync"}
     files = set(os.listdir(os.path.join(save_dir, "t1"))) - {"ds_pfc_complete.json"}
     assert MODEL in files and files <= synced, files - synced
+    if trainer.engine.engine.zero_optimization_stage():       # the ZeRO partitions too
+        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in files
     latest = next(i for i, e in enumerate(events) if e[0] == "move" and e[2] == os.path.join(save_dir, "latest"))
     dir_syncs = [i for i, e in enumerate(events) if e == ("fsync", save_dir)]
     assert any(marker < i < latest for i in dir_syncs) and any(i > latest for i in dir_syncs), events

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from _dist import run_ranks
+from _dist import free_port, run_ranks
 from _reference import arcface_ref_loss
 from ds_pfc import ArcFace, CosFace, PartialFC
 
@@ -168,7 +168,8 @@ def test_two_heads_match_plain_pytorch_bf16():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed's fp16 needs a GPU (its CPU accelerator "
                                                           "supports fp32 and bf16 only)")
 @pytest.mark.parametrize("stage", [0, 2])
-def test_two_heads_match_plain_pytorch_fp16_loss_scaled(stage):
+def test_two_heads_match_plain_pytorch_fp16_loss_scaled(stage, monkeypatch):
+    monkeypatch.setenv("DS_PFC_TEST_PORT", str(free_port()))      # one process: no run_ranks to set it
     results = [_worker(0, 1, stage, "fp16")]
     assert min(results[0]["scales"]) >= 2 ** 9     # the heads' gradients really were scaled
     _check(results, rtol=0.05, atol=0.02, update_rtol=0.03)

@@ -30,27 +30,28 @@ SCALE, MARGIN = 8.0, 0.2
 
 
 class Mpu:
-    """A Megatron-style model-parallel unit over TP = 2 x DP = 2 (what DeepSpeed and
-    the plugin ask of one)."""
+    """A Megatron-style model-parallel unit over TP x DP (what DeepSpeed and the plugin
+    ask of one); TP = 2 x DP = 2 by default."""
 
-    def __init__(self):
+    def __init__(self, world=WORLD, tp=TP):
         import torch.distributed as dist
         rank = dist.get_rank()
+        self.world, self.tp = world, tp
         self._tp = self._dp = None
-        for t in range(TP):                       # every rank creates every group, in order
-            g = dist.new_group(list(range(t, WORLD, TP)))
-            if rank % TP == t:
+        for t in range(tp):                       # every rank creates every group, in order
+            g = dist.new_group(list(range(t, world, tp)))
+            if rank % tp == t:
                 self._dp = g
-        for p in range(WORLD // TP):
-            g = dist.new_group(list(range(p * TP, (p + 1) * TP)))
-            if rank // TP == p:
+        for p in range(world // tp):
+            g = dist.new_group(list(range(p * tp, (p + 1) * tp)))
+            if rank // tp == p:
                 self._tp = g
 
     def get_data_parallel_group(self):
         return self._dp
 
     def get_data_parallel_world_size(self):
-        return WORLD // TP
+        return self.world // self.tp
 
     def get_data_parallel_rank(self):
         import torch.distributed as dist
@@ -60,7 +61,7 @@ class Mpu:
         return self._tp
 
     def get_tensor_model_parallel_world_size(self):
-        return TP
+        return self.tp
 
     def get_tensor_model_parallel_rank(self):
         import torch.distributed as dist
@@ -68,7 +69,7 @@ class Mpu:
 
     def get_tensor_model_parallel_src_rank(self):
         import torch.distributed as dist
-        return dist.get_rank() // TP * TP
+        return dist.get_rank() // self.tp * self.tp
 
     get_model_parallel_group = get_tensor_model_parallel_group
     get_model_parallel_world_size = get_tensor_model_parallel_world_size
@@ -87,7 +88,19 @@ def _data():
     return x, y
 
 
-def _worker(rank, world_size, port):
+def _state(engine, model):
+    return (engine.module.weight.detach().clone(), model.identity.centers().clone(),
+            model.replicated.centers().clone())
+
+
+def _both_heads_step(engine, model, x, y):
+    emb = engine(x)
+    loss = model.identity(emb, y) + model.replicated(emb, y)
+    engine.backward(loss)
+    engine.step()
+
+
+def _worker(rank, world_size, port, ckpt_dir):
     import deepspeed
 
     from ds_pfc import CosFace, PartialFC
@@ -121,15 +134,18 @@ def _worker(rank, world_size, port):
     out["losses"] = losses
     out["weight"] = engine.module.weight.detach().clone()
     out["centers"] = head.centers()
-    # A head replicated over the TP ranks cannot be checkpointed yet: refused on every
-    # rank before anything is written.
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            engine.save_checkpoint(tmp, "step1")
-            out["save"] = None
-        except RuntimeError as err:
-            out["save"] = (str(err), os.listdir(tmp))
+    # Checkpoints: both heads trained one more step, saved, trained one step further,
+    # restored, and trained that step again.
+    _both_heads_step(engine, model, x[0, rows], y[0, rows])
+    out["saved"] = _state(engine, model)
+    out["layouts"] = {name: (h.class_start, h.class_end) for name, h in engine.heads.items()}
+    engine.save_checkpoint(ckpt_dir, "tagged")
+    _both_heads_step(engine, model, x[1, rows], y[1, rows])
+    out["after"] = _state(engine, model)
+    engine.load_checkpoint(ckpt_dir, "tagged")
+    out["restored"] = _state(engine, model)
+    _both_heads_step(engine, model, x[1, rows], y[1, rows])
+    out["after_resume"] = _state(engine, model)
 
     # Right size, wrong members: a head sharded over the TP group (2 ranks, like DP).
     bad = torch.nn.Linear(D_IN, D)
@@ -139,12 +155,24 @@ def _worker(rank, world_size, port):
         out["refused"] = None
     except ValueError as err:
         out["refused"] = str(err)
+    bad = torch.nn.Linear(D_IN, D)        # the same without the data-parallel gradient factor
+    attach(bad, "bad", PartialFC(C, D, group=mpu.get_tensor_model_parallel_group(), data_parallel_grad=False))
+    try:
+        initialize(model=bad, config=_config(), mpu=mpu)
+        out["refused_no_dp_grad"] = None
+    except ValueError as err:
+        out["refused_no_dp_grad"] = str(err)
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(_worker, WORLD, free_port())
+def checkpoint_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tp_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def results(checkpoint_dir):
+    return run_ranks(_worker, WORLD, free_port(), checkpoint_dir)
 
 
 def test_specs_are_built_from_the_mpu_groups(results):
@@ -179,6 +207,7 @@ def test_tp_x_dp_head_trains_as_one_float64_process(results):
 
 def test_a_group_of_the_right_size_but_wrong_members_is_refused(results):
     for r, out in enumerate(results):
+        assert out["refused_no_dp_grad"] is not None and "head 'bad'" in out["refused_no_dp_grad"]
         message = out["refused"]
         assert message is not None and "head 'bad'" in message
         dp = sorted(range(r % TP, WORLD, TP))
@@ -261,7 +290,58 @@ def test_autotp_backbone_with_a_head_built_inside_initialize(autotp):
     torch.testing.assert_close(got, centers.detach(), rtol=1e-4, atol=1e-5)
 
 
-def test_checkpoints_of_replicated_heads_are_refused_before_writing(results):
+def test_tp_checkpoint_files_and_exact_resume(results, checkpoint_dir):
+    """The model-sharded head writes one shard per rank of the TP x DP grid, the head
+    replicated over the TP peers one per data-parallel position (written by the lower
+    TP rank); a load restores every rank bitwise and the next step repeats exactly."""
+    import json
+
+    tag = os.path.join(checkpoint_dir, "tagged")
+    names = sorted(n for n in os.listdir(tag) if n.endswith(".safetensors"))
+    assert names == [f"identity-rank{r:05d}-of-00004.safetensors" for r in range(4)] + \
+        [f"replicated-rank{r:05d}-of-00002.safetensors" for r in range(2)]
+    with open(os.path.join(tag, "ds_pfc_complete.json")) as f:
+        marker = json.load(f)
+    layouts = marker["head_layouts"]
+    assert layouts["identity"]["world_size"] == 4 and layouts["replicated"]["world_size"] == 2
+    assert layouts["replicated"]["writers"] == {"0": 0, "1": 2}
+    assert layouts["identity"]["partition_dim"] == 0
     for out in results:
-        message, written = out["save"]
-        assert "['replicated']" in message and written == []
+        for a, b in zip(out["saved"], out["restored"]):
+            assert torch.equal(a, b)
+        for a, b in zip(out["after"], out["after_resume"]):
+            assert torch.equal(a, b)
+        assert not torch.equal(out["saved"][2], out["after"][2])       # the replicated head trained too
+
+
+def _other_layout_worker(rank, world_size, port, ckpt_dir):
+    """TP = 2 x DP = 1 on 2 ranks: the model-sharded head now has 2 shards, the
+    replicated one 1; both are resharded from the 4-rank checkpoint on load."""
+    import deepspeed
+
+    from ds_pfc.deepspeed_plugin import attach, head_spec, initialize
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    deepspeed.init_distributed(dist_backend="gloo")
+    mpu = Mpu(world_size, 2)
+    model = torch.nn.Linear(D_IN, D)
+    attach(model, "identity", head_spec(C, D, sample_rate=1.0, optimizer="sgd", momentum=0.0, weight_decay=0.0,
+                                        seed=11))
+    attach(model, "replicated", head_spec(C, D, shard="data", sample_rate=1.0, seed=11))
+    engine = initialize(model=model, config=_config(), mpu=mpu)
+    engine.load_checkpoint(ckpt_dir, "tagged")
+    return {"state": _state(engine, model),
+            "layouts": {name: (h.class_start, h.class_end, h.world_size) for name, h in engine.heads.items()}}
+
+
+def test_tp_checkpoint_loads_at_another_tp_x_dp_layout(results, checkpoint_dir):
+    other = run_ranks(_other_layout_worker, 2, free_port(), checkpoint_dir)
+    identity = torch.cat([o["saved"][1] for o in sorted(results, key=lambda o: o["layouts"]["identity"][0])])
+    replicated = torch.cat([results[r]["saved"][2] for r in (0, 2)])          # DP positions 0 and 1
+    for out in other:
+        lo, hi, k = out["layouts"]["identity"]
+        assert k == 2
+        assert torch.equal(out["state"][1], identity[lo:hi])
+        assert out["layouts"]["replicated"] == (0, C, 1)
+        assert torch.equal(out["state"][2], replicated)
+        assert torch.equal(out["state"][0], results[0]["saved"][0])

@@ -39,6 +39,12 @@ def _sum_allreduce(rank, world_size, port):
     with pytest.raises(ValueError, match="gradient_allreduce_op"):
         initialize(model=torch.nn.Linear(D_IN, D), config=config,
                    heads={"identity": PartialFC(C, D, sample_rate=1.0, device="cpu")})
+    # node-local checkpoint storage: the marker and the reshard need one shared directory
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9,
+              "checkpoint": {"use_node_local_storage": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with pytest.raises(ValueError, match="use_node_local_storage"):
+        initialize(model=torch.nn.Linear(D_IN, D), config=config,
+                   heads={"identity": PartialFC(C, D, sample_rate=1.0, device="cpu")})
 
 
 def _run_steps(managed: bool, steps: int = 3):

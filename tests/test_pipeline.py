@@ -56,7 +56,7 @@ def _head_kwargs():
                 weight_decay=0.0)
 
 
-def _worker(rank, world_size, port, declared):
+def _worker(rank, world_size, port, declared, ckpt_dir=None):
     """``declared``: the head is a head_spec attached on every rank (built by
     initialize on the last stage); else a PartialFC built by the caller on the last
     stage from the grid and passed in ``heads=``."""
@@ -106,8 +106,26 @@ def _worker(rank, world_size, port, declared):
     # The trained model on the first step's batch: heads in evaluation mode, nothing to step.
     eval_loss = float(engine.eval_batch(iter([(x[0, j, rows], y[0, j, rows]) for j in range(MICRO_BATCHES)])))
     assert not any(h.training for h in engine.heads.values())
-    return {"params": params, "heads": heads_out, "lrs": lrs, "losses": losses, "global_steps": engine.global_steps,
-            "skipped": engine.skipped_steps, "num_dp": num_dp, "eval_loss": eval_loss}
+    out = {"params": params, "heads": heads_out, "lrs": lrs, "losses": losses, "global_steps": engine.global_steps,
+           "skipped": engine.skipped_steps, "num_dp": num_dp, "eval_loss": eval_loss}
+    if ckpt_dir is not None:
+        # Save, train a step, restore, train that step again: both stages' layers and the
+        # last stage's head come back bitwise and the step repeats exactly.
+        def state():
+            return ({k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+                    {n: h.centers().clone() for n, h in engine.heads.items()})
+
+        def batch():
+            return iter([(x[0, j, rows], y[0, j, rows]) for j in range(MICRO_BATCHES)])
+        engine.save_checkpoint(ckpt_dir, "pipe")
+        saved = state()
+        engine.train_batch(batch())
+        after = state()
+        engine.load_checkpoint(ckpt_dir, "pipe")
+        restored = state()
+        engine.train_batch(batch())
+        out["checkpoint"] = (saved, restored, after, state())
+    return out
 
 
 def _reference(start_centers, lrs, num_dp):
@@ -163,8 +181,18 @@ def test_two_stages_match_plain_pytorch():
     _check(run_ranks(_worker, STAGES, free_port(), False))
 
 
-def test_two_stages_by_two_data_parallel_match_plain_pytorch():
-    _check(run_ranks(_worker, 2 * STAGES, free_port(), True))
+def test_two_stages_by_two_data_parallel_match_plain_pytorch(tmp_path):
+    results = run_ranks(_worker, 2 * STAGES, free_port(), True, str(tmp_path))
+    _check(results)
+    # checkpoints: the head's shards come from the last stage only, one per data-parallel rank
+    names = sorted(n for n in os.listdir(tmp_path / "pipe") if n.endswith(".safetensors"))
+    assert names == ["identity-rank00000-of-00002.safetensors", "identity-rank00001-of-00002.safetensors"]
+    for r in results:
+        saved, restored, after, again = r["checkpoint"]
+        for a, b in ((saved, restored), (after, again)):
+            assert a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+            assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+        assert any(not torch.equal(saved[0][k], after[0][k]) for k in saved[0])          # the step trained
 
 
 def _fp16_run(stage, power):

@@ -416,7 +416,7 @@ def test_nvme_tier_matches_device_bank_bitwise(nvme, opt, prefetch):
         assert set(got["tiers"].values()) == {"nvme"}
         assert got["hits"] == (STEPS - 1 if prefetch else 0)
         lo, hi = Partition(C, WORLD).bounds(rank)
-        assert f"weight-{lo}-{hi}.bank" in got["files"], got["files"]
+        assert f"rank{rank}-weight-{lo}-{hi}.bank" in got["files"], got["files"]      # named by global rank
 
 
 @needs_aio
@@ -711,3 +711,34 @@ def test_checkpoint_between_prefetch_and_step_does_not_race_the_io_worker(tmp_pa
     assert torch.equal(head.centers(), ref.centers())
     head.close()
     assert not overlaps, f"main thread entered the NvmeStore while the I/O worker was in it: {overlaps[:3]}"
+
+
+@needs_aio
+def test_nvme_files_are_named_by_owner_and_never_shared(tmp_path):
+    """Two replicas of one class range (a head replicated over tensor-parallel ranks)
+    get files of their own; two banks that would use the same file are refused
+    before either overwrites the other."""
+    d = str(tmp_path)
+    make = TieredBank.factory(default="nvme", nvme_dir=d)
+    a = make(12, "cpu", class_start=5, owner="rank0")
+    b = make(12, "cpu", class_start=5, owner="rank1")
+    a.add_state("weight", 4, torch.float32, init=lambda lo, hi: torch.ones(hi - lo, 4))
+    b.add_state("weight", 4, torch.float32, init=lambda lo, hi: torch.full((hi - lo, 4), 2.0))
+    assert torch.equal(a.export("weight"), torch.ones(12, 4)) and torch.equal(b.export("weight"), torch.full((12, 4), 2.0))
+    assert {"rank0-weight-5-17.bank", "rank1-weight-5-17.bank"} <= set(os.listdir(d))
+    clash = make(12, "cpu", class_start=5, owner="rank0")
+    with pytest.raises(RuntimeError, match="in use by another open store"):
+        clash.add_state("weight", 4, torch.float32, init=lambda lo, hi: torch.zeros(hi - lo, 4))
+    assert torch.equal(a.export("weight"), torch.ones(12, 4))         # untouched
+    a.close()
+    b.close()
+    # once closed, the file can be reopened (a resumed run)
+    again = TieredBank.factory(default="nvme", nvme_dir=d, resume=True)(12, "cpu", class_start=5, owner="rank0")
+    again.add_state("weight", 4, torch.float32, init=lambda lo, hi: torch.zeros(hi - lo, 4))
+    assert torch.equal(again.export("weight"), torch.ones(12, 4))
+    again.close()
+    # a head passes its global rank as the owner
+    os.makedirs(tmp_path / "h")
+    head = PartialFC(C, D, sample_rate=1.0, bank=TieredBank.factory(default="nvme", nvme_dir=str(tmp_path / "h")))
+    assert f"rank0-weight-0-{C}.bank" in os.listdir(tmp_path / "h")
+    head.close()

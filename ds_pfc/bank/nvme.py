@@ -138,6 +138,30 @@ def _fsync_path(path: str, directory: bool = False) -> None:
 
 
 # ----------------------------------------------------------------------------- store
+def _lock_file(path: str, create: bool) -> int:
+    """Open ``path`` and hold an exclusive flock on it while the store is open: two
+    stores on one file (two banks with the same name, classes and directory) would
+    overwrite each other's rows. Returns the descriptor that holds the lock."""
+    import fcntl
+    directory = os.path.dirname(os.path.abspath(path))
+    if create and not os.path.isdir(directory):
+        raise FileNotFoundError(errno.ENOENT, f"NvmeStore: directory {directory!r} does not exist "
+                                f"(creating {path!r})", directory)
+    if not create and not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, f"NvmeStore: file {path!r} not found", path)
+    fd = os.open(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"NvmeStore: {path!r} is in use by another open store (another head or bank with the "
+                           "same classes and nvme_dir); give each head its own nvme_dir") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class NvmeStore(RowStore):
     """Rows in a file, moved with DeepSpeed async I/O (see the module docstring).
 
@@ -189,11 +213,19 @@ class NvmeStore(RowStore):
         self.opened_dirty = False
         self._row_elems = max(width, 1)
 
-        if create:
-            self._layout_new(block_rows)
-            self._create(init, queue_depth, stage_bytes)
-        else:
-            self._open(block_rows, allow_dirty, queue_depth, stage_bytes)
+        existed = os.path.exists(path)
+        self._lock_fd = _lock_file(path, create)
+        try:
+            if create:
+                self._layout_new(block_rows)
+                self._create(init, queue_depth, stage_bytes)
+            else:
+                self._open(block_rows, allow_dirty, queue_depth, stage_bytes)
+        except BaseException:
+            self._release_lock()
+            if create and not existed and os.path.exists(path):     # never leave the empty file behind
+                os.unlink(path)
+            raise
 
     # ------------------------------------------------------------------ layout / header
     def _layout_new(self, block_rows):
@@ -612,10 +644,16 @@ class NvmeStore(RowStore):
         _fsync_path(self.path)
         self._dirty = False
 
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)      # closing the descriptor drops the flock
+
     def close(self) -> None:
-        """Flush and release the buffers; idempotent."""
+        """Flush and release the buffers and the file's lock; idempotent."""
         global _LOCKED_BYTES
         if self._closed:
+            self._release_lock()
             return
         try:
             if self._dirty and os.path.exists(self.path):
@@ -628,6 +666,7 @@ class NvmeStore(RowStore):
                 self._handle.free_cpu_locked_tensor(t)
             self._locked = []
             self._handle = None
+            self._release_lock()
 
     @property
     def closed(self) -> bool:

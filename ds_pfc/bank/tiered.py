@@ -62,18 +62,22 @@ class TieredBank(ClassBank):
     """Bank whose states live in per-state :mod:`stores <ds_pfc.bank.stores>`.
 
     Build it through :meth:`factory` and pass that to ``PartialFC(bank=...)``.
-    ``nvme_dir`` holds one file per state, named by state and class range, so the
-    ranks of a job can share a directory. ``resume=True`` reopens existing NVMe
-    files (their contents win over the initial values) instead of creating them.
+    ``nvme_dir`` holds one file per state, named by the bank's ``owner`` (the head
+    passes its process's global rank), the state and the class range, so the ranks of
+    a job, and replicas of one shard on several ranks, can share a directory. Each
+    file is locked while open: two banks that would use the same file (two heads
+    with the same classes in one process and one ``nvme_dir``) are refused.
+    ``resume=True`` reopens existing NVMe files (their contents win over the initial
+    values) instead of creating them.
     """
 
     def __init__(self, num_rows: int, device, *, placements: dict[str, Placement] | None = None,
                  default: Placement = Placement(), nvme_dir: str | None = None, class_start: int = 0,
-                 resume: bool = False, nvme_options: dict | None = None):
+                 resume: bool = False, nvme_options: dict | None = None, owner: str | None = None):
         super().__init__(num_rows, device)
         self.placements = dict(placements or {})
         self.default = default
-        self.nvme_dir, self.class_start, self.resume = nvme_dir, class_start, resume
+        self.nvme_dir, self.class_start, self.resume, self.owner = nvme_dir, class_start, resume, owner
         self.nvme_options = dict(nvme_options or {})
         self._stores: dict[str, RowStore] = {}
         self._logical: dict[str, torch.dtype] = {}
@@ -102,9 +106,10 @@ class TieredBank(ClassBank):
         if nvme_dir is not None and not os.path.isdir(nvme_dir):
             raise FileNotFoundError(f"nvme_dir {nvme_dir!r} is not a directory")
 
-        def make(num_rows, device, class_start=0):
+        def make(num_rows, device, class_start=0, owner=None):
             return cls(num_rows, device, placements=parsed, default=default, nvme_dir=nvme_dir,
-                       class_start=class_start, resume=resume, nvme_options=nvme_options)
+                       class_start=class_start, resume=resume, nvme_options=nvme_options, owner=owner)
+        make.takes_owner = True
         return make
 
     # ---------------------------------------------------------------- states
@@ -112,7 +117,9 @@ class TieredBank(ClassBank):
         return self.placements.get(name, self.default)
 
     def nvme_path(self, name: str) -> str:
-        return os.path.join(self.nvme_dir, f"{name}-{self.class_start}-{self.class_start + self.num_rows}.bank")
+        prefix = f"{self.owner}-" if self.owner else ""
+        return os.path.join(self.nvme_dir,
+                            f"{prefix}{name}-{self.class_start}-{self.class_start + self.num_rows}.bank")
 
     def add_state(self, name, width, dtype, init=None):
         if name in self._stores:
