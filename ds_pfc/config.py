@@ -301,6 +301,75 @@ class SyntheticDataConfig:
 
 
 @dataclass(kw_only=True)
+class ConflictConfig:
+    """Inter-class conflict: identities split into pseudo-classes."""
+
+    fraction: float
+    """Fraction of the identities split (the paper: 1/3 of WebFace12M's)."""
+    splits: int = 3
+    """Pseudo-classes per split identity (the paper: 3)."""
+
+    def __post_init__(self):
+        _number(self.fraction, "ds_pfc.data.stress.conflict.fraction", low=0, high=1)
+        if isinstance(self.splits, bool) or not isinstance(self.splits, int) or self.splits < 2:
+            raise ConfigError(f"ds_pfc.data.stress.conflict.splits must be an integer >= 2, got {self.splits!r}")
+
+
+@dataclass(kw_only=True)
+class LongTailConfig:
+    """Long-tailed identities: most identities reduced to a few images."""
+
+    tail_fraction: float
+    """Fraction of the identities reduced (the paper: 0.9, 1.8M of WebFace42M's 2M)."""
+    tail_images: list = field(default_factory=lambda: [2, 4])
+    """``[low, high]``: images each tail identity keeps, drawn uniformly (the paper: 2-4)."""
+
+    def __post_init__(self):
+        _number(self.tail_fraction, "ds_pfc.data.stress.long_tail.tail_fraction", low=0, high=1)
+        t = self.tail_images
+        if (len(t) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in t)
+                or not 1 <= t[0] <= t[1]):
+            raise ConfigError(f"ds_pfc.data.stress.long_tail.tail_images must be [low, high] integers with "
+                              f"1 <= low <= high, got {t!r}")
+
+
+@dataclass(kw_only=True)
+class StressConfig:
+    """Deterministic corruption of the training labels (``ds_pfc.data.StressedDataset``),
+    for the paper's robustness studies. Held-out evaluation data is never affected."""
+
+    label_flip: float = 0.0
+    """Fraction of training images whose label is replaced by a random other class."""
+    conflict: ConflictConfig | None = None
+    """Split identities into pseudo-classes (null: off)."""
+    long_tail: LongTailConfig | None = None
+    """Reduce most identities to a few images (null: off)."""
+    seed: int = 0
+    """Seeds the corruption (independent of the data order's seed)."""
+
+    def __post_init__(self):
+        _number(self.label_flip, "ds_pfc.data.stress.label_flip", low=0, high=1)
+        if self.label_flip >= 1:
+            raise ConfigError(f"ds_pfc.data.stress.label_flip must be < 1, got {self.label_flip!r}")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.label_flip or self.conflict is not None or self.long_tail is not None)
+
+    def wrap(self, dataset):
+        """``dataset`` with this corruption (the dataset itself when nothing is set)."""
+        if not self.active:
+            return dataset
+        from .data.stress import StressedDataset
+        return StressedDataset(dataset, label_flip=self.label_flip,
+                               conflict=self.conflict.fraction if self.conflict else 0.0,
+                               conflict_splits=self.conflict.splits if self.conflict else 3,
+                               long_tail=self.long_tail.tail_fraction if self.long_tail else None,
+                               tail_images=tuple(self.long_tail.tail_images) if self.long_tail else (2, 4),
+                               seed=self.seed)
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     """Training data, sampling and augmentation."""
 
@@ -326,6 +395,8 @@ class DataConfig:
     """Worker processes preparing micro batches ahead (0: in the training process)."""
     prefetch_batches: int = 2
     """Micro batches each worker prepares ahead."""
+    stress: StressConfig = field(default_factory=StressConfig)
+    """Label flips, inter-class conflicts or a long tail applied to the training set."""
 
     def __post_init__(self):
         if self.source not in ("synthetic", "recordio", "hf"):
@@ -463,7 +534,13 @@ class DsPfcConfig:
         synthetic = self.data.synthetic
         if synthetic.identities is None:
             synthetic.identities = self.head.num_classes
-        if self.data.source == "synthetic" and synthetic.identities != self.head.num_classes:
+        backbone_size = self.backbone.options.get("image_size", 112)
+        if self.data.source == "synthetic" and synthetic.image_size != backbone_size:
+            raise ConfigError(f"ds_pfc.data.synthetic.image_size ({synthetic.image_size}) must equal the backbone's "
+                              f"input size ({backbone_size}; set ds_pfc.backbone.options.image_size, which "
+                              "mobilefacenet accepts)")
+        conflict = self.data.stress.conflict is not None and self.data.stress.conflict.fraction > 0
+        if self.data.source == "synthetic" and synthetic.identities != self.head.num_classes and not conflict:
             raise ConfigError(f"ds_pfc.head.num_classes ({self.head.num_classes}) must equal "
                               f"ds_pfc.data.synthetic.identities ({self.data.synthetic.identities})")
 

@@ -63,7 +63,12 @@ def build_train_set(cfg: DsPfcConfig):
     if data.source == "synthetic":
         from .data.faces import SyntheticFaces
         s = data.synthetic
-        return SyntheticFaces(s.identities, s.images_per_identity, image_size=s.image_size, seed=s.seed)
+        dataset = data.stress.wrap(SyntheticFaces(s.identities, s.images_per_identity, image_size=s.image_size,
+                                                  seed=s.seed))
+        if dataset.num_classes != cfg.head.num_classes:
+            raise ConfigError(f"ds_pfc.head.num_classes must be {dataset.num_classes} (the classes of the synthetic "
+                              f"training set after ds_pfc.data.stress), got {cfg.head.num_classes}")
+        return dataset
     if not os.path.exists(data.path):
         raise FileNotFoundError(f"ds_pfc.data.path {data.path!r} does not exist")
     if data.source == "recordio":
@@ -73,6 +78,7 @@ def build_train_set(cfg: DsPfcConfig):
         from .data.hf import load_image_dataset
         dataset = load_image_dataset(data.path, split=data.split, image_column=data.image_column,
                                      label_column=data.label_column)
+    dataset = data.stress.wrap(dataset)
     if dataset.num_classes > cfg.head.num_classes:
         raise ConfigError(f"the data has labels up to {dataset.num_classes - 1} but ds_pfc.head.num_classes is "
                           f"{cfg.head.num_classes}")
@@ -249,6 +255,8 @@ class Trainer:
         params = sum(getattr(p, "ds_numel", p.numel()) for p in backbone.parameters())
         self.log(f"ds_pfc: {self.world_size} rank(s) on {self.device.type}, backbone {cfg.backbone.name} "
                  f"(width {cfg.backbone.width}, {params / 1e6:.2f} M parameters), {head}")
+        if cfg.data.stress.active:
+            self.log(f"stress: {self.dataset!r}")
         self.log(f"data: {cfg.data.source}, {len(self.dataset)} images, {self.steps_per_epoch} steps/epoch of "
                  f"{self.micro} x {self.gas} x {self.world_size} = {self.micro * self.gas * self.world_size} images; "
                  f"{self.total_steps} steps")
@@ -477,6 +485,8 @@ class Trainer:
         batches.close()
         if bar is not None:
             bar.close()
+        summary["train_elapsed_s"] = time.perf_counter() - progress.start
+        summary["train_samples"] = progress.samples
         summary["evaluations"][step] = self.run_evaluation()
         self.engine.broadcast_buffers()
         summary["checkpoint"] = self.save()
@@ -496,7 +506,10 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        self.head.close()
+        """Release the head's bank (its NVMe files and I/O worker)."""
+        head = getattr(self, "head", None)
+        if head is not None:
+            head.close()
 
 
 def _batch_geometry(ds_config: dict) -> tuple[int, int]:

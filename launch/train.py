@@ -78,6 +78,7 @@ def main(argv=None) -> dict:
         out = {"steps": history["start_step"] + len(losses), "first_loss_step": history["start_step"] + 1,
                "final_loss": losses[-1] if losses else None, "losses": losses,
                "elapsed_s": summary["elapsed_s"], "resumed": summary["resumed"],
+               "train_elapsed_s": summary["train_elapsed_s"], "train_samples": summary["train_samples"],
                "checkpoint": summary["checkpoint"], "export": summary.get("export"),
                "evaluations": {str(step): _evaluation_json(results)
                                for step, results in sorted(summary["evaluations"].items())}}

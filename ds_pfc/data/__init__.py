@@ -4,9 +4,10 @@ from .hf import load_image_dataset
 from .loader import MicroBatchLoader
 from .recordio import InsightFaceRecord, RecordIOReader, unpack_header
 from .sampler import DistributedIdentitySampler
+from .stress import StressedDataset, StressSummary
 from .synthetic import SyntheticIdentities, verification_accuracy
 from .transforms import decode_image, normalize, random_flip, set_image_decoder
 
 __all__ = ["InsightFaceRecord", "RecordIOReader", "unpack_header", "DistributedIdentitySampler",
-           "load_image_dataset", "SyntheticFaces", "MicroBatchLoader", "SyntheticIdentities", "verification_accuracy", "decode_image", "normalize",
+           "load_image_dataset", "StressedDataset", "StressSummary", "SyntheticFaces", "MicroBatchLoader", "SyntheticIdentities", "verification_accuracy", "decode_image", "normalize",
            "random_flip", "set_image_decoder"]

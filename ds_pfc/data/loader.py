@@ -38,9 +38,10 @@ def _fetch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     get_batch = getattr(dataset, "get_batch", None)
     if get_batch is not None:
         return get_batch(indices)
+    get_items = getattr(dataset, "__getitems__", None)       # batched rendering (SyntheticFaces)
+    items = get_items(indices.tolist()) if get_items is not None else (dataset[i] for i in indices.tolist())
     images, labels = [], []
-    for i in indices.tolist():
-        image, label = dataset[i]
+    for image, label in items:
         if isinstance(image, (bytes, bytearray, memoryview)):
             image = decode_image(image)
         images.append(torch.as_tensor(image))
@@ -77,7 +78,8 @@ class MicroBatchLoader:
     Args:
         dataset: items ``(image, label)``; image uint8/float ``[3, H, W]`` in pixel
             units or encoded bytes; or a ``get_batch(indices) -> (uint8 [m, 3, H, W],
-            int64 [m])`` method.
+            int64 [m])`` method; a ``__getitems__(indices)`` (the DataLoader's batched
+            fetch) is used when there is no ``get_batch``.
         sampler: this rank's sampler; its ``block_size`` is the micro batch.
         flip: random horizontal flip (see :func:`flip_mask`).
         workers: background worker processes preparing micro batches (0: in the

@@ -39,15 +39,17 @@ _BN_EPS = 1e-5
 
 # --- helpers shared by all backbones ------------------------------------------------
 
-def check_images(images, name: str = "images") -> None:
-    """``images`` must be a float [B, 3, 112, 112] tensor; raise naming the expected shape."""
+def check_images(images, name: str = "images", image_size: int = INPUT_SHAPE[1]) -> None:
+    """``images`` must be a float [B, 3, S, S] tensor (S = ``image_size``, 112 unless
+    the backbone was built for another size); raise naming the expected shape."""
     if not isinstance(images, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(images).__name__}")
     if not images.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {images.dtype}")
-    if images.dim() != 4 or tuple(images.shape[1:]) != INPUT_SHAPE:
-        raise ValueError(f"{name} must have shape [B, {', '.join(map(str, INPUT_SHAPE))}] "
-                         f"(aligned 112x112 RGB faces), got shape {tuple(images.shape)}")
+    expected = (3, image_size, image_size)
+    if images.dim() != 4 or tuple(images.shape[1:]) != expected:
+        raise ValueError(f"{name} must have shape [B, {', '.join(map(str, expected))}] "
+                         f"(aligned {image_size}x{image_size} RGB faces), got shape {tuple(images.shape)}")
 
 
 def check_backbone_args(embedding_size, width, dropout) -> None:

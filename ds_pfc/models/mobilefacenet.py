@@ -40,7 +40,6 @@ from .norm import BatchNorm2d
 __all__ = ["MobileFaceNet", "DepthwiseBottleneck"]
 
 _BN_EPS = 1e-5
-_GDC_SIZE = 7  # 112 / 2**4: the feature map the global depthwise conv covers
 
 
 class ConvBN(nn.Sequential):
@@ -73,7 +72,7 @@ class DepthwiseBottleneck(nn.Module):
 
 
 class MobileFaceNet(nn.Module):
-    """MobileFaceNet for [B, 3, 112, 112] -> [B, embedding_size].
+    """MobileFaceNet for [B, 3, 112, 112] (or ``image_size``) -> [B, embedding_size].
 
     Args:
         blocks: ``(n0, n1, n2, n3)`` as in the module docstring; ``(1, 4, 6, 2)`` is ``mbf``.
@@ -81,12 +80,21 @@ class MobileFaceNet(nn.Module):
         embedding_size: output dimension (512 published).
         width: channel multiplier applied to every width (1.0 = published size).
         dropout: dropout probability before the embedding FC.
+        image_size: side of the square input, >= 16 (112 published). Four stride-2
+            stages take it to ``ceil(image_size / 16)``, the global depthwise conv's
+            kernel (7 at 112, 4 at 56): smaller faces for quick CPU studies.
     """
 
     def __init__(self, blocks: Sequence[int] = (1, 4, 6, 2), scale: int = 2, *, embedding_size: int = 512,
-                 width: float = 1.0, dropout: float = 0.0):
+                 width: float = 1.0, dropout: float = 0.0, image_size: int = 112):
         super().__init__()
         check_backbone_args(embedding_size, width, dropout)
+        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 16:
+            raise ValueError(f"image_size must be an int >= 16, got {image_size!r}")
+        self.image_size = image_size
+        gdc_size = image_size
+        for _ in range(4):                     # 3x3 convs with stride 2 and padding 1: ceil(s / 2)
+            gdc_size = (gdc_size + 1) // 2
         blocks = tuple(blocks)
         if len(blocks) != 4 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in blocks):
             raise ValueError(f"blocks must be 4 positive ints, got {blocks!r}")
@@ -112,7 +120,7 @@ class MobileFaceNet(nn.Module):
         self.body = nn.Sequential(*layers)
 
         # Global depthwise conv: a learned per-channel 7x7 weighting instead of average pooling.
-        self.gdc = ConvBN(c512, c512, _GDC_SIZE, groups=c512, act=False, padding=0)
+        self.gdc = ConvBN(c512, c512, gdc_size, groups=c512, act=False, padding=0)
         self.dropout = nn.Dropout(dropout)
         self.fc = nn.Linear(c512, embedding_size, bias=False)
         self.features = embedding_bn(embedding_size)
@@ -120,7 +128,7 @@ class MobileFaceNet(nn.Module):
         init_convs(self)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        check_images(images)
+        check_images(images, image_size=self.image_size)
         x = self.gdc(self.body(images)).flatten(1)
         return self.features(self.fc(self.dropout(x)))
 

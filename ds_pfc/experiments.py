@@ -1,0 +1,368 @@
+"""The paper's sample-rate and robustness studies, at a scale a CPU runs in hours.
+
+Four studies (``STUDIES``), each a list of cells; a cell is one training setting (a
+sample rate, the PFC* filter or not, a stress transform of the training data) and is
+run for several seeds. Every run is the training app (``launch/train.py``) on the
+built-in synthetic faces, in its own process with a fixed number of threads, and is
+scored by 1:1 verification on held-out identities (identities never trained on,
+untouched by any stress transform):
+
+- ``sample_rate``: r in {1.0, 0.4, 0.2, 0.1, 0.05} on clean data (the paper's
+  WebFace4M rows of Table webface_sampling_rates).
+- ``label_flip``: 0%, 20% and 40% of the training labels replaced by another class, for
+  r = 1.0, 0.3 and 0.1, and PFC*-0.1 at 20% and 40% (Table webface_robustness).
+- ``conflict``: a third of the identities split into three pseudo-classes, for
+  FC-1.0, PFC-0.2, PFC-0.1, FC*-1.0 and PFC*-0.1.
+- ``long_tail``: 90% of the identities reduced to 2-4 images, for r = 1.0, 0.2, 0.1.
+
+A seed changes the backbone's and the centers' initialisation, the data order and
+the stress transform's draw; the identities themselves (the synthetic data's seed)
+are the same for every run, as the paper's data set is.
+
+Results accumulate in ``<out>/<study>.json``: a run already recorded is skipped
+unless ``force``, so a long study can be finished over several sittings, and
+:func:`write_report` renders ``<study>.md`` (the table beside the paper's numbers)
+and ``<study>.png`` (mean +- std per cell).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+__all__ = ["Cell", "STUDIES", "base_config", "cell_config", "run_cell", "load_results", "write_report",
+           "PAPER", "QUICK"]
+
+FILTER_TAU = 0.4
+"""The paper's conflict-filter threshold (Table webface_robustness)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One setting of a study."""
+
+    name: str
+    sample_rate: float
+    filter: bool = False
+    """PFC*: drop negatives whose cosine exceeds ``FILTER_TAU`` from the denominator."""
+    stress: dict = dataclasses.field(default_factory=dict)
+    """``ds_pfc.data.stress`` block (without the seed, which follows the run's seed)."""
+    images_per_identity: int | None = None
+    """Overrides the base images per identity (the long tail starts from more)."""
+
+    def setting(self) -> dict:
+        out = {"sample_rate": self.sample_rate, "filter_threshold": FILTER_TAU if self.filter else None,
+               "stress": self.stress}
+        if self.images_per_identity is not None:
+            out["images_per_identity"] = self.images_per_identity
+        return out
+
+
+def _method(r: float, filt: bool) -> str:
+    return ("FC" if r == 1.0 else "PFC") + ("*" if filt else "") + f"-{r:g}"
+
+
+_CONFLICT = {"conflict": {"fraction": 1 / 3, "splits": 3}}
+_LONG_TAIL = {"long_tail": {"tail_fraction": 0.9, "tail_images": [2, 4]}}
+
+STUDIES: dict[str, list[Cell]] = {
+    "sample_rate": [Cell(_method(r, False), r) for r in (1.0, 0.4, 0.2, 0.1, 0.05)],
+    "label_flip": [Cell(f"flip{round(p * 100)}/{_method(r, False)}", r, stress={"label_flip": p} if p else {})
+                   for p in (0.0, 0.2, 0.4) for r in (1.0, 0.3, 0.1)]
+    + [Cell(f"flip{round(p * 100)}/{_method(0.1, True)}", 0.1, True, {"label_flip": p}) for p in (0.2, 0.4)],
+    "conflict": [Cell(_method(r, f), r, f, _CONFLICT) for r, f in ((1.0, False), (0.2, False), (0.1, False),
+                                                                   (1.0, True), (0.1, True))],
+    "long_tail": [Cell(_method(r, False), r, stress=_LONG_TAIL, images_per_identity=16) for r in (1.0, 0.2, 0.1)],
+}
+
+# The paper's ICCV21-MFR "All" TAR (%) for the same cells (None: the paper has no such
+# row). sample_rate: WebFace4M (its lowest rate is 0.04, shown for 0.05); label_flip
+# 0%: clean WebFace12M; the rest: Table webface_robustness.
+PAPER: dict[str, dict[str, float | None]] = {
+    "sample_rate": {"FC-1": 86.3, "PFC-0.4": 86.8, "PFC-0.2": 86.4, "PFC-0.1": 85.8, "PFC-0.05": 74.1},
+    "label_flip": {"flip0/FC-1": 91.7, "flip0/PFC-0.3": 91.8, "flip0/PFC-0.1": 91.2,
+                   "flip20/FC-1": 85.4, "flip20/PFC-0.3": None, "flip20/PFC-0.1": 87.6,
+                   "flip40/FC-1": 43.9, "flip40/PFC-0.3": None, "flip40/PFC-0.1": 78.5,
+                   "flip20/PFC*-0.1": 88.2, "flip40/PFC*-0.1": 80.2},
+    "conflict": {"FC-1": 79.9, "PFC-0.2": None, "PFC-0.1": 91.2, "FC*-1": 91.2, "PFC*-0.1": 91.6},
+    "long_tail": {"FC-1": 87.4, "PFC-0.2": 92.0, "PFC-0.1": 91.9},
+}
+PAPER_NOTES = {
+    "sample_rate": "paper: WebFace4M, IR50, ICCV21-MFR All TAR@FAR=1e-6 (%); its lowest rate is 0.04, "
+                   "shown in the 0.05 row",
+    "label_flip": "paper: WebFace12M, IR50, ICCV21-MFR All TAR@FAR=1e-6 (%); 0% is the clean WebFace12M row; "
+                  "the paper has no r=0.3 rows under noise",
+    "conflict": "paper: WebFace12M-Conflict (200K of 600K identities split into 3), IR50, ICCV21-MFR All "
+                "TAR@FAR=1e-6 (%)",
+    "long_tail": "paper: WebFace42M with 1.8M of 2M identities reduced to 2-4 images, IR50, ICCV21-MFR All "
+                 "TAR@FAR=1e-6 (%)",
+}
+
+
+def base_config(quick: bool = False) -> dict:
+    """The job every cell starts from (a DeepSpeed config with a ``ds_pfc`` block).
+
+    Full: 2000 synthetic identities x 8 images at 56x56 pixels, a narrow
+    MobileFaceNet, CosFace, micro batch 32, 2 epochs (1000 steps), 300 held-out
+    identities and 3000 verification pairs. ``r = 0.05`` then activates 100 classes
+    for a batch of at most 32 positives. A few minutes per run on one core.
+    Quick (for tests): 40 identities x 4 images at 32x32, 20 steps, seconds."""
+    identities, images, held_out, pairs, size, micro, epochs = (
+        (40, 4, 10, 40, 32, 8, 1.0) if quick else (2000, 8, 300, 3000, 56, 32, 2.0))
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 5.0,
+        "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}},
+        "zero_optimization": {"stage": 0},
+        "ds_pfc": {
+            "description": "paper study on synthetic faces (launch/experiments.py)",
+            "head": {"num_classes": identities, "embedding_size": 128, "sample_rate": 1.0,
+                     "margin": {"type": "cosface", "scale": 32.0, "margin": 0.3},
+                     "optimizer": {"type": "sgd", "lr_ratio": 1.0, "momentum": 0.9, "weight_decay": 5e-4}},
+            "backbone": {"name": "mobilefacenet", "width": 0.25, "options": {"image_size": size}},
+            "data": {"source": "synthetic",
+                     "synthetic": {"identities": identities, "images_per_identity": images,
+                                   "held_out_identities": held_out, "image_size": size, "seed": 0},
+                     "flip": True, "workers": 1, "prefetch_batches": 4},
+            "train": {"epochs": epochs, "schedule": {"type": "poly", "warmup_epochs": 0.1, "power": 2.0},
+                      "log_every": 100},
+            "evaluation": {"every_steps": 0, "synthetic_pairs": pairs, "batch_size": 128, "far": [1e-3, 1e-2]},
+            "checkpoint": {"every_steps": 0, "keep": 1, "resume": False, "export": False},
+        },
+    }
+
+
+QUICK = "quick"
+
+
+def cell_config(cell: Cell, seed: int, *, quick: bool = False) -> dict:
+    """The job JSON of one run: the base config with the cell's setting and the seed."""
+    config = base_config(quick)
+    pfc = config["ds_pfc"]
+    head, data = pfc["head"], pfc["data"]
+    head["sample_rate"] = cell.sample_rate
+    head["seed"] = seed
+    if cell.filter:
+        head["filter_threshold"] = FILTER_TAU
+    if cell.images_per_identity is not None and not quick:
+        data["synthetic"]["images_per_identity"] = cell.images_per_identity
+    data["seed"] = seed
+    pfc["train"]["seed"] = seed
+    if cell.stress:
+        data["stress"] = dict(copy.deepcopy(cell.stress), seed=seed)
+        if cell.stress.get("conflict"):       # pseudo-classes: the head has a class per piece
+            from .config import StressConfig, from_dict
+            from .data.faces import SyntheticFaces
+            s = data["synthetic"]
+            faces = SyntheticFaces(s["identities"], s["images_per_identity"], image_size=s["image_size"],
+                                   seed=s["seed"])
+            head["num_classes"] = from_dict(StressConfig, data["stress"], "ds_pfc.data.stress").wrap(faces).num_classes
+    return config
+
+
+def _find_cell(study: str, name: str) -> Cell:
+    for cell in STUDIES[study]:
+        if cell.name == name:
+            return cell
+    raise ValueError(f"study {study!r} has no cell {name!r}; its cells are {[c.name for c in STUDIES[study]]}")
+
+
+def _machine() -> dict:
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform()}
+
+
+def load_results(path: str, study: str) -> dict:
+    """The study's result file, or a new empty record."""
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("experiment") != study:
+            raise ValueError(f"{path} holds experiment {data.get('experiment')!r}, not {study!r}")
+        return data
+    return {"experiment": study, "cells": []}
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    import fcntl
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with _THREAD_LOCK, open(path + ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_THREAD_LOCK = threading.Lock()
+
+
+def _save_results(path: str, data: dict) -> None:
+    from .checkpoint_tags import atomic_write
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write(path, (json.dumps(data, indent=1) + "\n").encode())
+
+
+def _record(data: dict, cell: Cell, quick: bool) -> dict:
+    for entry in data["cells"]:
+        if entry["cell"] == cell.name:
+            return entry
+    entry = {"cell": cell.name, "sample_rate": cell.sample_rate, "setting": cell.setting(), "seeds": []}
+    if quick:
+        entry["quick"] = True
+    data["cells"].append(entry)
+    order = [c.name for c in STUDIES[data["experiment"]]]
+    data["cells"].sort(key=lambda e: order.index(e["cell"]) if e["cell"] in order else len(order))
+    return entry
+
+
+def run_cell(study: str, cell_name: str, seed: int, *, out_dir: str, threads: int = 1, quick: bool = False,
+             force: bool = False, log=print) -> dict | None:
+    """Run one (cell, seed) and record it in ``<out_dir>/<study>.json``; returns the
+    seed's record, or None when it was recorded already (and not ``force``)."""
+    if study not in STUDIES:
+        raise ValueError(f"unknown study {study!r}; studies are {list(STUDIES)}")
+    cell = _find_cell(study, cell_name)
+    path = os.path.join(out_dir, f"{study}.json")
+    data = load_results(path, study)
+    entry = _record(data, cell, quick)
+    if not force and any(s["seed"] == seed for s in entry["seeds"]):
+        return None
+    config = cell_config(cell, seed, quick=quick)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory(prefix=f"ds_pfc-{study}-") as tmp:
+        cfg_path = os.path.join(tmp, "job.json")
+        with open(cfg_path, "w") as f:
+            json.dump(config, f)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        cmd = [sys.executable, os.path.join(root, "launch", "train.py"), "--deepspeed_config", cfg_path,
+               "--output_dir", os.path.join(tmp, "run")]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            tail = (proc.stdout[-2000:] + proc.stderr[-3000:]).strip()
+            raise RuntimeError(f"{study}/{cell.name} seed {seed} failed (exit {proc.returncode}):\n{tail}")
+        with open(os.path.join(tmp, "run", "summary.json")) as f:
+            summary = json.load(f)
+    final = summary["evaluations"][str(summary["steps"])]["synthetic_held_out"]
+    record = {"seed": seed, "verification_acc": final["accuracy"], "verification_acc_std": final["accuracy_std"],
+              "tar_at_far": final["tar_at_far"], "steps": summary["steps"], "final_loss": summary["final_loss"],
+              "images_per_second": summary["train_samples"] / summary["train_elapsed_s"],
+              "wall_seconds": wall, "threads": threads,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    with _locked(path):           # other runs (threads or processes) record into the same file
+        data = load_results(path, study)
+        entry = _record(data, cell, quick)
+        entry["seeds"] = [s for s in entry["seeds"] if s["seed"] != seed] + [record]
+        entry["seeds"].sort(key=lambda s: s["seed"])
+        data["machine"] = _machine()
+        data["base_config"] = base_config(quick)
+        data["paper_note"] = PAPER_NOTES[study]
+        _save_results(path, data)
+    log(f"{study}/{cell.name} seed {seed}: verification {record['verification_acc']:.4f} "
+        f"({record['steps']} steps, {record['images_per_second']:.0f} images/s, {wall:.0f} s)")
+    return record
+
+
+# ---------------------------------------------------------------------------- report
+def _stats(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _paper(study: str, cell: str):
+    return PAPER.get(study, {}).get(cell.replace("-1.0", "-1"))
+
+
+def summarize(data: dict) -> list[dict]:
+    """Per cell: mean and std over seeds of accuracy and each TAR."""
+    rows = []
+    for entry in data["cells"]:
+        seeds = entry["seeds"]
+        if not seeds:
+            continue
+        acc = _stats([s["verification_acc"] for s in seeds])
+        fars = sorted({k for s in seeds for k in s["tar_at_far"]}, key=float)
+        tars = {far: _stats([s["tar_at_far"].get(far) for s in seeds]) for far in fars}
+        rows.append({"cell": entry["cell"], "seeds": len(seeds), "accuracy": acc, "tar_at_far": tars,
+                     "images_per_second": _stats([s["images_per_second"] for s in seeds])[0],
+                     "paper": _paper(data["experiment"], entry["cell"])})
+    return rows
+
+
+def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
+    """``<study>.md`` and ``<study>.png`` from ``<study>.json``; returns their paths
+    (the PNG's is None when matplotlib is not installed)."""
+    data = load_results(os.path.join(out_dir, f"{study}.json"), study)
+    rows = summarize(data)
+    fars = sorted({f for r in rows for f in r["tar_at_far"]}, key=float)
+    lines = [f"# {study}", "", f"Held-out 1:1 verification on synthetic faces, mean +- std over seeds; "
+             f"{PAPER_NOTES[study]}.", "",
+             "| cell | seeds | verification acc | " + " | ".join(f"TAR@FAR={f}" for f in fars)
+             + " | images/s | paper |",
+             "|---|---|---|" + "---|" * len(fars) + "---|---|"]
+    for r in rows:
+        acc = r["accuracy"]
+        tars = " | ".join(f"{r['tar_at_far'][f][0]:.4f} +- {r['tar_at_far'][f][1]:.4f}" for f in fars)
+        paper = "-" if r["paper"] is None else f"{r['paper']:.1f}"
+        lines.append(f"| {r['cell']} | {r['seeds']} | {acc[0]:.4f} +- {acc[1]:.4f} | {tars} | "
+                     f"{r['images_per_second']:.0f} | {paper} |")
+    machine = data.get("machine", {})
+    lines += ["", f"Machine: {machine.get('cpu', '?')}, torch {machine.get('torch', '?')}; "
+              f"runs of one thread each (`launch/experiments.py {study}`)."]
+    md = os.path.join(out_dir, f"{study}.md")
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return md, None
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(rows) + 2), 3.8))
+    xs = range(len(rows))
+    ax.errorbar(xs, [r["accuracy"][0] for r in rows], yerr=[r["accuracy"][1] for r in rows], fmt="o", capsize=4,
+                label="verification accuracy (held out)")
+    for far in fars:
+        ax.errorbar(xs, [r["tar_at_far"][far][0] for r in rows], yerr=[r["tar_at_far"][far][1] for r in rows],
+                    fmt="s", capsize=3, alpha=0.7, label=f"TAR@FAR={far}")
+    ax.set_xticks(list(xs), [r["cell"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("synthetic faces (mean +- std)")
+    ax.set_title(f"{study}: {len(rows)} cells, {min((r['seeds'] for r in rows), default=0)}+ seeds each")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    png = os.path.join(out_dir, f"{study}.png")
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return md, png
