@@ -33,7 +33,7 @@ import torch
 from .partition import Partition
 
 __all__ = ["save_head_shard", "load_head_shard", "merge_shards", "reshard", "export_classifier",
-           "shard_file_name", "FORMAT"]
+           "shard_file_name", "SubcenterCounter", "class_rows", "FORMAT"]
 
 FORMAT = "ds_pfc.head_shard/1"
 CRC_KEY = "crc32"
@@ -44,9 +44,11 @@ CLASSIFIER_FORMAT = "ds_pfc.classifier/1"
 # Integer metadata fields (the head's training_state() plus the rank).
 _INT_FIELDS = ("num_classes", "embedding_size", "class_start", "num_local", "world_size", "rank", "seed",
                "sample_step", "step_count")
+# Optional integer fields (absent in shards written before them), with their default.
+_OPTIONAL_INT_FIELDS = {"sub_centers": 1}
 # Fields every shard of one checkpoint must agree on.
 _COMMON_FIELDS = ("format", "num_classes", "embedding_size", "world_size", "seed", "sample_step", "step_count",
-                  "optimizer", "states", "dtypes")
+                  "optimizer", "states", "dtypes", "sub_centers", "margin_state")
 
 
 def shard_file_name(name: str, rank: int, world_size: int) -> str:
@@ -205,15 +207,19 @@ def _read_shard(path: str, *, verify: bool = True) -> tuple[dict[str, torch.Tens
         meta = dict(raw)
         for key in _INT_FIELDS:
             meta[key] = int(raw[key])
+        for key, default in _OPTIONAL_INT_FIELDS.items():
+            meta[key] = int(raw.get(key, default))
+        meta["margin_state"] = raw.get("margin_state", "{}")
         meta["states"] = json.loads(raw["states"])
         meta["dtypes"] = json.loads(raw["dtypes"])
     except (KeyError, ValueError) as err:
         raise ValueError(f"{path}: malformed head shard metadata ({err!r})") from None
     if sorted(tensors) != sorted(meta["states"]):
         raise ValueError(f"{path}: holds tensors {sorted(tensors)} but its metadata lists {meta['states']}")
+    rows = meta["num_local"] * meta["sub_centers"]
     for key, t in tensors.items():
-        if t.dim() == 0 or t.shape[0] != meta["num_local"]:
-            raise ValueError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, expected {meta['num_local']} rows")
+        if t.dim() == 0 or t.shape[0] != rows:
+            raise ValueError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, expected {rows} rows")
         if _dtype_name(t.dtype) != meta["dtypes"].get(key):
             raise ValueError(f"{path}: tensor {key!r} is {t.dtype}, metadata says {meta['dtypes'].get(key)}")
     if tensors.get("weight") is None or tuple(tensors["weight"].shape[1:]) != (meta["embedding_size"],):
@@ -232,6 +238,11 @@ def _metadata(meta: dict, tensors: dict) -> dict[str, str]:
            "torch_version": torch.__version__}
     for key in _INT_FIELDS:
         out[key] = str(int(meta[key]))
+    out["sub_centers"] = str(int(meta.get("sub_centers", 1)))
+    # A stateful margin's running state (AdaFace's norm statistics, CurricularFace's t,
+    # ElasticFace's draw counter): JSON floats are exact.
+    state = meta.get("margin_state", "{}")
+    out["margin_state"] = state if isinstance(state, str) else json.dumps(state)
     return out
 
 
@@ -246,7 +257,8 @@ def save_head_shard(head, directory: str, *, name: str = "head") -> str:
     meta = head.training_state()
     meta["rank"] = head.rank
     meta["optimizer"] = repr(head.optimizer)
-    bank, rows = head.bank, head.num_local
+    meta["margin_state"] = json.dumps(head.margin.state_dict(), sort_keys=True)
+    bank, rows = head.bank, head.num_rows
     specs = {}
     for state in bank.state_names():
         probe = bank.read(state, torch.zeros(0, dtype=torch.long, device=head.device))
@@ -298,8 +310,12 @@ def load_head_shard(head, directory: str, *, name: str = "head") -> None:
         want = head.bank.read(key, empty).dtype
         if tensors[key].dtype != want:
             raise ValueError(f"{path}: state {key!r} is {tensors[key].dtype} but this head stores {want}")
+    for key in ("sub_centers",):
+        if meta[key] != getattr(head, key):
+            raise ValueError(f"{path}: checkpoint has {key}={meta[key]} but this head has {key}={getattr(head, key)}")
     state = dict(tensors)
     state["meta"] = torch.tensor([meta[k] for k in head._META_FIELDS], dtype=torch.int64)
+    state["margin_state"] = head.margin_state_tensor(json.loads(meta["margin_state"]))
     head.load_state_dict(state)   # validates shapes before changing anything
 
 
@@ -364,6 +380,12 @@ def merge_shards(directory: str, *, name: str = "head",
     return tensors, meta
 
 
+def class_rows(meta: dict, start: int, end: int) -> slice:
+    """The rows of classes ``[start, end)`` in merged tensors (``K`` rows per class)."""
+    k = meta.get("sub_centers", 1)
+    return slice(start * k, end * k)
+
+
 def reshard(src_dir: str, dst_dir: str, world_size: int, *, name: str = "head") -> list[str]:
     """Rewrite the checkpoint in ``src_dir`` as ``world_size`` shards in ``dst_dir``.
 
@@ -390,25 +412,79 @@ def reshard(src_dir: str, dst_dir: str, world_size: int, *, name: str = "head") 
     paths = []
     for rank in range(world_size):
         start, end = partition.bounds(rank)
-        part = {k: v[start:end] for k, v in tensors.items()}
+        part = {k: v[class_rows(meta, start, end)] for k, v in tensors.items()}
         shard_meta = dict(meta, class_start=start, num_local=end - start, world_size=world_size, rank=rank)
         path = os.path.join(dst_dir, shard_file_name(name, rank, world_size))
         paths.append(_atomic_save(part, path, _metadata(shard_meta, part)))
     return paths
 
 
-def export_classifier(directory: str, out_path: str, *, name: str = "head", include_optimizer: bool = False) -> str:
-    """Write one safetensors file with the full ``weight [C, d]`` (and, if
-    ``include_optimizer``, the optimizer states as ``optimizer.<state>``) plus metadata
-    (format, num_classes, embedding_size, seed, sample_step, step_count, optimizer,
-    source_world_size). Atomic. Returns ``out_path``."""
+def export_classifier(directory: str, out_path: str, *, name: str = "head", include_optimizer: bool = False,
+                      dominant: torch.Tensor | None = None) -> str:
+    """Write one safetensors file with the full ``weight [C K, d]`` (``K =
+    sub_centers``, row ``c K + k`` the k-th sub-center of class c; ``[C, d]`` without
+    sub-centers) and, if ``include_optimizer``, the optimizer states as
+    ``optimizer.<state>``, plus metadata (format, num_classes, embedding_size,
+    sub_centers, seed, sample_step, step_count, optimizer, source_world_size).
+    ``dominant`` (int64 ``[C]``, see :func:`dominant_subcenters`) also writes
+    ``dominant [C]`` and ``weight_dominant [C, d]``, each class's dominant sub-center.
+    Atomic. Returns ``out_path``."""
     tensors, meta = merge_shards(directory, name=name)
     out = {"weight": tensors["weight"]}
+    if dominant is not None:
+        out.update(_dominant_tensors(tensors["weight"], dominant, meta["num_classes"], meta["sub_centers"]))
     if include_optimizer:
         out.update({f"optimizer.{k}": v for k, v in tensors.items() if k != "weight"})
     metadata = {"format": CLASSIFIER_FORMAT, "optimizer": meta["optimizer"], "source_world_size": str(meta["world_size"]),
                 "dtypes": json.dumps({k: _dtype_name(v.dtype) for k, v in out.items()}),
                 "torch_version": torch.__version__}
-    for key in ("num_classes", "embedding_size", "seed", "sample_step", "step_count"):
+    for key in ("num_classes", "embedding_size", "sub_centers", "seed", "sample_step", "step_count"):
         metadata[key] = str(meta[key])
     return _atomic_save(out, out_path, metadata)
+
+
+def _dominant_tensors(weight: torch.Tensor, dominant: torch.Tensor, num_classes: int, k: int) -> dict:
+    dominant = torch.as_tensor(dominant)
+    if dominant.dtype != torch.int64 or tuple(dominant.shape) != (num_classes,) or \
+            (dominant.numel() and (int(dominant.min()) < 0 or int(dominant.max()) >= k)):
+        raise ValueError(f"dominant must be int64 [{num_classes}] with values in [0, {k}), got "
+                         f"{dominant.dtype} {tuple(dominant.shape)}")
+    rows = torch.arange(num_classes) * k + dominant
+    return {"dominant": dominant.clone(), "weight_dominant": weight[rows].contiguous()}
+
+
+class SubcenterCounter:
+    """Counts, per class, which of its ``K`` sub-centers each sample of the class is
+    closest to: the sub-center paper's dominance statistic. Feed it the (trained)
+    embeddings and labels of the training data, batch by batch; :meth:`dominant` is
+    then, per class, the sub-center most of its samples picked (ties: the smaller
+    index; a class no sample reached: 0).
+
+    ``weight`` is the merged ``[C K, d]`` classifier (:func:`merge_shards`)."""
+
+    def __init__(self, weight: torch.Tensor, sub_centers: int):
+        if isinstance(sub_centers, bool) or not isinstance(sub_centers, int) or sub_centers < 1:
+            raise ValueError(f"sub_centers must be a positive int, got {sub_centers!r}")
+        if weight.dim() != 2 or weight.shape[0] % sub_centers:
+            raise ValueError(f"weight must be [C * {sub_centers}, d], got {tuple(weight.shape)}")
+        self.k = sub_centers
+        self.num_classes = weight.shape[0] // sub_centers
+        self.centers = torch.nn.functional.normalize(weight.float(), dim=1).view(self.num_classes, self.k, -1)
+        self.counts = torch.zeros(self.num_classes, self.k, dtype=torch.int64)
+
+    def update(self, embeddings: torch.Tensor, labels: torch.Tensor) -> None:
+        labels = labels.to(torch.int64).cpu()
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
+            raise ValueError(f"labels must lie in [0, {self.num_classes})")
+        x = torch.nn.functional.normalize(embeddings.detach().float().cpu(), dim=1)
+        sim = torch.einsum("nd,nkd->nk", x, self.centers[labels])
+        self.counts.index_put_((labels, _first_max(sim)), torch.ones_like(labels), accumulate=True)
+
+    def dominant(self) -> torch.Tensor:
+        return _first_max(self.counts)
+
+
+def _first_max(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax, ties to the smallest index."""
+    index = torch.arange(x.shape[1]).expand_as(x)
+    return torch.where(x == x.max(dim=1, keepdim=True).values, index, x.shape[1]).min(dim=1).values

@@ -69,45 +69,121 @@ def _number(value, where: str, low=None, high=None, low_open=False) -> None:
         raise ConfigError(f"{where} must be <= {high}, got {value}")
 
 
+_MARGIN_PARAMS = {
+    # type: {parameter: default}; every parameter of a type is optional.
+    "arcface": {"scale": 64.0, "margin": 0.5, "straight_through": False},
+    "cosface": {"scale": 64.0, "margin": 0.4},
+    "combined": {"scale": 64.0, "m1": 1.0, "m2": 0.5, "m3": 0.0, "straight_through": False},
+    "adaface": {"scale": 64.0, "m": 0.4, "h": 0.333, "t_alpha": 0.01, "eps": 1e-3},
+    "magface": {"scale": 64.0, "l_a": 10.0, "u_a": 110.0, "l_m": 0.45, "u_m": 0.8, "lambda_g": 35.0,
+                "easy_margin": True},
+    "curricularface": {"scale": 64.0, "m": 0.5},
+    "elastic_arcface": {"scale": 64.0, "m": 0.5, "std": 0.05, "plus": False, "seed": 0},
+    "elastic_cosface": {"scale": 64.0, "m": 0.35, "std": 0.0125, "plus": False, "seed": 0},
+}
+
+
 @dataclass(kw_only=True)
 class MarginConfig:
-    """The target-logit margin."""
+    """The margin loss: ``type`` and that type's parameters (each optional, defaulting
+    to its paper's value):
+
+    - arcface: ``scale``, ``margin`` (0.5), ``straight_through``
+    - cosface: ``scale``, ``margin`` (0.4)
+    - combined: ``scale``, ``m1``, ``m2``, ``m3``, ``straight_through``
+    - adaface: ``scale``, ``m`` (0.4), ``h`` (0.333), ``t_alpha`` (0.01), ``eps``
+    - magface: ``scale``, ``l_a`` (10), ``u_a`` (110), ``l_m`` (0.45), ``u_m`` (0.8),
+      ``lambda_g`` (35), ``easy_margin`` (true)
+    - curricularface: ``scale``, ``m`` (0.5)
+    - elastic_arcface: ``scale``, ``m`` (0.5), ``std`` (0.05), ``plus``, ``seed``
+    - elastic_cosface: ``scale``, ``m`` (0.35), ``std`` (0.0125), ``plus``, ``seed``
+
+    ``scale`` defaults to 64 everywhere. A parameter of another type is an error."""
 
     type: str = "arcface"
-    """arcface (``cos(theta + m)``), cosface (``cos(theta) - m``) or combined
-    (``cos(m1 theta + m2) - m3``)."""
+    """arcface, cosface, combined, adaface, magface, curricularface, elastic_arcface or
+    elastic_cosface."""
     scale: float = 64.0
     """Logit scale ``s``."""
     margin: float | None = None
     """arcface/cosface margin (default 0.5 for arcface, 0.4 for cosface)."""
-    m1: float = 1.0
-    """combined: multiplicative angular margin."""
-    m2: float = 0.5
-    """combined: additive angular margin."""
-    m3: float = 0.0
-    """combined: additive cosine margin."""
-    straight_through: bool = False
-    """arcface: back-propagate as if the margin were a constant shift (arcface_torch)."""
+    m1: float | None = None
+    """combined: multiplicative angular margin (1.0)."""
+    m2: float | None = None
+    """combined: additive angular margin (0.5)."""
+    m3: float | None = None
+    """combined: additive cosine margin (0.0)."""
+    straight_through: bool | None = None
+    """arcface/combined: back-propagate as if the margin were a constant shift (arcface_torch)."""
+    m: float | None = None
+    """adaface, curricularface, elastic_*: the margin."""
+    h: float | None = None
+    """adaface: how strongly the margin follows the feature norm."""
+    t_alpha: float | None = None
+    """adaface: momentum of the running norm statistics."""
+    eps: float | None = None
+    """adaface: clamp of the cosine and of the angle."""
+    l_a: float | None = None
+    """magface: lower magnitude bound."""
+    u_a: float | None = None
+    """magface: upper magnitude bound."""
+    l_m: float | None = None
+    """magface: margin at l_a."""
+    u_m: float | None = None
+    """magface: margin at u_a."""
+    lambda_g: float | None = None
+    """magface: weight of the magnitude regulariser."""
+    easy_margin: bool | None = None
+    """magface: apply the margin only where cos > 0 (the official default)."""
+    std: float | None = None
+    """elastic_*: standard deviation of the per-sample margins."""
+    plus: bool | None = None
+    """elastic_*: ElasticFace+ (margins handed out by the target cosines)."""
+    seed: int | None = None
+    """elastic_*: seeds the per-sample margins (with the draw counter)."""
 
     def __post_init__(self):
-        if self.type not in ("arcface", "cosface", "combined"):
-            raise ConfigError(f"ds_pfc.head.margin.type must be arcface, cosface or combined, got {self.type!r}")
+        if self.type not in _MARGIN_PARAMS:
+            raise ConfigError(f"ds_pfc.head.margin.type must be one of {list(_MARGIN_PARAMS)}, got {self.type!r}")
         _number(self.scale, "ds_pfc.head.margin.scale", low=0, low_open=True)
-        if self.type != "combined" and any(getattr(self, k) != d for k, d in (("m1", 1.0), ("m2", 0.5), ("m3", 0.0))):
-            raise ConfigError(f"ds_pfc.head.margin: m1/m2/m3 only apply to type 'combined' (type is {self.type!r}); "
-                              "use 'margin'")
-        if self.type == "combined" and self.margin is not None:
-            raise ConfigError("ds_pfc.head.margin.margin does not apply to type 'combined'; use m1, m2, m3")
+        allowed = _MARGIN_PARAMS[self.type]
+        given = [f.name for f in dataclasses.fields(self) if f.name not in ("type", "scale")
+                 and getattr(self, f.name) is not None]
+        foreign = sorted(set(given) - set(allowed))
+        if foreign:
+            raise ConfigError(f"ds_pfc.head.margin: {foreign} do not apply to type {self.type!r}; its parameters are "
+                              f"{sorted(allowed)}")
+        self.build()          # the margin's own checks (ranges), named by the parameter
+
+    def params(self) -> dict:
+        """This type's parameters, defaults filled in."""
+        out = dict(_MARGIN_PARAMS[self.type])
+        for name in out:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
 
     def build(self):
-        from .margins import ArcFace, CombinedMargin, CosFace
+        from . import margins
+        p = self.params()
         try:
             if self.type == "arcface":
-                return ArcFace(self.scale, 0.5 if self.margin is None else self.margin,
-                               straight_through=self.straight_through)
+                return margins.ArcFace(p["scale"], p["margin"], straight_through=p["straight_through"])
             if self.type == "cosface":
-                return CosFace(self.scale, 0.4 if self.margin is None else self.margin)
-            return CombinedMargin(self.scale, self.m1, self.m2, self.m3, straight_through=self.straight_through)
+                return margins.CosFace(p["scale"], p["margin"])
+            if self.type == "combined":
+                return margins.CombinedMargin(p["scale"], p["m1"], p["m2"], p["m3"],
+                                              straight_through=p["straight_through"])
+            if self.type == "adaface":
+                return margins.AdaFace(p["scale"], p["m"], p["h"], p["t_alpha"], p["eps"])
+            if self.type == "magface":
+                return margins.MagFace(p["scale"], p["l_a"], p["u_a"], p["l_m"], p["u_m"], p["lambda_g"],
+                                       easy_margin=p["easy_margin"])
+            if self.type == "curricularface":
+                return margins.CurricularFace(p["scale"], p["m"])
+            cls = margins.ElasticArcFace if self.type == "elastic_arcface" else margins.ElasticCosFace
+            return cls(p["scale"], p["m"], p["std"], plus=p["plus"], seed=p["seed"])
         except (TypeError, ValueError) as err:
             raise ConfigError(f"ds_pfc.head.margin: {err}") from None
 
@@ -215,6 +291,8 @@ class HeadConfig:
     chunk (null: 256 MiB on CUDA, 2 MiB on CPU); larger logits are recomputed in backward."""
     backend: str = "auto"
     """Softmax backend: auto (fused Triton kernels on CUDA when triton imports), torch or triton."""
+    sub_centers: int = 1
+    """K centers per class (sub-center ArcFace); a class's cosine is the largest of its K."""
     margin: MarginConfig = field(default_factory=MarginConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     bank: BankConfig = field(default_factory=BankConfig)
@@ -232,6 +310,8 @@ class HeadConfig:
                                              or self.block_bytes < 1):
             raise ConfigError(f"ds_pfc.head.block_bytes must be null or a positive integer of bytes, "
                               f"got {self.block_bytes!r}")
+        if isinstance(self.sub_centers, bool) or not isinstance(self.sub_centers, int) or self.sub_centers < 1:
+            raise ConfigError(f"ds_pfc.head.sub_centers must be a positive integer, got {self.sub_centers!r}")
         from .softmax import BACKENDS
         if self.backend not in BACKENDS:
             raise ConfigError(f"ds_pfc.head.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
@@ -245,7 +325,7 @@ class HeadConfig:
                          device=device, seed=self.seed, optimizer=self.optimizer.type,
                          compute_dtype=None if compute == torch.float32 else compute,
                          data_parallel_grad=data_parallel_grad, bank=self.bank.build(), block_bytes=self.block_bytes,
-                         backend=self.backend, **self.optimizer.kwargs())
+                         backend=self.backend, sub_centers=self.sub_centers, **self.optimizer.kwargs())
 
 
 @dataclass(kw_only=True)

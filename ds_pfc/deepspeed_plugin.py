@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import warnings
@@ -940,14 +941,16 @@ def list_checkpoints(save_dir: str) -> list[str]:
 
 def _load_resharded(head: PartialFC, tag_dir: str, name: str, world_size: int | None = None) -> None:
     tensors, meta = ckpt.merge_shards(tag_dir, name=name, world_size=world_size)
-    for key in ("num_classes", "embedding_size"):
+    for key in ("num_classes", "embedding_size", "sub_centers"):
         if meta[key] != getattr(head, key):
             raise ValueError(f"{tag_dir}: head {name!r} has {key}={meta[key]} but the model's has "
                              f"{getattr(head, key)}")
     lo, hi = head.class_start, head.class_end
-    state = {k: v[lo:hi].clone() for k, v in tensors.items()}
+    state = {k: v[ckpt.class_rows(meta, lo, hi)].clone() for k, v in tensors.items()}
     state["meta"] = torch.tensor([head.num_classes, head.embedding_size, lo, hi - lo, head.world_size,
-                                  meta["seed"], meta["sample_step"], meta["step_count"]], dtype=torch.int64)
+                                  meta["seed"], meta["sample_step"], meta["step_count"], head.sub_centers],
+                                 dtype=torch.int64)
+    state["margin_state"] = head.margin_state_tensor(json.loads(meta["margin_state"]))
     head.load_state_dict(state)
 
 

@@ -207,3 +207,38 @@ def reshard_checkpoint(tag_dir: str, out_dir: str, world_size: int) -> str:
     _atomic_write(os.path.join(dst, COMPLETE_MARKER), json.dumps(new_marker).encode())
     _atomic_write(os.path.join(out_dir, "latest"), tag.encode())
     return dst
+
+
+def dominant_subcenters(tag_dir: str, *, name: str = "head", batch_size: int = 128, device="cpu",
+                        log=None) -> "torch.Tensor":
+    """The dominant sub-center of every class of head ``name`` in checkpoint
+    ``tag_dir`` (int64 ``[C]``): the sub-center paper's statistic, the one most
+    training images of the class are closest to, with the checkpoint's backbone
+    embedding the job's training set (as the job built it, stress transforms
+    included). One pass over the training data in this process."""
+    import warnings
+
+    from .checkpoint import SubcenterCounter
+    from .config import split_config
+    from .data.loader import _fetch
+    from .data.transforms import normalize
+    from .training import build_train_set
+    log = log or (lambda line: None)
+    backbone, config = load_backbone(os.path.dirname(os.path.normpath(tag_dir)), os.path.basename(
+        os.path.normpath(tag_dir)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, cfg = split_config(config)
+    tensors, meta = ckpt.merge_shards(tag_dir, name=name)
+    counter = SubcenterCounter(tensors["weight"], meta["sub_centers"])
+    dataset = build_train_set(cfg)
+    backbone = backbone.to(device)
+    total = len(dataset)
+    with torch.no_grad():
+        for start in range(0, total, batch_size):
+            index = torch.arange(start, min(total, start + batch_size))
+            images, labels = _fetch(dataset, index)
+            counter.update(backbone(normalize(images).to(device)), labels)
+            if (start // batch_size) % 50 == 0:
+                log(f"dominant sub-centers: {min(total, start + batch_size)}/{total} images")
+    return counter.dominant()

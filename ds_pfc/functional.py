@@ -34,6 +34,8 @@ def margin_cross_entropy(
     block_bytes: int | None = None,
     backend: str = "auto",
     validate: bool = True,
+    update_state: bool | None = None,
+    sub_centers: int = 1,
 ):
     """Exact margin softmax cross-entropy with class-sharded centers.
 
@@ -61,20 +63,30 @@ def margin_cross_entropy(
     sync and a readable ``ValueError``; False checks ownership on the device only
     (``torch._assert_async``), so the call never waits for the device.
 
+    ``sub_centers=K`` (sub-center ArcFace): ``centers`` holds ``K`` rows per class,
+    row ``i K + k`` the k-th sub-center of class ``class_start + i``; a class's cosine
+    is the largest of its sub-centers'. ``update_state``: whether a stateful margin (AdaFace, CurricularFace, ElasticFace)
+    advances its running state with this batch (None: when gradients are enabled).
     Returns the loss, or with ``return_details=True`` a :class:`CrossEntropyOutput`.
     """
     try:
         if not isinstance(margin, Margin):
-            raise TypeError(f"margin must be a ds_pfc Margin (ArcFace, CosFace, CombinedMargin), got {margin!r}")
+            raise TypeError(f"margin must be a ds_pfc Margin (ArcFace, CosFace, CombinedMargin, AdaFace, MagFace, "
+                            f"CurricularFace, ElasticArcFace, ElasticCosFace), got {margin!r}")
         check_embeddings(embeddings)
         check_labels(labels, embeddings.shape[0])
         check_embeddings(centers, embeddings.shape[1], name="centers")
+        if isinstance(sub_centers, bool) or not isinstance(sub_centers, int) or sub_centers < 1:
+            raise ValueError(f"sub_centers must be a positive int, got {sub_centers!r}")
+        if centers.shape[0] % sub_centers:
+            raise ValueError(f"centers must have a multiple of sub_centers={sub_centers} rows (K rows per class), "
+                             f"got {centers.shape[0]}")
         if isinstance(class_start, bool) or not isinstance(class_start, int) or class_start < 0:
             raise ValueError(f"class_start must be a non-negative int, got {class_start!r}")
         check_filter_threshold(filter_threshold)
         check_block_bytes(block_bytes)
         resolve_backend(backend, embeddings.device, compute_dtype or torch.float32,
-                        torch.float64 if torch.float64 in (embeddings.dtype, centers.dtype) else torch.float32)
+                        torch.float64 if torch.float64 in (embeddings.dtype, centers.dtype) else torch.float32, margin)
         if validate:
             check_values(embeddings, labels, None)
         error = None
@@ -98,12 +110,14 @@ def margin_cross_entropy(
     if x.shape[0] == 0:
         raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
     local = y.long() - class_start
-    owned = (local >= 0) & (local < centers.shape[0])
+    owned = (local >= 0) & (local < centers.shape[0] // sub_centers)
     target_col = torch.where(owned, local, torch.full_like(local, -1))
     result = margin_softmax_cross_entropy(
         x, centers, target_col, margin,
         filter_threshold=filter_threshold, group=group, compute_dtype=compute_dtype,
-        return_correct=return_details, block_bytes=block_bytes, backend=backend, validate=validate)
+        return_correct=return_details, block_bytes=block_bytes, backend=backend, validate=validate,
+        update_state=torch.is_grad_enabled() if update_state is None else bool(update_state),
+        sub_centers=sub_centers)
     if not return_details:
         return result.loss
     offset = sum(sizes[:me])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Callable
 
 import torch
@@ -119,6 +120,10 @@ class PartialFC(nn.Module):
             Logits larger than one block are recomputed in backward, never kept.
         backend: softmax backend, ``"auto"`` (fused Triton kernels on CUDA when
             triton imports, else torch), ``"torch"`` or ``"triton"``.
+        sub_centers: ``K`` centers per class (sub-center ArcFace): the bank holds
+            ``K`` rows per class, row ``i K + k`` the k-th sub-center of local class
+            ``i``; a class's cosine is the largest of its sub-centers'; sampling picks
+            whole classes. Works with every margin (torch backend).
         validate: check embeddings (NaN/Inf) and labels (range, ownership) every
             forward with one host sync and a readable error. False: label ownership
             is asserted on the device (``torch._assert_async``), nothing waits for
@@ -147,6 +152,7 @@ class PartialFC(nn.Module):
         block_bytes: int | None = None,
         backend: str = "auto",
         validate: bool = True,
+        sub_centers: int = 1,
         **optimizer_kwargs,
     ):
         super().__init__()
@@ -159,12 +165,17 @@ class PartialFC(nn.Module):
             margin, row_optimizer = _checked_arguments(
                 num_classes, embedding_size, sample_rate, margin, filter_threshold, seed, compute_dtype, dtype,
                 optimizer, optimizer_kwargs, block_bytes, backend, self.device)
+            if isinstance(sub_centers, bool) or not isinstance(sub_centers, int) or sub_centers < 1:
+                raise ValueError(f"sub_centers must be a positive int, got {sub_centers!r}")
+            if sub_centers > 1 and backend == "triton":
+                raise ValueError("backend='triton' does not implement sub-centers; use backend='torch' or 'auto'")
             error = None
         except (TypeError, ValueError, RuntimeError) as err:   # RuntimeError: torch.device("bogus")
             error = err
         # Every rank takes part in the agreement check even when its own arguments are
         # bad, so that one rank's error never leaves the others waiting in a collective.
-        self._check_agreement(error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin)
+        self._check_agreement(error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin,
+                              sub_centers)
         # Two groups: the layout of the samples over the class group (a collective).
         self.batch_group = group if batch_group is None else batch_group
         self._layout = None
@@ -186,6 +197,8 @@ class PartialFC(nn.Module):
         self.partition = Partition(num_classes, self.world_size)
         self.class_start, self.class_end = self.partition.bounds(self.rank)
         self.num_local = self.class_end - self.class_start
+        self.sub_centers = sub_centers
+        self.num_rows = self.num_local * sub_centers      # bank rows: K per class
 
         self.seed = seed
         self.sample_step = 0   # forward passes taken in training mode: drives the sampler
@@ -198,8 +211,10 @@ class PartialFC(nn.Module):
 
         factory = bank or DeviceBank
         owner = {"owner": f"rank{_global_rank()}"} if getattr(factory, "takes_owner", False) else {}
-        self.bank = factory(self.num_local, self.device, class_start=self.class_start, **owner)
-        start = self.class_start
+        # Bank rows are numbered like the global rows c K + k, so the initial centers (a
+        # function of the seed and the global row) do not depend on the world size.
+        start = self.class_start * sub_centers
+        self.bank = factory(self.num_rows, self.device, class_start=start, **owner)
         self.bank.add_state("weight", embedding_size, dtype, init=lambda lo, hi: initial_centers(
             seed, start + lo, hi - lo, embedding_size, init_std, device=self.device))
         for name, width, state_dtype in row_optimizer.state_specs:
@@ -213,11 +228,13 @@ class PartialFC(nn.Module):
         self._closed = False
         self._lookahead = None   # (sample_step, gathered labels, active set) of the last prefetch
 
-    def _check_agreement(self, error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin):
+    def _check_agreement(self, error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin,
+                         sub_centers):
         if error is None:
+            key = zlib.crc32(margin.key().encode())       # type and every hyper-parameter
             row = [1.0, num_classes, embedding_size, sample_rate, seed >> 32, seed & 0xFFFFFFFF,
                    -2.0 if filter_threshold is None else filter_threshold,
-                   margin.scale, margin.m1, margin.m2, margin.m3, float(margin.straight_through)]
+                   margin.scale, key >> 16, key & 0xFFFF, sub_centers, 0.0]
         else:
             row = [0.0] + [float("nan")] * 11
         table = collectives.all_gather_scalars(row, self.group, device=collective_device(self.group, self.device))
@@ -227,12 +244,13 @@ class PartialFC(nn.Module):
         if failed:
             raise ValueError(f"ranks {failed} of the group rejected their PartialFC arguments (see their errors)")
         names = ("num_classes", "embedding_size", "sample_rate", "seed", "seed", "filter_threshold",
-                 "margin", "margin", "margin", "margin", "margin")
+                 "margin", "margin", "margin", "sub_centers", "margin")
         for col, name in enumerate(names, start=1):
             values = table[:, col].tolist()
             if any(v != values[0] for v in values):
                 shown = {"num_classes": num_classes, "embedding_size": embedding_size, "sample_rate": sample_rate,
-                         "seed": seed, "filter_threshold": filter_threshold, "margin": margin}[name]
+                         "seed": seed, "filter_threshold": filter_threshold, "margin": margin,
+                         "sub_centers": sub_centers}[name]
                 raise ValueError(f"{name} differs between ranks of the group (this rank {self.rank} has "
                                  f"{shown!r}; column values {values}); every rank must construct the head "
                                  "with the same value")
@@ -240,10 +258,20 @@ class PartialFC(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, embedding_size={self.embedding_size}, "
                 f"sample_rate={self.sample_rate}, margin={self.margin}, "
-                f"filter_threshold={self.filter_threshold}, classes=[{self.class_start}, {self.class_end}) "
+                + (f"sub_centers={self.sub_centers}, " if self.sub_centers > 1 else "")
+                + f"filter_threshold={self.filter_threshold}, classes=[{self.class_start}, {self.class_end}) "
                 f"of rank {self.rank}/{self.world_size}, optimizer={self.optimizer}")
 
     # ------------------------------------------------------------------ forward
+    def _rows(self, active: torch.Tensor | None) -> torch.Tensor:
+        """Bank rows of the active local classes (None: all): ``K`` per class."""
+        if active is None:
+            return torch.arange(self.num_rows, device=self.device)
+        if self.sub_centers == 1:
+            return active
+        k = self.sub_centers
+        return (active[:, None] * k + torch.arange(k, device=active.device)).reshape(-1)
+
     def active_set(self, local_labels: torch.Tensor, sample_step: int | None = None) -> torch.Tensor | None:
         """Sorted active local ids for gathered local labels (None: every class)."""
         if self.sample_rate >= 1.0:
@@ -278,10 +306,11 @@ class PartialFC(nn.Module):
             active = self.active_set(local)
         target_col = local if active is None else remap_labels(local, active)
         slot = None
+        bank_rows = active if active is None or self.sub_centers == 1 else self._rows(active)
         if self._stager is None:
-            centers = self.bank.read("weight", active).detach()
+            centers = self.bank.read("weight", bank_rows).detach()
         else:
-            rows = torch.arange(self.num_local, device=self.device) if active is None else active
+            rows = self._rows(active)
             live = [p[2] for p in self._pending]
             if training:
                 slot = self._stager.take(rows, self.sample_step, live)
@@ -293,10 +322,10 @@ class PartialFC(nn.Module):
             x, centers, target_col, self.margin, filter_threshold=self.filter_threshold,
             group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details,
             block_bytes=self.block_bytes, backend=self.backend, validate=self.validate,
-            guard_nonfinite=training and self.guard_nonfinite)
+            guard_nonfinite=training and self.guard_nonfinite, update_state=training, sub_centers=self.sub_centers)
         if training:
             self._fold_finished()
-            self._pending.append((active, centers, slot))
+            self._pending.append((bank_rows, centers, slot))
             self.sample_step += 1
         if not return_details:
             return result.loss
@@ -366,7 +395,7 @@ class PartialFC(nn.Module):
             y = collectives.all_gather_rows(next_labels.long(), self._layout.batch_group, sizes)
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
-        rows = torch.arange(self.num_local, device=self.device) if active is None else active
+        rows = self._rows(active)
         self._lookahead = (self.sample_step, y, active)
         self._stager.prefetch(rows, self.sample_step, [p[2] for p in self._pending])
 
@@ -408,12 +437,12 @@ class PartialFC(nn.Module):
         self.optimizer.update(self.bank, rows, grad.to(self.dtype), float(lr), staged_weight=staged,
                               block_bytes=self.block_bytes)
         self.step_count += 1
-        return self.num_local if rows is None else rows.numel()
+        return self.num_rows if rows is None else rows.numel()
 
     def _combine(self, parts: list[tuple]) -> tuple:
         """``(rows, grad)`` summing ``(rows or None for all rows, grad)`` parts in order."""
         if any(r is None for r, _ in parts):
-            grad = torch.zeros(self.num_local, self.embedding_size, dtype=self.dtype, device=self.device)
+            grad = torch.zeros(self.num_rows, self.embedding_size, dtype=self.dtype, device=self.device)
             for r, g in parts:
                 grad.add_(g) if r is None else grad.index_add_(0, r, g)
             return None, grad
@@ -508,15 +537,16 @@ class PartialFC(nn.Module):
 
     # ------------------------------------------------------------------ state
     def centers(self) -> torch.Tensor:
-        """This rank's shard ``[C_q, d]`` (a copy), row i = global class class_start + i."""
+        """This rank's shard ``[C_q K, d]`` (a copy), row ``i K + k`` = sub-center k of
+        global class ``class_start + i`` (``K = sub_centers``, 1 by default)."""
         self.flush()
         return self.bank.export("weight")
 
     def load_centers(self, centers: torch.Tensor) -> None:
         """Replace this rank's shard; optimizer state is kept."""
         check_embeddings(centers, self.embedding_size, name="centers")
-        if centers.shape[0] != self.num_local:
-            raise ValueError(f"centers must have shape [{self.num_local}, {self.embedding_size}] "
+        if centers.shape[0] != self.num_rows:
+            raise ValueError(f"centers must have shape [{self.num_rows}, {self.embedding_size}] "
                              f"(classes [{self.class_start}, {self.class_end})), got {tuple(centers.shape)}")
         if not bool(torch.isfinite(centers).all()):
             raise ValueError("centers contain NaN or Inf values")
@@ -536,17 +566,25 @@ class PartialFC(nn.Module):
         return self.bank.resident_bytes()
 
     def training_state(self) -> dict:
-        """Everything but the bank: class range, sampler state and step counters.
+        """Everything but the bank: class range, sampler state, step counters and the
+        margin's running state (``margin_state``).
 
         With an NVMe bank the bank files are the checkpoint of the rows; this small
         dict completes it (``TieredBank.factory(..., resume=True)`` reopens them)."""
-        return dict(zip(self._META_FIELDS, self._meta().tolist()))
+        state = dict(zip(self._META_FIELDS, self._meta().tolist()))
+        state["margin_state"] = self.margin.state_dict()
+        return state
 
     def load_training_state(self, state: dict) -> None:
         """Restore :meth:`training_state` (checked against this head's class range)."""
         for key in ("num_classes", "embedding_size", "class_start", "num_local"):
             if state.get(key) != getattr(self, key):
                 raise ValueError(f"state is for {key}={state.get(key)} but this head has {key}={getattr(self, key)}")
+        if int(state.get("sub_centers", 1)) != self.sub_centers:
+            raise ValueError(f"state is for sub_centers={state.get('sub_centers', 1)} but this head has "
+                             f"sub_centers={self.sub_centers}")
+        if "margin_state" in state:
+            self.margin.load_state_dict(dict(state["margin_state"]))
         self.flush()
         self._drop_staged()
         self.seed, self.sample_step, self.step_count = int(state["seed"]), int(state["sample_step"]), \
@@ -554,15 +592,31 @@ class PartialFC(nn.Module):
 
     def _meta(self) -> torch.Tensor:
         return torch.tensor([self.num_classes, self.embedding_size, self.class_start, self.num_local,
-                             self.world_size, self.seed, self.sample_step, self.step_count], dtype=torch.int64)
+                             self.world_size, self.seed, self.sample_step, self.step_count, self.sub_centers],
+                            dtype=torch.int64)
 
     _META_FIELDS = ("num_classes", "embedding_size", "class_start", "num_local", "world_size", "seed",
-                    "sample_step", "step_count")
+                    "sample_step", "step_count", "sub_centers")
+
+    def margin_state_tensor(self, state: dict | None = None) -> torch.Tensor:
+        """The margin's running state (``state``, else the current one) as float64
+        ``[n]`` in sorted key order: how ``state_dict()`` stores it."""
+        state = self.margin.state_dict() if state is None else state
+        return torch.tensor([float(state[k]) for k in sorted(state)], dtype=torch.float64)
+
+    def _margin_state_from(self, t: torch.Tensor) -> dict:
+        keys = sorted(self.margin.state_dict())
+        if t.dim() != 1 or t.numel() != len(keys):
+            raise ValueError(f"margin_state must hold {len(keys)} values ({keys}) for {self.margin}, got shape "
+                             f"{tuple(t.shape)}")
+        return dict(zip(keys, t.tolist()))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         self.flush()
         destination[prefix + "meta"] = self._meta()
+        if self.margin.state_dict():       # stateful margins only
+            destination[prefix + "margin_state"] = self.margin_state_tensor()
         for name in self.bank.state_names():
             destination[prefix + name] = self.bank.export(name)
 
@@ -570,6 +624,7 @@ class PartialFC(nn.Module):
                               unexpected_keys, error_msgs):
         names = ["meta"] + self.bank.state_names()
         absent = [prefix + n for n in names if prefix + n not in state_dict]
+        names.append("margin_state")      # optional: absent from checkpoints of stateless margins before it
         if absent:
             raise ValueError(f"state_dict is missing {absent} for this PartialFC")
         # Keys of another optimizer's state would otherwise be dropped silently.
@@ -579,7 +634,11 @@ class PartialFC(nn.Module):
             raise ValueError(f"state_dict has {extra}, which this PartialFC (optimizer {self.optimizer}) "
                              f"does not hold; it holds {names}")
         meta = dict(zip(self._META_FIELDS, state_dict[prefix + "meta"].tolist()))
-        for key in ("num_classes", "embedding_size", "class_start", "num_local"):
+        meta.setdefault("sub_centers", 1)           # meta of 8 fields: written before sub-centers
+        margin_state = None
+        if prefix + "margin_state" in state_dict:
+            margin_state = self._margin_state_from(state_dict[prefix + "margin_state"])
+        for key in ("num_classes", "embedding_size", "class_start", "num_local", "sub_centers"):
             if meta[key] != getattr(self, key):
                 raise ValueError(
                     f"state_dict is for {key}={meta[key]} but this head has {key}={getattr(self, key)} "
@@ -588,9 +647,11 @@ class PartialFC(nn.Module):
         tensors = {n: state_dict[prefix + n] for n in self.bank.state_names()}
         for name, t in tensors.items():
             expected = tuple(self.bank.read(name, torch.zeros(0, dtype=torch.long, device=self.device)).shape[1:])
-            if tuple(t.shape) != (self.num_local,) + expected:
+            if tuple(t.shape) != (self.num_rows,) + expected:
                 raise ValueError(f"state_dict[{prefix + name!r}] must have shape "
-                                 f"{(self.num_local,) + expected}, got {tuple(t.shape)}")
+                                 f"{(self.num_rows,) + expected}, got {tuple(t.shape)}")
+        if margin_state is not None:
+            self.margin.load_state_dict(margin_state)
         self.flush()
         self._drop_staged()
         for name, t in tensors.items():

@@ -74,12 +74,19 @@ def check_block_bytes(value, name: str = "block_bytes") -> None:
         raise ValueError(f"{name} must be None (the device's default) or a positive int of bytes, got {value!r}")
 
 
-def resolve_backend(backend: str, device, compute_dtype, acc_dtype) -> str:
-    """``"torch"`` or ``"triton"`` for ``backend`` in :data:`BACKENDS` (checked)."""
+def resolve_backend(backend: str, device, compute_dtype, acc_dtype, margin: Margin | None = None) -> str:
+    """``"torch"`` or ``"triton"`` for ``backend`` in :data:`BACKENDS` (checked). A
+    margin the fused kernels do not implement (``margin.fused`` False: a transform of
+    the negatives) makes ``"auto"`` pick torch and ``"triton"`` an error."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     device = torch.device(device)
     supported = acc_dtype == torch.float32 and compute_dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if margin is not None and not margin.fused:
+        if backend == "triton":
+            raise ValueError(f"backend='triton' does not implement {type(margin).__name__}'s transform of the "
+                             "negative logits; use backend='torch' (or 'auto', which picks it)")
+        return "torch"
     if backend == "auto":
         if device.type == "cuda" and supported and _triton_available():
             return "triton"
@@ -125,16 +132,24 @@ def _normalize(x: torch.Tensor, acc: torch.dtype):
     return x / norm, norm
 
 
-def _target_terms(x_hat, w, w_inv, target_col, acc):
+def _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers=1):
     """Per owned sample its target column (0 where not owned: a safe index), center
-    ``w_hat_t [N, d]`` and cosine ``cos_t [N]``, as a row-wise dot in ``acc``."""
+    ``w_hat_t [N, d]``, cosine ``cos_t [N]`` (a row-wise dot in ``acc``) and the row
+    of ``w`` that center is (with sub-centers: the target class's closest one)."""
     owned = target_col >= 0
-    if w.shape[0] == 0:           # a rank may own no class (C < world size)
-        return owned, x_hat.new_zeros(x_hat.shape), x_hat.new_zeros(x_hat.shape[0])
     col = target_col.clamp_min(0)
-    w_hat_t = w.index_select(0, col).to(acc) * w_inv.index_select(0, col)[:, None]
-    cos_t = (x_hat * w_hat_t).sum(dim=1)
-    return owned, w_hat_t, cos_t
+    if w.shape[0] == 0:           # a rank may own no class (C < world size)
+        return owned, x_hat.new_zeros(x_hat.shape), x_hat.new_zeros(x_hat.shape[0]), col
+    if sub_centers == 1:
+        w_hat_t = w.index_select(0, col).to(acc) * w_inv.index_select(0, col)[:, None]
+        return owned, w_hat_t, (x_hat * w_hat_t).sum(dim=1), col
+    k = sub_centers
+    rows = (col[:, None] * k + torch.arange(k, device=col.device)).reshape(-1)            # [N K]
+    w_hat_k = (w.index_select(0, rows).to(acc) * w_inv.index_select(0, rows)[:, None]).view(-1, k, w.shape[1])
+    cos_k = torch.einsum("nkd,nd->nk", w_hat_k, x_hat)
+    cos_t, pick = cos_k.max(dim=1)
+    w_hat_t = w_hat_k[torch.arange(len(col), device=col.device), pick]
+    return owned, w_hat_t, cos_t, col * k + pick
 
 
 class _Blocks:
@@ -146,9 +161,20 @@ class _Blocks:
     boolean-mask indexing (which would synchronise with the host).
     """
 
-    def __init__(self, x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes=0):
-        self.n, self.s = x_hat.shape[0], w.shape[0]
+    def __init__(self, x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes=0,
+                 neg_above=None, neg_t=None, sub_centers=1):
+        # With K sub-centers per class, w has S*K rows; a block is a range of classes
+        # and a class's cosine is the max over its rows (backward recomputes it).
+        self.k = sub_centers
+        self.n, self.s = x_hat.shape[0], w.shape[0] // sub_centers
+        if sub_centers > 1:
+            keep_bytes = 0
         self.w, self.w_inv, self.threshold, self.scale, self.acc = w, w_inv, threshold, scale, acc
+        # CurricularFace: negatives above neg_above[n] become c (t + c); kept logits
+        # would lose the raw cosines the derivative needs, so such calls recompute.
+        self.neg_above, self.neg_t = neg_above, neg_t
+        if neg_above is not None:
+            keep_bytes = 0
         self.compute = compute
         self.xc = x_hat.to(compute)
         itemsize = torch.empty((), dtype=acc).element_size()
@@ -168,6 +194,8 @@ class _Blocks:
             yield j, min(self.s, j + self.step)
 
     def w_hat(self, j, k):
+        """Normalised centers of classes ``[j, k)`` (their ``(k - j) K`` rows)."""
+        j, k = j * self.k, k * self.k
         return self.w[j:k].to(self.acc) * self.w_inv[j:k, None]
 
     def cosines(self, j, k, w_hat):
@@ -181,16 +209,22 @@ class _Blocks:
             if self.buffer is None or self.buffer.shape[0] < b + 1:
                 self.buffer = torch.empty(b + 1, self.n, dtype=self.acc, device=self.xc.device)
             block = self.buffer[: b + 1]
-        if w_hat.dtype == self.compute and self.compute == self.acc:
+        if self.k > 1:
+            rows = _mm(w_hat.to(self.compute), self.xc.t(), self.acc).view(b, self.k, self.n)
+            values, self.pick = rows.max(dim=1)       # pick [b, N]: the sub-center behind each class cosine
+            block[:b] = values
+        elif w_hat.dtype == self.compute and self.compute == self.acc:
             torch.mm(w_hat, self.xc.t(), out=block[:b])
         else:
             block[:b] = _mm(w_hat.to(self.compute), self.xc.t(), self.acc)
         return block
 
-    def logits(self, j, k, block, max_cos=None):
-        """In place: exclude targets and filtered negatives (-inf), scale. Returns the
-        ``[k - j, N]`` logits; ``max_cos`` (if given) takes the running max of the
-        raw non-target cosines."""
+    def logits(self, j, k, block, max_cos=None, factor=None):
+        """In place: exclude targets and filtered negatives (-inf), transform the hard
+        negatives (CurricularFace), scale. Returns the ``[k - j, N]`` logits;
+        ``max_cos`` (if given) takes the running max of the raw non-target cosines;
+        ``factor`` (a list, if given) receives the transform's derivative ``[k - j, N]``
+        (None without a transform)."""
         b = k - j
         slot = (self.where - j).clamp_(-1, b).remainder_(b + 1)   # outside -> spare row b
         block.index_put_((slot, self.cols), self.neg_inf)
@@ -200,6 +234,13 @@ class _Blocks:
         if self.threshold is not None:
             # PFC* (Eq. noise_filtering): a negative above tau leaves the denominator.
             block.masked_fill_(block > self.threshold, float("-inf"))
+        if self.neg_above is not None:
+            hard = block > self.neg_above       # excluded (-inf) entries are never hard
+            if factor is not None:
+                factor.append(torch.where(hard, self.neg_t + 2.0 * block, torch.ones_like(block)))
+            block = torch.where(hard, block * (self.neg_t + block), block)
+        elif factor is not None:
+            factor.append(None)
         return block.mul_(self.scale)
 
 
@@ -217,20 +258,28 @@ def _forward_torch(blocks: _Blocks, want_correct: bool):
 
 
 def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
-    """``(dx_hat [N, d], dw [S, d])`` of the non-target logits: ``G = coef * exp(z -
-    row_max)`` per block (recomputed unless ``kept``), through both GEMMs, and ``dw``
-    projected through the normalisation of ``w``."""
-    n, acc = blocks.n, blocks.acc
+    """``(dx_hat [N, d], dw [S K, d])`` of the non-target logits: ``G = coef * exp(z -
+    row_max)`` per block (recomputed unless ``kept``; times the negative transform's
+    derivative), through both GEMMs, and ``dw`` projected through the normalisation of
+    ``w``. With sub-centers each class's ``G`` goes to the row that gave its cosine."""
+    n, acc, kk = blocks.n, blocks.acc, blocks.k
     dx_hat = torch.zeros(n, blocks.xc.shape[1], dtype=acc, device=coef.device)
     dw = torch.empty(blocks.w.shape, dtype=w_dtype, device=coef.device)
     direct = blocks.compute == acc == w_dtype     # GEMMs straight into dx_hat and dw
     for j, k in blocks:
+        rj, rk = j * kk, k * kk
         w_hat = blocks.w_hat(j, k)
         # The kept buffer is read, never written: backward may run more than once.
-        z = kept[j:k] if kept is not None else blocks.logits(j, k, blocks.cosines(j, k, w_hat))
+        factor = []
+        z = kept[j:k] if kept is not None else blocks.logits(j, k, blocks.cosines(j, k, w_hat), factor=factor)
         g = (z - row_max).exp_().mul_(coef)
+        if factor and factor[0] is not None:
+            g.mul_(factor[0])
+        if kk > 1:
+            spread = torch.zeros(k - j, kk, n, dtype=g.dtype, device=g.device)
+            g = spread.scatter_(1, blocks.pick[:, None, :], g[:, None, :]).view((k - j) * kk, n)
         if direct:
-            dw_hat = torch.mm(g, blocks.xc, out=dw[j:k])
+            dw_hat = torch.mm(g, blocks.xc, out=dw[rj:rk])
             dx_hat.addmm_(g.t(), w_hat)
         else:
             gc = g.to(blocks.compute)
@@ -238,9 +287,9 @@ def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
             dx_hat.add_(_mm(gc.t(), w_hat.to(blocks.compute), acc))
         # Through the normalisation: tangent projection, then divide by the norm.
         radial = (w_hat * dw_hat).sum(1, keepdim=True)
-        dw_hat.addcmul_(w_hat, radial, value=-1.0).mul_(blocks.w_inv[j:k, None])
+        dw_hat.addcmul_(w_hat, radial, value=-1.0).mul_(blocks.w_inv[rj:rk, None])
         if not direct:
-            dw[j:k] = dw_hat
+            dw[rj:rk] = dw_hat
     return dx_hat, dw
 
 
@@ -248,15 +297,21 @@ def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
 class _MarginSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, target_col, margin, threshold, group, compute_dtype, want_correct, block_bytes,
-                keep_bytes, backend, validate, guard_nonfinite):
+                keep_bytes, backend, validate, guard_nonfinite, update_state, sub_centers):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         compute = acc if compute_dtype is None else compute_dtype
         n = x.shape[0]
         scale = margin.scale
         x_hat, x_norm = _normalize(x, acc)
         w_inv = w.to(acc).norm(dim=1).clamp_min(_NORM_EPS).reciprocal()
-        owned, w_hat_t, cos_t = _target_terms(x_hat, w, w_inv, target_col, acc)
-        t_logit = torch.where(owned, scale * margin.phi(cos_t), torch.full_like(cos_t, float("-inf")))
+        owned, w_hat_t, cos_t, t_row = _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers)
+        if margin.needs_all_targets:     # every rank needs every sample's target cosine
+            cos_all = torch.where(owned, cos_t, torch.zeros_like(cos_t))
+            all_reduce_(cos_all, "sum", group)
+        else:
+            cos_all = cos_t
+        plan = margin.plan(cos_all, x_norm[:, 0], update=update_state)
+        t_logit = torch.where(owned, plan.target, torch.full_like(cos_t, float("-inf")))
 
         kept, blocks = None, None
         if backend == "triton":
@@ -265,7 +320,8 @@ class _MarginSoftmaxCE(torch.autograd.Function):
                                               compute_dtype=compute, want_max_cos=want_correct)
             lse = m + torch.log(l)
         else:
-            blocks = _Blocks(x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes)
+            blocks = _Blocks(x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes,
+                             plan.neg_above, plan.neg_t, sub_centers)
             lse, max_cos, kept = _forward_torch(blocks, want_correct)
 
         # Global max of every logit (targets included), then the sums against it.
@@ -290,9 +346,16 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             torch._assert_async((stats[2] == 1.0).all(), "labels: a gathered sample has a label owned by no rank")
         sum_exp = stats[0]
         per_sample = torch.log(sum_exp) - stats[1]
+        if plan.extra is not None:       # a per-sample loss term (MagFace's regulariser), the same on every rank
+            per_sample = per_sample + plan.extra.to(acc)
 
-        ctx.save_for_backward(x_hat, x_norm, w, w_inv, target_col, w_hat_t, cos_t, t_logit, row_max, sum_exp,
-                              kept if kept is not None else torch.empty(0))
+        none = torch.empty(0)
+        ctx.save_for_backward(x_hat, x_norm, w, w_inv, target_col, t_row, w_hat_t, cos_t, t_logit, row_max, sum_exp,
+                              kept if kept is not None else none, plan.dtarget,
+                              *(none if v is None else v for v in (plan.dtarget_dnorm, plan.dextra_dnorm,
+                                                                    plan.neg_above, plan.neg_t)))
+        ctx.has = tuple(v is not None for v in (plan.dtarget_dnorm, plan.dextra_dnorm, plan.neg_above))
+        ctx.sub_centers = sub_centers
         ctx.margin, ctx.compute, ctx.in_dtypes = margin, compute, (x.dtype, w.dtype)
         ctx.threshold, ctx.block_bytes, ctx.backend, ctx.kept = threshold, block_bytes, backend, kept is not None
         ctx.guard_nonfinite = guard_nonfinite
@@ -302,7 +365,9 @@ class _MarginSoftmaxCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_per_sample, _grad_correct):
-        x_hat, x_norm, w, w_inv, target_col, w_hat_t, cos_t, t_logit, row_max, sum_exp, kept = ctx.saved_tensors
+        (x_hat, x_norm, w, w_inv, target_col, t_row, w_hat_t, cos_t, t_logit, row_max, sum_exp, kept, dtarget,
+         dtarget_dnorm, dextra_dnorm, neg_above, neg_t) = ctx.saved_tensors
+        has_dnorm, has_extra, has_neg = ctx.has
         margin, compute = ctx.margin, ctx.compute
         n, acc = x_hat.shape[0], x_hat.dtype
         weight = torch.zeros(n, dtype=acc, device=x_hat.device)
@@ -319,24 +384,30 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             dw = dw.to(ctx.in_dtypes[1])
         else:
             blocks = _Blocks(x_hat, w, w_inv, target_col, ctx.threshold, margin.scale, compute, acc,
-                             ctx.block_bytes)
+                             ctx.block_bytes, neg_above=neg_above if has_neg else None,
+                             neg_t=neg_t if has_neg else None, sub_centers=ctx.sub_centers)
             dx_hat, dw = _backward_torch(blocks, kept if ctx.kept else None, coef, row_max, ctx.in_dtypes[1])
         # The target terms, hoisted out of the blocks: one fix-up for dx and dw.
         owned = target_col >= 0
         p_t = torch.exp(t_logit - row_max) / sum_exp
-        g_t = torch.where(owned, weight * margin.scale * margin.dphi(cos_t) * (p_t - 1.0),
-                          torch.zeros_like(cos_t))
+        g_t = torch.where(owned, weight * dtarget * (p_t - 1.0), torch.zeros_like(cos_t))
         dx_hat.add_(g_t[:, None] * w_hat_t)
         if w.shape[0]:
             dw_hat_t = g_t[:, None] * x_hat
-            col = target_col.clamp_min(0)
             dw_t = (dw_hat_t - w_hat_t * (w_hat_t * dw_hat_t).sum(1, keepdim=True)) * \
-                w_inv.index_select(0, col)[:, None]
-            dw.index_add_(0, col, dw_t.to(dw.dtype))
+                w_inv.index_select(0, t_row)[:, None]
+            dw.index_add_(0, t_row, dw_t.to(dw.dtype))
         dx = (dx_hat - x_hat * (x_hat * dx_hat).sum(1, keepdim=True)) / x_norm
+        if has_dnorm or has_extra:       # margins that read the norm: along x_hat, on the owner rank only
+            g_norm = torch.zeros_like(cos_t)
+            if has_dnorm:
+                g_norm = g_norm + weight * (p_t - 1.0) * dtarget_dnorm
+            if has_extra:
+                g_norm = g_norm + weight * dextra_dnorm
+            dx = dx + x_hat * torch.where(owned, g_norm, torch.zeros_like(g_norm))[:, None]
         if ctx.guard_nonfinite:     # an overflow in dw reaches the embeddings, hence the overflow check
             dx = dx + torch.where(torch.isfinite(dw).all(), 0.0, float("nan")).to(dx.dtype)
-        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None
+        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def margin_softmax_cross_entropy(
@@ -353,6 +424,8 @@ def margin_softmax_cross_entropy(
     backend: str = "auto",
     validate: bool = True,
     guard_nonfinite: bool = False,
+    update_state: bool = False,
+    sub_centers: int = 1,
 ) -> SoftmaxResult:
     """Margin softmax CE of the gathered batch against this rank's active centers.
 
@@ -370,15 +443,23 @@ def margin_softmax_cross_entropy(
     checks label ownership on the device (``torch._assert_async``) instead of with a
     host sync and a readable error. ``guard_nonfinite=True`` makes the gradient of
     ``x`` NaN when that of ``w`` is not finite (for loss-scaled training, whose
-    overflow check sees the embeddings' gradients only).
+    overflow check sees the embeddings' gradients only). ``update_state``: a
+    training forward, in which stateful margins advance their running state.
+    ``sub_centers=K``: ``w`` holds ``S K`` rows, row ``c K + k`` the k-th sub-center
+    of active class ``c``; a class's cosine is the largest of its sub-centers'
+    (sub-center ArcFace), and ``target_col`` counts classes. torch backend only.
     """
     check_block_bytes(block_bytes)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     compute = acc if compute_dtype is None else compute_dtype
-    backend = resolve_backend(backend, x.device, compute, acc if w.dtype != torch.float64 else torch.float64)
+    if sub_centers != 1:
+        if backend == "triton":
+            raise ValueError("backend='triton' does not implement sub-centers; use backend='torch' or 'auto'")
+        backend = "torch"
+    backend = resolve_backend(backend, x.device, compute, acc if w.dtype != torch.float64 else torch.float64, margin)
     keep_bytes = KEEP_BYTES if block_bytes is None else block_bytes
     block_bytes = default_block_bytes(x.device) if block_bytes is None else block_bytes
     loss, per_sample, correct = _MarginSoftmaxCE.apply(
         x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct, block_bytes, keep_bytes,
-        backend, bool(validate), bool(guard_nonfinite))
+        backend, bool(validate), bool(guard_nonfinite), bool(update_state), int(sub_centers))
     return SoftmaxResult(loss, per_sample, correct)

@@ -4,6 +4,7 @@
     python launch/export.py reshard --checkpoint runs/x/checkpoints [--tag T] --world_size 5 --out runs/y/checkpoints
     python launch/export.py universal --checkpoint runs/x/checkpoints [--tag T] [--out DIR] [--workers 4]
     python launch/export.py onnx --model runs/x/export/model.safetensors --out backbone.onnx
+    python launch/export.py classifier --checkpoint runs/x/checkpoints [--tag T] --out head.safetensors [--dominant]
 
 ``safetensors``: one file with the backbone's float32 weights (``backbone.*``) and
 each head's full classifier (``heads.<name>.weight [C, d]``, classes in id order).
@@ -13,7 +14,11 @@ heads (resume from it by pointing ``ds_pfc.train.output_dir`` at the parent of
 (default ``<checkpoint>/<tag>-universal``), which resumes on any number of ranks
 with ZeRO 1-3; the next resume on another number of ranks picks it up by itself
 (ZeRO 0 checkpoints need no conversion). ``onnx``: the backbone with a dynamic
-batch axis (needs ``onnx``).
+batch axis (needs ``onnx``). ``classifier``: one head's merged classifier with its
+optimizer states (``weight [C K, d]`` with ``K`` sub-centers per class); with
+``--dominant`` also each class's dominant sub-center (``dominant [C]``,
+``weight_dominant [C, d]``), found by embedding the job's training set with the
+checkpoint's backbone (one pass, in this process).
 """
 from __future__ import annotations
 
@@ -47,11 +52,26 @@ def main(argv=None) -> str:
     o.add_argument("--model", required=True, help="an export .safetensors or a checkpoints directory")
     o.add_argument("--tag", default=None)
     o.add_argument("--out", required=True)
+    c = sub.add_parser("classifier", help="one head's merged classifier (and its dominant sub-centers)")
+    c.add_argument("--checkpoint", required=True, help="the checkpoints directory (holds 'latest')")
+    c.add_argument("--tag", default=None)
+    c.add_argument("--head", default="head", help="the head's name (the training app's is 'head')")
+    c.add_argument("--out", required=True)
+    c.add_argument("--dominant", action="store_true", help="also the dominant sub-center of every class")
+    c.add_argument("--batch_size", type=int, default=128)
+    c.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
 
     from ds_pfc import export
     try:
-        if args.command == "safetensors":
+        if args.command == "classifier":
+            from ds_pfc import checkpoint as ckpt
+            tag_dir = export.resolve_tag(args.checkpoint, args.tag)
+            dominant = export.dominant_subcenters(tag_dir, name=args.head, batch_size=args.batch_size,
+                                                  device=args.device, log=print) if args.dominant else None
+            out = ckpt.export_classifier(tag_dir, args.out, name=args.head, include_optimizer=True,
+                                         dominant=dominant)
+        elif args.command == "safetensors":
             tag_dir = export.resolve_tag(args.checkpoint, args.tag)
             out = export.export_checkpoint(tag_dir, args.out, config=export.read_marker(tag_dir)
                                            .get("metadata", {}).get("config"))
