@@ -1,33 +1,167 @@
-"""1:1 verification of a trained backbone on insightface .bin pair sets.
+"""Verification of a trained backbone: 1:1 pairs of insightface .bin sets, or IJB-B/IJB-C templates.
 
     python launch/eval.py --model runs/x/export/model.safetensors --bins lfw.bin cfp_fp.bin agedb_30.bin
     python launch/eval.py --model runs/x/checkpoints            # the latest checkpoint
+    python launch/eval.py --ijb /data/IJB_release/IJBC --target IJBC --model a.safetensors --model b.safetensors
 
-Flip test-time augmentation, 10-fold accuracy with threshold selection on the other
-folds, TAR at FAR 1e-4 and 1e-6 (NaN where a set has too few impostor pairs).
-Without ``--bins`` a synthetic-data model is evaluated on its held-out identities.
-Decoding the images of a .bin needs torchvision or Pillow.
+Pair sets: flip test-time augmentation, 10-fold accuracy with threshold selection on
+the other folds, TAR at FAR 1e-4 and 1e-6 (NaN where a set has too few impostor
+pairs). Without ``--bins`` or ``--ijb`` a synthetic-data model is evaluated on its
+held-out identities. Decoding images needs torchvision or Pillow.
+
+IJB (``--ijb ROOT``, insightface's packaged release with ``meta/`` and
+``loose_crop/``): every image aligned from its five landmarks, flip-summed features,
+detector-score weighting, media-averaged and summed templates, TAR at FAR 1e-6 ..
+1e-1 by insightface's rule (``ds_pfc.eval.ijb``). Writes ``ijb_<target>.json``
+(TAR@FAR per model, settings, sha256 of each model file) and ``ijb_<target>.png``
+(the ROCs, one curve per ``--model``; needs matplotlib) into ``--out`` (default: the
+first model's directory).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import sys
+import time
 import warnings
 
 import _common  # noqa: F401
 
 
+def _sha256(path: str) -> str | None:
+    if not os.path.isfile(path):
+        return None     # a checkpoint directory
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _labels(paths: list[str]) -> list[str]:
+    """The shortest path suffixes that tell the models apart (exports are all
+    ``model.safetensors``)."""
+    parts = [os.path.normpath(os.path.abspath(p)).split(os.sep) for p in paths]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        labels = [os.path.join(*p[-k:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"{i}: {p}" for i, p in enumerate(paths)]
+
+
+class _Progress:
+    """A bar on a terminal, else a line every 10%."""
+
+    def __init__(self, label: str):
+        self.label, self.tty, self.start, self.shown = label, sys.stderr.isatty(), time.time(), -1
+
+    def __call__(self, done: int, total: int) -> None:
+        elapsed = time.time() - self.start
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (total - done) / rate if rate > 0 else 0.0
+        text = f"{self.label}: {done}/{total} images, {rate:.1f} images/s, eta {eta:.0f}s"
+        if self.tty:
+            width = 30
+            fill = int(width * done / total)
+            print(f"\r[{'#' * fill}{'.' * (width - fill)}] {text}", end="\n" if done == total else "",
+                  file=sys.stderr, flush=True)
+        else:
+            tenth = 10 * done // total
+            if tenth > self.shown:
+                self.shown = tenth
+                print(text, file=sys.stderr, flush=True)
+
+
+def _ijb(args) -> dict:
+    import torch
+
+    from ds_pfc.eval import ijb
+    from ds_pfc.export import load_backbone
+    target = args.target.upper()
+    try:
+        meta = ijb.read_meta(args.ijb, target)
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"error: {err}")
+    num_genuine = int(meta.labels.sum())
+    print(f"{target}: {meta.num_images} images, {int(torch.unique(meta.templates).numel())} templates, "
+          f"{meta.num_pairs} pairs ({num_genuine} genuine, {meta.num_pairs - num_genuine} impostor)")
+    out_dir = args.out or os.path.dirname(os.path.abspath(args.model[0]))
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"ijb_{target.lower()}")
+    device = torch.device(args.device)
+    labels = _labels(args.model)
+    results, entries = {}, []
+    for label, path in zip(labels, args.model):
+        try:
+            backbone, _ = load_backbone(path, args.tag)
+        except (FileNotFoundError, ValueError, RuntimeError) as err:
+            sys.exit(f"error: {err}")
+        features = ijb.embed_images(backbone.to(device), meta, batch_size=args.batch_size, flip=not args.no_flip,
+                                    device=device, num_workers=args.workers, progress=_Progress(label))
+        r = ijb.evaluate(features, meta.templates, meta.medias, meta.pairs, meta.labels, faceness=meta.faceness,
+                         use_norm_score=not args.no_norm_score, use_detector_score=not args.no_detector_score)
+        results[label] = r
+        entries.append({"label": label, "path": os.path.abspath(path), "sha256": _sha256(path),
+                        "tar_at_far": {f"{k:g}": v for k, v in r.tar_at_far.items()},
+                        "achieved_far": {f"{k:g}": v for k, v in r.achieved_far.items()}, "auc": r.auc})
+    fars = list(ijb.DEFAULT_FARS)
+    header = f"{'model':<40} " + " ".join(f"{f:>8g}" for f in fars) + "      AUC"
+    print(f"TAR (%) at FAR on {target}\n{header}")
+    for label, r in results.items():
+        print(f"{label[-40:]:<40} " + " ".join(f"{100 * r.tar_at_far[f]:8.2f}" for f in fars) + f"  {r.auc:.5f}")
+    out = {"target": target, "root": os.path.abspath(args.ijb), "num_images": meta.num_images,
+           "num_templates": int(torch.unique(meta.templates).numel()), "num_pairs": meta.num_pairs,
+           "num_genuine": num_genuine,
+           "settings": {"flip": not args.no_flip, "use_norm_score": not args.no_norm_score,
+                        "use_detector_score": not args.no_detector_score, "batch_size": args.batch_size,
+                        "image_size": 112, "fars": fars, "tar_rule": "nearest FPR (insightface)",
+                        "roc": "sklearn roc_curve, drop_intermediate=True"},
+           "models": entries}
+    try:
+        out["roc_png"] = ijb.plot_roc(results, stem + ".png", title=f"ROC on {target}", fars=fars)
+    except RuntimeError as err:       # matplotlib missing: the numbers still count
+        warnings.warn(f"no ROC plot: {err}", stacklevel=1)
+        out["roc_png"] = None
+    for path in [stem + ".json"] + ([args.json] if args.json else []):
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    print(f"wrote {stem}.json" + (f" and {out['roc_png']}" if out["roc_png"] else ""))
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="an export .safetensors or a checkpoints directory")
+    p.add_argument("--model", required=True, action="append",
+                   help="an export .safetensors or a checkpoints directory (several with --ijb: one ROC each)")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     p.add_argument("--bins", nargs="*", default=None, help="verification .bin files")
-    p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--no_flip", action="store_true", help="no flip test-time augmentation")
+    p.add_argument("--ijb", default=None, metavar="ROOT", help="an IJB release (meta/ and loose_crop/)")
+    p.add_argument("--target", default="IJBC", type=str.upper, choices=["IJBB", "IJBC"], help="with --ijb")
+    p.add_argument("--batch_size", "--batch-size", dest="batch_size", type=int, default=64)
+    p.add_argument("--no_flip", "--no-flip", dest="no_flip", action="store_true",
+                   help="no flip test-time augmentation")
+    p.add_argument("--no_norm_score", "--no-norm-score", dest="no_norm_score", action="store_true",
+                   help="with --ijb: L2-normalise each image feature before pooling")
+    p.add_argument("--no_detector_score", "--no-detector-score", dest="no_detector_score", action="store_true",
+                   help="with --ijb: do not weight image features by the faceness score")
+    p.add_argument("--workers", type=int, default=2, help="with --ijb: threads decoding and aligning images")
+    p.add_argument("--out", default=None, help="with --ijb: output directory (default: the first model's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    if args.batch_size < 1:
+        p.error(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.ijb is not None:
+        if args.bins is not None:
+            p.error("--ijb and --bins exclude each other")
+        if args.workers < 0:
+            p.error(f"--workers must be >= 0, got {args.workers}")
+        return _ijb(args)
+    if len(args.model) > 1:
+        p.error("several --model are for --ijb; evaluate pair sets one model at a time")
+    args.model = args.model[0]
 
     import torch
 

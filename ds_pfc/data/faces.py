@@ -325,6 +325,65 @@ class SyntheticFaces(Dataset):
                 out[start:stop].copy_(self._render_chunk(*self._draw(id_list[start:stop], num_list[start:stop])))
         return out
 
+    def landmarks(self, identities: torch.Tensor, image_numbers: torch.Tensor, *,
+                  chunk_size: int = 64) -> torch.Tensor:
+        """float64 ``[B, 5, 2]``: the five face landmarks of the images :meth:`render`
+        draws for the same ``identities`` and ``image_numbers``, as ``(x, y)`` pixel
+        coordinates of this dataset's ``image_size``.
+
+        The points, in insightface's order (left and right as seen in the image): the
+        left eye, the right eye, the nose tip, the left and the right mouth corner. An
+        eye is the centre of its pupil (it follows the gaze), the nose tip the centre of
+        the drawn tip, a mouth corner the end of the lips. Pixel convention as OpenCV
+        and insightface's landmark files: pixel ``(row i, column j)`` covers
+        ``[j - 0.5, j + 0.5] x [i - 0.5, i + 0.5]``, so the top-left pixel's centre is
+        ``(0, 0)``. Computed from the identity and pose parameters the renderer draws,
+        the canonical points mapped through the pose (the inverse of the map the
+        renderer samples with), without rendering; a point hidden by an occluder or
+        the eyelids is still reported.
+        """
+        ids = self._check_index_tensor("identities", identities)
+        nums = self._check_index_tensor("image_numbers", image_numbers)
+        if ids.shape != nums.shape:
+            raise ValueError(f"identities and image_numbers must have the same shape, got {tuple(ids.shape)} "
+                             f"and {tuple(nums.shape)}")
+        chunk_size = check_int("chunk_size", chunk_size, 1)
+        id_list, num_list = ids.tolist(), nums.tolist()
+        id_v = torch.empty(len(id_list), len(_IDENTITY_PARAMS), dtype=torch.float64)
+        img_v = torch.empty(len(id_list), _NUM_IMG, dtype=torch.float64)
+        for start in range(0, len(id_list), chunk_size):
+            stop = min(start + chunk_size, len(id_list))
+            id_v[start:stop], _, img_v[start:stop], _ = self._draw(id_list[start:stop], num_list[start:stop])
+
+        def p(name):
+            return id_v[:, _ID_INDEX[name]]
+
+        def q(name):
+            return img_v[:, _IMG_INDEX[name]]
+
+        # Canonical frame ([-1, 1]^2), the same expressions as _render_chunk.
+        yaw = q("yaw")
+        eye_y = p("face_y") + p("eye_y")
+        eye_h = p("eye_w") * p("eye_aspect") * q("eye_open")
+        pupil_x = yaw * 0.10 + q("gaze_x") * p("eye_w") * 0.5     # both pupils move with the gaze
+        pupil_y = eye_y + q("gaze_y") * eye_h
+        nose_bot = eye_y + 0.02 + p("nose_len")
+        corner_y = nose_bot + p("mouth_gap") - q("smile") * 0.06   # the lips' centre line at |mu| = 1
+        mouth_x = yaw * 0.09
+        cu = torch.stack([pupil_x - p("eye_x"), pupil_x + p("eye_x"), yaw * 0.13,
+                          mouth_x - p("mouth_w"), mouth_x + p("mouth_w")], 1)
+        cv = torch.stack([pupil_y, pupil_y, nose_bot - p("nose_w") * 0.3, corner_y, corner_y], 1)
+
+        # The renderer samples the canonical face at R(-angle) (x - t) / scale for an
+        # image point x; a canonical point c is therefore drawn at scale R(angle) c + t.
+        angle = torch.deg2rad(q("angle")).view(-1, 1)
+        cos_a, sin_a = torch.cos(angle) * q("scale").view(-1, 1), torch.sin(angle) * q("scale").view(-1, 1)
+        x = cu * cos_a - cv * sin_a + q("tx").view(-1, 1)
+        y = cu * sin_a + cv * cos_a + q("ty").view(-1, 1)
+        # grid_sample's align_corners=False: canonical u is pixel column (u + 1) size / 2 - 0.5.
+        half = self.image_size / 2.0
+        return torch.stack([(x + 1.0) * half - 0.5, (y + 1.0) * half - 0.5], 2)
+
     @staticmethod
     def _check_index_tensor(name: str, value) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
