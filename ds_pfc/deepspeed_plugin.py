@@ -65,7 +65,8 @@ from .checkpoint_tags import CheckpointError, CheckpointIncompleteError
 from .devices import collective_device
 from .head import PartialFC
 
-__all__ = ["attach", "attached_heads", "head_spec", "HeadSpec", "initialize", "PfcEngine", "loss_scale",
+__all__ = ["attach", "attached_heads", "head_spec", "HeadSpec", "init_distributed", "initialize", "PfcEngine",
+           "loss_scale",
            "COMPLETE_MARKER", "CheckpointError", "CheckpointIncompleteError", "list_checkpoints", "remove_checkpoint"]
 
 COMPLETE_MARKER = tags.COMPLETE_MARKER
@@ -252,6 +253,43 @@ def _last_stage_heads(model: nn.Module, found: dict[str, _Attached]) -> dict[str
                          "calls them): build them only where model.mpu().is_last_stage, over "
                          "model.mpu().get_data_parallel_group(), or declare them with head_spec")
     return {}
+
+
+_SHM_DIR = "/dev/shm"
+_SHM_PREFIX = "deepspeed_allreduce_buffer"
+
+
+def init_distributed(dist_backend: str | None = None, environ=os.environ, **kwargs) -> None:
+    """``deepspeed.init_distributed``, then unlink the name of this rank's segment of
+    DeepSpeed's CPU shared-memory all-reduce.
+
+    On the CPU accelerator, when every rank is on one machine (``LOCAL_SIZE`` equals
+    the world size, as the ``deepspeed`` launcher and a single-process run set it),
+    DeepSpeed maps a 69 MB segment per rank under ``/dev/shm`` and never unlinks it:
+    each run leaves ``world_size`` x 69 MB of memory behind until reboot. Every rank
+    has mapped every peer's segment when ``deepspeed.init_distributed`` returns, so
+    after one barrier each rank unlinks its own name; the mappings stay valid for the
+    life of the processes and the memory goes back when they exit, killed or not.
+    ``dist_backend`` defaults to the accelerator's communication backend."""
+    import deepspeed
+    from deepspeed.comm import comm as ds_comm
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed(dist_backend=dist_backend or get_accelerator().communication_backend_name(),
+                               **kwargs)
+    if getattr(ds_comm.cdb, "shm_comm_op", None) is None:
+        return                                  # no shared-memory all-reduce (GPU accelerators)
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    local = environ.get("LOCAL_SIZE", "")
+    if not (local.isdigit() and int(local) == world):
+        return                                  # DeepSpeed maps segments only when all ranks are local
+    if world > 1:
+        dist.barrier()                          # every peer has opened this rank's segment
+    name = (f"{_SHM_PREFIX}_{os.getuid()}_{environ.get('MASTER_ADDR', '')}_{environ.get('MASTER_PORT', '')}"
+            f"_{dist.get_rank()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(_SHM_DIR, name))
 
 
 def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, model_parameters=None,

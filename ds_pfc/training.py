@@ -25,7 +25,7 @@ from .config import ConfigError, DsPfcConfig, ScheduleConfig, split_config
 from .data.loader import MicroBatchLoader
 from .data.sampler import DistributedIdentitySampler
 from . import checkpoint_tags as tags
-from .deepspeed_plugin import PfcEngine, initialize, list_checkpoints
+from .deepspeed_plugin import PfcEngine, init_distributed, initialize, list_checkpoints
 from .devices import bind_local_device
 
 __all__ = ["Trainer", "load_config", "schedule_factor", "build_eval_sets", "evaluate"]
@@ -200,7 +200,6 @@ class Trainer:
 
     # -- set-up -----------------------------------------------------------------------
     def setup(self) -> None:
-        import deepspeed
         from deepspeed.accelerator import get_accelerator
 
         cfg = self.cfg
@@ -208,7 +207,7 @@ class Trainer:
         # cuda:LOCAL_RANK before any CUDA work: DeepSpeed binds the device only inside
         # deepspeed.initialize, after the head, the data and the evaluation exist.
         bound = bind_local_device()
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = bound or torch.device(get_accelerator().current_device_name())
         # The batch geometry as DeepSpeed resolves it (any two of the three batch keys,

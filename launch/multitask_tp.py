@@ -67,15 +67,12 @@ def main(argv=None) -> list[float]:
     args = p.parse_args(argv)
     _common.single_process_env()
 
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
     from ds_pfc import CosFace
-    from ds_pfc.deepspeed_plugin import attach, head_spec, initialize
+    from ds_pfc.deepspeed_plugin import attach, head_spec, init_distributed, initialize
     from ds_pfc.devices import bind_local_device
 
     bind_local_device()
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if world % args.tp:
         raise SystemExit(f"error: --tp {args.tp} does not divide the {world} ranks")

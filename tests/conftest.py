@@ -23,7 +23,9 @@ def pytest_sessionstart(session):
 
 def pytest_sessionfinish(session, exitstatus):
     """DeepSpeed's CPU shared-memory all-reduce leaves a buffer per process in
-    /dev/shm (tens of MB each, named after the master port); remove this session's."""
+    /dev/shm (69 MB each, named after the master port) unless
+    ``ds_pfc.deepspeed_plugin.init_distributed`` unlinked it; remove any that a test
+    which calls ``deepspeed.init_distributed`` itself left behind."""
     import glob
     started = getattr(session.config, "_ds_pfc_started", None)
     if started is None:

@@ -173,3 +173,37 @@ def test_two_heads_match_plain_pytorch_fp16_loss_scaled(stage, monkeypatch):
     results = [_worker(0, 1, stage, "fp16")]
     assert min(results[0]["scales"]) >= 2 ** 9     # the heads' gradients really were scaled
     _check(results, rtol=0.05, atol=0.02, update_rtol=0.03)
+
+
+# ---------------------------------------------------------------- shared memory
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory under /dev/shm (Linux) only")
+def test_init_distributed_leaves_no_shared_memory_behind():
+    """DeepSpeed's CPU shared-memory all-reduce maps one 69 MB segment per rank and never
+    unlinks it. ``init_distributed`` unlinks every name once all ranks have mapped them:
+    the all-reduce still works through the (deleted) mappings and nothing is left under
+    /dev/shm after the run."""
+    port = free_port()
+    results = run_ranks(_shm_ranks, 2, port)
+    if results[0] is None:
+        pytest.skip("DeepSpeed's shared-memory comm op is not available here (no C++ toolchain)")
+    for rank, (total, peers_mapped) in enumerate(results):
+        assert total == 1000 * (1.0 + 2.0)
+        assert peers_mapped == 2, f"rank {rank} should still map both segments, unlinked"
+    left = [n for n in os.listdir("/dev/shm") if n.endswith(tuple(f"_127.0.0.1_{port}_{r}" for r in range(2)))]
+    assert not left, left
+
+
+def _shm_ranks(rank, world_size, port):
+    from deepspeed.comm import comm as ds_comm
+
+    from ds_pfc.deepspeed_plugin import init_distributed
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_distributed("gloo")
+    if ds_comm.cdb.shm_comm_op is None:
+        return None
+    x = torch.full((1000,), float(rank + 1))
+    ds_comm.inference_all_reduce(x)
+    with open("/proc/self/maps") as f:
+        mapped = {line.split()[-2] for line in f if f"_127.0.0.1_{port}_" in line and line.rstrip().endswith("(deleted)")}
+    return float(x.sum()), len(mapped)
