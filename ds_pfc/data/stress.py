@@ -5,10 +5,11 @@ ways; :class:`StressedDataset` applies the same corruptions to any labelled data
 (synthetic faces, RecordIO, Hugging Face, image folders), deterministically from a
 seed, without touching the images:
 
-- ``long_tail``: a random ``head_fraction`` of the identities keep all their images;
-  every other identity keeps a random ``tail_images`` (inclusive range, default 2-4)
-  of its images. The paper keeps 200K of WebFace42M's 2M identities whole and reduces
-  the other 1.8M to two to four images (``head_fraction=0.1``).
+- ``long_tail``: a random fraction (``long_tail``) of the identities, the tail, each
+  keeps a random number of its images drawn from ``tail_images`` (inclusive range,
+  default 2-4); the other identities keep all theirs. The paper keeps 200K of
+  WebFace42M's 2M identities whole and reduces the other 1.8M to two to four images
+  (``long_tail=0.9``).
 - ``conflict``: a random ``fraction`` of the identities are each split into
   ``splits`` pseudo-classes, their images dealt round-robin (after a shuffle) so the
   pseudo-classes are as even as the image count allows; an identity with fewer images
