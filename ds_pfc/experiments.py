@@ -19,6 +19,10 @@ A seed changes the backbone's and the centers' initialisation, the data order an
 the stress transform's draw; the identities themselves (the synthetic data's seed)
 are the same for every run, as the paper's data set is.
 
+The same cells run on a job of your own (``run_cell(base=..., target=...,
+launcher=...)``, ``launch/experiments.py --config``): its data source, model and
+evaluation set, scored on the evaluation set named by ``target``.
+
 Results accumulate in ``<out>/<study>.json``: a run already recorded is skipped
 unless ``force``, so a long study can be finished over several sittings, and
 :func:`write_report` renders ``<study>.md`` (the table beside the paper's numbers)
@@ -39,9 +43,10 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Sequence
 
-__all__ = ["Cell", "STUDIES", "base_config", "cell_config", "run_cell", "load_results", "write_report",
-           "PAPER", "QUICK"]
+__all__ = ["Cell", "STUDIES", "base_config", "cell_config", "run_cell", "scoring_set", "load_results",
+           "write_report", "PAPER", "QUICK"]
 
 FILTER_TAU = 0.4
 """The paper's conflict-filter threshold (Table webface_robustness)."""
@@ -149,29 +154,42 @@ def base_config(quick: bool = False) -> dict:
 QUICK = "quick"
 
 
-def cell_config(cell: Cell, seed: int, *, quick: bool = False) -> dict:
-    """The job JSON of one run: the base config with the cell's setting and the seed."""
-    config = base_config(quick)
+def cell_config(cell: Cell, seed: int, *, quick: bool = False, base: dict | None = None) -> dict:
+    """The job JSON of one run: the base config (``base``, a job of your own, or
+    :func:`base_config`) with the cell's setting and the seed. A conflict cell sizes
+    the head for the pseudo-classes of the stressed training set."""
+    config = copy.deepcopy(base) if base is not None else base_config(quick)
     pfc = config["ds_pfc"]
-    head, data = pfc["head"], pfc["data"]
+    head, data = pfc["head"], pfc.setdefault("data", {})
     head["sample_rate"] = cell.sample_rate
     head["seed"] = seed
     if cell.filter:
         head["filter_threshold"] = FILTER_TAU
-    if cell.images_per_identity is not None and not quick:
-        data["synthetic"]["images_per_identity"] = cell.images_per_identity
+    elif base is not None:
+        head.pop("filter_threshold", None)
+    if cell.images_per_identity is not None and not quick and data.get("source", "synthetic") == "synthetic":
+        data.setdefault("synthetic", {})["images_per_identity"] = cell.images_per_identity
     data["seed"] = seed
-    pfc["train"]["seed"] = seed
+    pfc.setdefault("train", {})["seed"] = seed
+    data.pop("stress", None)
     if cell.stress:
-        data["stress"] = dict(copy.deepcopy(cell.stress), seed=seed)
+        stress = dict(copy.deepcopy(cell.stress), seed=seed)
         if cell.stress.get("conflict"):       # pseudo-classes: the head has a class per piece
-            from .config import StressConfig, from_dict
-            from .data.faces import SyntheticFaces
-            s = data["synthetic"]
-            faces = SyntheticFaces(s["identities"], s["images_per_identity"], image_size=s["image_size"],
-                                   seed=s["seed"])
-            head["num_classes"] = from_dict(StressConfig, data["stress"], "ds_pfc.data.stress").wrap(faces).num_classes
+            head["num_classes"] = _stressed_classes(config, stress, head["num_classes"])
+        data["stress"] = stress
     return config
+
+
+def _stressed_classes(config: dict, stress: dict, num_classes: int) -> int:
+    """Classes of ``config``'s training set under ``stress``: exactly that for
+    synthetic faces (the app requires equality), at least ``num_classes`` otherwise."""
+    from .config import StressConfig, from_dict, split_config
+    from .training import build_train_set
+    _, cfg = split_config(config)
+    wrapped = from_dict(StressConfig, stress, "ds_pfc.data.stress").wrap(build_train_set(cfg))
+    if cfg.data.source == "synthetic":
+        return wrapped.num_classes
+    return max(num_classes, wrapped.num_classes)
 
 
 def _find_cell(study: str, name: str) -> Cell:
@@ -232,21 +250,29 @@ def _record(data: dict, cell: Cell, quick: bool) -> dict:
 
 
 def run_cell(study: str, cell_name: str, seed: int, *, out_dir: str, threads: int = 1, quick: bool = False,
-             force: bool = False, log=print) -> dict | None:
+             force: bool = False, base: dict | None = None, target: str | None = None,
+             launcher: Sequence[str] = (), log=print) -> dict | None:
     """Run one (cell, seed) and record it in ``<out_dir>/<study>.json``; returns the
-    seed's record, or None when it was recorded already (and not ``force``)."""
+    seed's record, or None when it was recorded already (and not ``force``).
+
+    ``base``: a job config of your own (any data source and evaluation) instead of
+    the synthetic setup; ``target``: the evaluation set that scores the run (needed
+    when ``base`` evaluates on several); ``launcher``: a command prefix such as
+    ``["deepspeed", "--num_gpus", "8"]`` (default: one process)."""
     if study not in STUDIES:
         raise ValueError(f"unknown study {study!r}; studies are {list(STUDIES)}")
     cell = _find_cell(study, cell_name)
+    setup = base if base is not None else base_config(quick)
     path = os.path.join(out_dir, f"{study}.json")
     data = load_results(path, study)
-    if data.get("base_config") not in (None, base_config(quick)):
-        raise ValueError(f"{path} holds runs of another base setup (ds_pfc.experiments.base_config changed); "
-                         "record these in another --out directory")
+    if data.get("base_config") not in (None, setup):
+        raise ValueError(f"{path} holds runs of another base setup (another --config, or "
+                         "ds_pfc.experiments.base_config changed); record these in another --out directory")
     entry = _record(data, cell, quick)
     if not force and any(s["seed"] == seed for s in entry["seeds"]):
         return None
-    config = cell_config(cell, seed, quick=quick)
+    scored_on = scoring_set(setup, target)
+    config = cell_config(cell, seed, quick=quick, base=base)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory(prefix=f"ds_pfc-{study}-") as tmp:
         cfg_path = os.path.join(tmp, "job.json")
@@ -256,8 +282,9 @@ def run_cell(study: str, cell_name: str, seed: int, *, out_dir: str, threads: in
                    PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
-        cmd = [sys.executable, os.path.join(root, "launch", "train.py"), "--deepspeed_config", cfg_path,
-               "--output_dir", os.path.join(tmp, "run")]
+        train = os.path.join(root, "launch", "train.py")
+        cmd = ([*launcher, train] if launcher else [sys.executable, train]) + [
+            "--deepspeed_config", cfg_path, "--output_dir", os.path.join(tmp, "run")]
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
         wall = time.perf_counter() - start
@@ -266,7 +293,7 @@ def run_cell(study: str, cell_name: str, seed: int, *, out_dir: str, threads: in
             raise RuntimeError(f"{study}/{cell.name} seed {seed} failed (exit {proc.returncode}):\n{tail}")
         with open(os.path.join(tmp, "run", "summary.json")) as f:
             summary = json.load(f)
-    final = summary["evaluations"][str(summary["steps"])]["synthetic_held_out"]
+    final = summary["evaluations"][str(summary["steps"])][scored_on]
     record = {"seed": seed, "verification_acc": final["accuracy"], "verification_acc_std": final["accuracy_std"],
               "tar_at_far": final["tar_at_far"], "steps": summary["steps"], "final_loss": summary["final_loss"],
               "images_per_second": summary["train_samples"] / summary["train_elapsed_s"],
@@ -278,12 +305,33 @@ def run_cell(study: str, cell_name: str, seed: int, *, out_dir: str, threads: in
         entry["seeds"] = [s for s in entry["seeds"] if s["seed"] != seed] + [record]
         entry["seeds"].sort(key=lambda s: s["seed"])
         data["machine"] = _machine()
-        data["base_config"] = base_config(quick)
+        data["base_config"] = setup
+        data["scored_on"] = scored_on
+        data["launcher"] = " ".join(launcher) or None
         data["paper_note"] = PAPER_NOTES[study]
         _save_results(path, data)
     log(f"{study}/{cell.name} seed {seed}: verification {record['verification_acc']:.4f} "
         f"({record['steps']} steps, {record['images_per_second']:.0f} images/s, {wall:.0f} s)")
     return record
+
+
+def scoring_set(config: dict, target: str | None = None) -> str:
+    """The evaluation set that scores a run of ``config``: ``target`` when it is one
+    of the job's sets, else the synthetic held-out pairs or the job's only set."""
+    from .config import split_config
+    _, cfg = split_config(config)
+    ev = cfg.evaluation
+    names = (["synthetic_held_out"] if cfg.data.source == "synthetic" and ev.synthetic_pairs else [])
+    names += [os.path.splitext(os.path.basename(path))[0] for path in ev.bins]
+    if not names:
+        raise ValueError("the job evaluates on nothing: give it ds_pfc.evaluation.bins (or synthetic pairs)")
+    if target is None:
+        if len(names) > 1 and "synthetic_held_out" not in names:
+            raise ValueError(f"the job evaluates on {names}: name the one that scores a run (--target)")
+        return "synthetic_held_out" if "synthetic_held_out" in names else names[0]
+    if target not in names:
+        raise ValueError(f"target {target!r} is not among the job's evaluation sets {names}")
+    return target
 
 
 # ---------------------------------------------------------------------------- report
@@ -320,7 +368,9 @@ def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
     data = load_results(os.path.join(out_dir, f"{study}.json"), study)
     rows = summarize(data)
     fars = sorted({f for r in rows for f in r["tar_at_far"]}, key=float)
-    lines = [f"# {study}", "", f"Held-out 1:1 verification on synthetic faces, mean +- std over seeds; "
+    scored_on = data.get("scored_on", "synthetic_held_out")
+    where = "synthetic faces" if scored_on == "synthetic_held_out" else f"the evaluation set {scored_on!r}"
+    lines = [f"# {study}", "", f"Held-out 1:1 verification on {where}, mean +- std over seeds; "
              f"{PAPER_NOTES[study]}.", "",
              "| cell | seeds | verification acc | " + " | ".join(f"TAR@FAR={f}" for f in fars)
              + " | images/s | paper |",
@@ -332,8 +382,11 @@ def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
         lines.append(f"| {r['cell']} | {r['seeds']} | {acc[0]:.4f} +- {acc[1]:.4f} | {tars} | "
                      f"{r['images_per_second']:.0f} | {paper} |")
     machine = data.get("machine", {})
+    threads = sorted({s.get("threads", 1) for e in data["cells"] for s in e["seeds"]}) or [1]
+    per = "one thread" if threads == [1] else f"{'/'.join(map(str, threads))} threads"
+    runs = f"runs under `{data['launcher']}`, {per} per process" if data.get("launcher") else f"runs of {per} each"
     lines += ["", f"Machine: {machine.get('cpu', '?')}, torch {machine.get('torch', '?')}; "
-              f"runs of one thread each (`launch/experiments.py {study}`)."]
+              f"{runs} (`launch/experiments.py {study}`)."]
     md = os.path.join(out_dir, f"{study}.md")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -351,7 +404,7 @@ def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
         ax.errorbar(xs, [r["tar_at_far"][far][0] for r in rows], yerr=[r["tar_at_far"][far][1] for r in rows],
                     fmt="s", capsize=3, alpha=0.7, label=f"TAR@FAR={far}")
     ax.set_xticks(list(xs), [r["cell"] for r in rows], rotation=30, ha="right")
-    ax.set_ylabel("synthetic faces (mean +- std)")
+    ax.set_ylabel(f"{where} (mean +- std)")
     ax.set_title(f"{study}: {len(rows)} cells, {min((r['seeds'] for r in rows), default=0)}+ seeds each")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")

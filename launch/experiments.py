@@ -4,18 +4,22 @@
     python launch/experiments.py label_flip --cell "flip40/PFC-0.1" --seeds 1
     python launch/experiments.py conflict --jobs 2                # two runs at a time
     python launch/experiments.py long_tail --report               # tables and plots only
+    python launch/experiments.py label_flip --config my_job.json --target lfw \
+        --launcher "deepspeed --num_gpus 8" --out results/my_data   # the cells on your own job
 
 Studies: sample_rate, label_flip, conflict, long_tail (see ds_pfc/experiments.py for
 the cells and the setup). Results go to benchmarks/results/paper/<study>.json (plus
 .md and .png); runs already recorded there are skipped unless --force, so a study
 can be finished over several sittings. Each run trains in its own process with
 --threads intra-op threads (1 by default: results are then reproducible on the same
-machine type).
+machine type). --config runs the same cells on a job of your own (its data, model and
+evaluation; --target names the evaluation set that scores a run).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,9 +42,30 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per run")
     p.add_argument("--quick", action="store_true", help="a tiny setup that runs in seconds (for tests)")
     p.add_argument("--report", action="store_true", help="only write the .md and .png from the recorded runs")
+    p.add_argument("--config", default=None,
+                   help="a job config of your own to run the cells on (default: the synthetic-faces setup)")
+    p.add_argument("--target", default=None,
+                   help="with --config: the evaluation set that scores a run (default: the only one)")
+    p.add_argument("--launcher", default="",
+                   help='with --config: a command prefix for each run, e.g. "deepspeed --num_gpus 8"')
     args = p.parse_args(argv)
     if args.seeds < 1 or args.jobs < 1 or args.threads < 1:
         p.error("--seeds, --jobs and --threads must be >= 1")
+    if args.config is None and (args.target or args.launcher):
+        p.error("--target and --launcher apply to --config runs")
+    if args.config is not None and args.quick:
+        p.error("--quick is the built-in tiny setup; it does not combine with --config")
+    if args.config is not None and os.path.abspath(args.out) == os.path.abspath(DEFAULT_OUT):
+        p.error(f"--config runs need their own --out directory ({DEFAULT_OUT} holds the synthetic-faces studies)")
+    base = None
+    if args.config is not None:
+        from ds_pfc.experiments import scoring_set
+        from ds_pfc.training import load_config
+        try:
+            base = load_config(args.config)
+            scoring_set(base, args.target)
+        except (OSError, ValueError) as err:
+            p.error(f"--config {args.config}: {err}")
     names = [c.name for c in STUDIES[args.study]]
     cells = args.cell or names
     unknown = [c for c in cells if c not in names]
@@ -55,7 +80,8 @@ def main(argv=None) -> int:
         def one(run):
             cell, seed = run
             rec = run_cell(args.study, cell, seed, out_dir=args.out, threads=args.threads, quick=args.quick,
-                           force=args.force, log=lambda line: print(line, flush=True))
+                           force=args.force, base=base, target=args.target, launcher=shlex.split(args.launcher),
+                           log=lambda line: print(line, flush=True))
             if rec is None:
                 print(f"{args.study}/{cell} seed {seed}: recorded already (--force re-runs it)", flush=True)
             return rec
@@ -65,7 +91,7 @@ def main(argv=None) -> int:
             for run, fut in [(run, pool.submit(one, run)) for run in runs]:
                 try:
                     fut.result()
-                except RuntimeError as err:
+                except (RuntimeError, ValueError) as err:
                     failed += 1
                     print(f"error: {err}", file=sys.stderr, flush=True)
         if failed:

@@ -71,3 +71,86 @@ def test_unknown_cell_is_refused(tmp_path):
                            "PFC-0.7", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "has no cell(s) ['PFC-0.7']" in proc.stderr
     assert not os.listdir(tmp_path)
+
+
+def _own_job(identities=24):
+    """A job of one's own: the quick setup with other identities, data seed and lr."""
+    from ds_pfc.experiments import base_config
+    job = base_config(quick=True)
+    job["optimizer"]["params"]["lr"] = 0.05
+    job["ds_pfc"]["head"]["num_classes"] = identities
+    job["ds_pfc"]["data"]["synthetic"].update(identities=identities, seed=5)
+    return job
+
+
+def test_cells_run_on_a_job_of_ones_own(tmp_path):
+    """--config: the cell's setting on the user's job, through a launcher; the head is
+    sized for the conflict's pseudo-classes; the job is recorded as the base setup and
+    another base setup is refused in the same directory."""
+    import shutil
+    if shutil.which("deepspeed") is None:
+        pytest.skip("the deepspeed launcher is not on PATH")
+    job = _own_job()
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(job))
+    out = str(tmp_path / "out")
+    stdout = _run("conflict", "--config", str(config), "--launcher", "deepspeed --num_gpus 1", "--seeds", "1",
+                  "--cell", "PFC-0.1", "--out", out)
+    assert "conflict/PFC-0.1 seed 0: verification" in stdout
+    with open(os.path.join(out, "conflict.json")) as f:
+        data = json.load(f)
+    assert data["base_config"] == job and data["scored_on"] == "synthetic_held_out"
+    assert data["launcher"] == "deepspeed --num_gpus 1"
+    (seed,) = data["cells"][0]["seeds"]
+    assert seed["steps"] > 0 and 0.0 <= seed["verification_acc"] <= 1.0
+    with open(os.path.join(out, "conflict.md")) as f:
+        assert "runs under `deepspeed --num_gpus 1`" in f.read()
+
+    # 8 of the 24 identities (4 images each) split into 3 pseudo-classes: 16 + 8 x 3
+    from ds_pfc.experiments import STUDIES, cell_config
+    cell = next(c for c in STUDIES["conflict"] if c.name == "PFC-0.1")
+    run = cell_config(cell, 0, base=job)
+    assert run["ds_pfc"]["head"]["num_classes"] == 16 + 8 * 3 and job["ds_pfc"]["head"]["num_classes"] == 24
+    assert run["ds_pfc"]["head"]["sample_rate"] == 0.1 and run["ds_pfc"]["data"]["stress"]["seed"] == 0
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "experiments.py"), "conflict", "--quick",
+                           "--seeds", "1", "--cell", "FC-1", "--out", out], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "another base setup" in proc.stderr
+
+
+def test_the_scoring_set_is_the_jobs_own_and_must_be_named_when_ambiguous():
+    from ds_pfc.experiments import scoring_set
+    job = _own_job()
+    assert scoring_set(job) == "synthetic_held_out"
+    job["ds_pfc"]["evaluation"]["bins"] = ["/data/lfw.bin", "/data/cfp_fp.bin"]
+    assert scoring_set(job) == "synthetic_held_out"
+    assert scoring_set(job, "cfp_fp") == "cfp_fp"
+    with pytest.raises(ValueError, match=r"'agedb_30' is not among the job's evaluation sets"):
+        scoring_set(job, "agedb_30")
+    job["ds_pfc"]["evaluation"]["synthetic_pairs"] = 0
+    with pytest.raises(ValueError, match=r"name the one that scores a run \(--target\)"):
+        scoring_set(job)
+    job["ds_pfc"]["evaluation"]["bins"] = ["/data/lfw.bin"]
+    assert scoring_set(job) == "lfw"
+    job["ds_pfc"]["evaluation"]["bins"] = []
+    with pytest.raises(ValueError, match="evaluates on nothing"):
+        scoring_set(job)
+
+
+def test_own_job_options_are_checked_before_any_run(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(_own_job()))
+    script = os.path.join(ROOT, "launch", "experiments.py")
+    for args, message in [(["--config", str(config)], "need their own --out directory"),
+                          (["--config", str(config), "--out", str(tmp_path / "o"), "--target", "lfw"],
+                           "'lfw' is not among the job's evaluation sets"),
+                          (["--target", "lfw", "--out", str(tmp_path / "o")], "apply to --config runs"),
+                          (["--config", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")],
+                           "config file not found")]:
+        proc = subprocess.run([sys.executable, script, "label_flip", *args], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])
+    assert sorted(os.listdir(tmp_path)) == ["job.json"]
