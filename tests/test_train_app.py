@@ -145,12 +145,19 @@ def test_one_rank_matches_two_ranks_and_the_golden_losses(two_rank_run, one_rank
     torch.testing.assert_close(torch.tensor(one), torch.tensor(golden), rtol=2e-3, atol=1e-3)
 
 
-def test_batch_geometry_comes_from_deepspeed(one_rank_run, tmp_path):
-    """train_batch_size 16 with micro batches of 8 on 1 rank: DeepSpeed accumulates 2
-    micro batches per step, so the run is the 2-accumulation run, step for step."""
+@pytest.mark.parametrize("keys", [("train_batch_size", "train_micro_batch_size_per_gpu"),
+                                  ("train_batch_size", "gradient_accumulation_steps"),
+                                  ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")],
+                         ids=["batch+micro", "batch+accumulation", "all-three"])
+def test_batch_geometry_comes_from_deepspeed(one_rank_run, tmp_path, keys):
+    """A global batch of 16 on 1 rank, given by any two (or all three) of DeepSpeed's
+    batch keys: DeepSpeed resolves micro batches of 8 accumulated twice, so the run is
+    the 2-accumulation run, step for step, with the same checkpoints."""
+    given = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2}
     config = copy.deepcopy(TINY)
-    del config["gradient_accumulation_steps"]
-    config["train_batch_size"] = 16
+    for key in given:
+        config.pop(key, None)
+    config.update({key: given[key] for key in keys})
     path = os.path.join(tmp_path, "tbs.json")
     with open(path, "w") as f:
         json.dump(config, f)
