@@ -169,6 +169,28 @@ def test_batch_geometry_comes_from_deepspeed(one_rank_run, tmp_path, keys):
         sorted(t for t in os.listdir(os.path.join(one_rank_run, "checkpoints")) if t.startswith("step"))
 
 
+def test_train_batch_size_alone_is_one_micro_batch_per_rank(tmp_path):
+    """Only train_batch_size: DeepSpeed makes it one micro batch per rank, no
+    accumulation; the app's epoch, steps and losses are those of the same geometry
+    given explicitly."""
+    runs = {}
+    for name, keys in (("alone", {"train_batch_size": 16}),
+                       ("explicit", {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1})):
+        config = copy.deepcopy(TINY)
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            config.pop(key, None)
+        config.update(keys)
+        path = os.path.join(tmp_path, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        out = os.path.join(tmp_path, name)
+        stdout = _run(["--deepspeed_config", path, "--output_dir", out])
+        assert "of 16 x 1 x 1 = 16 images" in stdout
+        runs[name] = _summary(out)
+    assert runs["alone"]["steps"] == runs["explicit"]["steps"] > 0
+    assert runs["alone"]["losses"] == runs["explicit"]["losses"]
+
+
 def test_resume_continues_the_loss_curve_exactly(one_rank_run, tmp_path):
     out = os.path.join(tmp_path, "run")
     config = _config(tmp_path, "one", gradient_accumulation_steps=2)
