@@ -385,7 +385,21 @@ def test_read_meta_errors_name_the_file(ijb_dir, tmp_path):
     with pytest.raises(ValueError, match="lists .* images"):
         ijb.read_meta(copy_root, "IJBC")
     with open(lmk, "w") as f:
+        f.writelines(lines[:2] + [" ".join(lines[2].split()[:-1]) + "\n"] + lines[3:])   # the score dropped
+    with pytest.raises(ValueError, match=r"ijbc_name_5pts_score.txt:3: expected .* \(12 fields\), got 11"):
+        ijb.read_meta(copy_root, "IJBC")
+    with open(lmk, "w") as f:
         f.writelines(lines)
+    tid_mid = os.path.join(copy_root, "meta", "ijbc_face_tid_mid.txt")
+    with open(tid_mid) as f:
+        tid_lines = f.readlines()
+    with open(tid_mid, "w") as f:
+        f.writelines(["\n", tid_lines[0].rstrip() + " 7\n"] + tid_lines[1:])    # a blank line, then 4 fields
+    with pytest.raises(ValueError, match=r"ijbc_face_tid_mid.txt:2: expected 'name template_id media_id' "
+                                         r"\(3 fields\), got 4"):
+        ijb.read_meta(copy_root, "IJBC")
+    with open(tid_mid, "w") as f:
+        f.writelines(tid_lines)
     with open(os.path.join(copy_root, "meta", "ijbc_template_pair_label.txt"), "a") as f:
         f.write("1 99999 0\n")
     with pytest.raises(ValueError, match=r"templates \[99999\] have no images"):

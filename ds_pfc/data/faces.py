@@ -308,11 +308,7 @@ class SyntheticFaces(Dataset):
         tensors of shape ``[B]``. Rendered ``chunk_size`` images at a time (cache-sized
         working set); the result does not depend on ``chunk_size`` or on the batch.
         """
-        ids = self._check_index_tensor("identities", identities)
-        nums = self._check_index_tensor("image_numbers", image_numbers)
-        if ids.shape != nums.shape:
-            raise ValueError(f"identities and image_numbers must have the same shape, got {tuple(ids.shape)} "
-                             f"and {tuple(nums.shape)}")
+        ids, nums = self._check_images(identities, image_numbers)
         chunk_size = check_int("chunk_size", chunk_size, 1)
         size = self.image_size
         out = torch.empty(ids.shape[0], 3, size, size, dtype=torch.uint8)
@@ -342,11 +338,7 @@ class SyntheticFaces(Dataset):
         renderer samples with), without rendering; a point hidden by an occluder or
         the eyelids is still reported.
         """
-        ids = self._check_index_tensor("identities", identities)
-        nums = self._check_index_tensor("image_numbers", image_numbers)
-        if ids.shape != nums.shape:
-            raise ValueError(f"identities and image_numbers must have the same shape, got {tuple(ids.shape)} "
-                             f"and {tuple(nums.shape)}")
+        ids, nums = self._check_images(identities, image_numbers)
         chunk_size = check_int("chunk_size", chunk_size, 1)
         id_list, num_list = ids.tolist(), nums.tolist()
         id_v = torch.empty(len(id_list), len(_IDENTITY_PARAMS), dtype=torch.float64)
@@ -383,6 +375,16 @@ class SyntheticFaces(Dataset):
         # grid_sample's align_corners=False: canonical u is pixel column (u + 1) size / 2 - 0.5.
         half = self.image_size / 2.0
         return torch.stack([(x + 1.0) * half - 0.5, (y + 1.0) * half - 0.5], 2)
+
+    @classmethod
+    def _check_images(cls, identities, image_numbers) -> tuple[torch.Tensor, torch.Tensor]:
+        """``identities`` and ``image_numbers`` as int64 CPU tensors of one shape ``[B]``."""
+        ids = cls._check_index_tensor("identities", identities)
+        nums = cls._check_index_tensor("image_numbers", image_numbers)
+        if ids.shape != nums.shape:
+            raise ValueError(f"identities and image_numbers must have the same shape, got {tuple(ids.shape)} "
+                             f"and {tuple(nums.shape)}")
+        return ids, nums
 
     @staticmethod
     def _check_index_tensor(name: str, value) -> torch.Tensor:

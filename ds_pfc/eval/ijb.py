@@ -311,6 +311,20 @@ def _read_int_table(path: str, num_columns: int) -> torch.Tensor:
     return torch.from_numpy(table)
 
 
+def _rows(path: str, num_fields: int, layout: str):
+    """``(line number, line, fields)`` of each non-blank line of the text file at
+    ``path``, each line checked to hold ``num_fields`` whitespace-separated fields."""
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) != num_fields:
+                raise ValueError(f"{path}:{line_no}: expected {layout} ({num_fields} fields), got {len(parts)}: "
+                                 f"{line.rstrip()!r}")
+            yield line_no, line, parts
+
+
 def read_meta(root: str | os.PathLike, target: str) -> IJBMeta:
     """Read insightface's packaged IJB-B/IJB-C release at ``root``:
 
@@ -338,41 +352,28 @@ def read_meta(root: str | os.PathLike, target: str) -> IJBMeta:
         raise FileNotFoundError(f"IJB image directory not found: {image_dir}")
 
     names, tid_mid = [], []
-    with open(tid_mid_path) as f:
-        for line_no, line in enumerate(f, 1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != 3:
-                raise ValueError(f"{tid_mid_path}:{line_no}: expected 'name template_id media_id', got {line!r}")
-            try:
-                tid_mid.append((int(parts[1]), int(parts[2])))
-            except ValueError:
-                raise ValueError(f"{tid_mid_path}:{line_no}: template and media ids must be integers, "
-                                 f"got {line!r}") from None
-            names.append(parts[0])
+    for line_no, line, parts in _rows(tid_mid_path, 3, "'name template_id media_id'"):
+        try:
+            tid_mid.append((int(parts[1]), int(parts[2])))
+        except ValueError:
+            raise ValueError(f"{tid_mid_path}:{line_no}: template and media ids must be integers, "
+                             f"got {line!r}") from None
+        names.append(parts[0])
     if not names:
         raise ValueError(f"{tid_mid_path} lists no images")
     lmk, score = [], []
-    with open(lmk_path) as f:
-        for line_no, line in enumerate(f, 1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != 12:
-                raise ValueError(f"{lmk_path}:{line_no}: expected 'name x1 y1 .. x5 y5 score' (12 fields), got "
-                                 f"{len(parts)}")
-            i = len(lmk)
-            if i >= len(names) or parts[0] != names[i]:
-                other = names[i] if i < len(names) else "nothing (past its end)"
-                raise ValueError(f"{lmk_path}:{line_no} names {parts[0]!r} where {tid_mid_path} has {other}: the "
-                                 f"two files must list the same images in the same order")
-            try:
-                values = [float(v) for v in parts[1:]]
-            except ValueError:
-                raise ValueError(f"{lmk_path}:{line_no}: landmarks and score must be numbers, got {line!r}") from None
-            lmk.append(values[:10])
-            score.append(values[10])
+    for line_no, line, parts in _rows(lmk_path, 12, "'name x1 y1 .. x5 y5 score'"):
+        i = len(lmk)
+        if i >= len(names) or parts[0] != names[i]:
+            other = names[i] if i < len(names) else "nothing (past its end)"
+            raise ValueError(f"{lmk_path}:{line_no} names {parts[0]!r} where {tid_mid_path} has {other}: the "
+                             f"two files must list the same images in the same order")
+        try:
+            values = [float(v) for v in parts[1:]]
+        except ValueError:
+            raise ValueError(f"{lmk_path}:{line_no}: landmarks and score must be numbers, got {line!r}") from None
+        lmk.append(values[:10])
+        score.append(values[10])
     if len(lmk) != len(names):
         raise ValueError(f"{lmk_path} lists {len(lmk)} images, {tid_mid_path} {len(names)}")
     ids = torch.tensor(tid_mid, dtype=torch.int64)
