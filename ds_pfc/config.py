@@ -284,8 +284,9 @@ class HeadConfig:
     """PFC* conflict filter tau (None: off)."""
     seed: int = 0
     """Seeds the initial centers (per class id) and the sampler."""
-    compute_dtype: str = "fp32"
-    """GEMM dtype: fp32, bf16 or fp16 (float32 accumulation and softmax)."""
+    compute_dtype: str = "auto"
+    """GEMM dtype: auto (bf16 on CUDA, fp32 on a CPU), fp32 (IEEE float32 products, also on a
+    GPU), bf16 or fp16; float32 accumulation and softmax in every case."""
     block_bytes: int | None = None
     """Bytes of float32 logits per class block of the softmax and of rows per optimizer
     chunk (null: 256 MiB on CUDA, 2 MiB on CPU); larger logits are recomputed in backward."""
@@ -305,7 +306,10 @@ class HeadConfig:
         _number(self.sample_rate, "ds_pfc.head.sample_rate", low=0, high=1, low_open=True)
         if self.filter_threshold is not None:
             _number(self.filter_threshold, "ds_pfc.head.filter_threshold", low=-1, high=1)
-        _dtype(self.compute_dtype, "ds_pfc.head.compute_dtype")
+        if self.compute_dtype != "auto" and (self.compute_dtype not in _DTYPES or _DTYPES[self.compute_dtype] not in
+                                             (torch.float32, torch.bfloat16, torch.float16)):
+            raise ConfigError(f"ds_pfc.head.compute_dtype must be one of ['auto', 'fp32', 'bf16', 'fp16'], "
+                              f"got {self.compute_dtype!r}")
         if self.block_bytes is not None and (isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int)
                                              or self.block_bytes < 1):
             raise ConfigError(f"ds_pfc.head.block_bytes must be null or a positive integer of bytes, "
@@ -319,11 +323,11 @@ class HeadConfig:
     def build(self, *, group=None, device=None, data_parallel_grad: bool = True):
         """A :class:`~ds_pfc.PartialFC` for this config."""
         from .head import PartialFC
-        compute = _dtype(self.compute_dtype, "ds_pfc.head.compute_dtype")
+        compute = None if self.compute_dtype == "auto" else _dtype(self.compute_dtype, "ds_pfc.head.compute_dtype")
         return PartialFC(self.num_classes, self.embedding_size, sample_rate=self.sample_rate,
                          margin=self.margin.build(), filter_threshold=self.filter_threshold, group=group,
                          device=device, seed=self.seed, optimizer=self.optimizer.type,
-                         compute_dtype=None if compute == torch.float32 else compute,
+                         compute_dtype=compute,
                          data_parallel_grad=data_parallel_grad, bank=self.bank.build(), block_bytes=self.block_bytes,
                          backend=self.backend, sub_centers=self.sub_centers, **self.optimizer.kwargs())
 

@@ -8,7 +8,7 @@ import torch
 from . import collectives
 from ._checks import check_embeddings, check_labels, check_values
 from .margins import Margin
-from .softmax import check_block_bytes, margin_softmax_cross_entropy, resolve_backend
+from .softmax import check_block_bytes, default_compute_dtype, margin_softmax_cross_entropy, resolve_backend
 
 __all__ = ["margin_cross_entropy", "CrossEntropyOutput"]
 
@@ -85,8 +85,9 @@ def margin_cross_entropy(
             raise ValueError(f"class_start must be a non-negative int, got {class_start!r}")
         check_filter_threshold(filter_threshold)
         check_block_bytes(block_bytes)
-        resolve_backend(backend, embeddings.device, compute_dtype or torch.float32,
-                        torch.float64 if torch.float64 in (embeddings.dtype, centers.dtype) else torch.float32, margin)
+        acc = torch.float64 if torch.float64 in (embeddings.dtype, centers.dtype) else torch.float32
+        resolve_backend(backend, embeddings.device, compute_dtype or default_compute_dtype(embeddings.device, acc),
+                        acc, margin)
         if validate:
             check_values(embeddings, labels, None)
         error = None

@@ -18,7 +18,8 @@ from .margins import ArcFace, Margin
 from .optim import RowOptimizer, make_row_optimizer
 from .partition import Partition
 from .sampling import remap_labels, sample_active
-from .softmax import BACKENDS, check_block_bytes, margin_softmax_cross_entropy, resolve_backend
+from .softmax import (BACKENDS, check_block_bytes, default_compute_dtype, margin_softmax_cross_entropy,
+                      resolve_backend)
 
 __all__ = ["PartialFC"]
 
@@ -63,7 +64,7 @@ def _checked_arguments(num_classes, embedding_size, sample_rate, margin, filter_
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton":
-        resolve_backend(backend, device, compute_dtype or dtype, dtype)
+        resolve_backend(backend, device, compute_dtype or default_compute_dtype(device, dtype), dtype)
     if isinstance(optimizer, RowOptimizer):
         if optimizer_kwargs:
             raise TypeError(f"optimizer is a RowOptimizer instance; unexpected arguments {sorted(optimizer_kwargs)}")
@@ -102,8 +103,10 @@ class PartialFC(nn.Module):
         seed: seeds the initial centers (per global class id) and the sampler.
         optimizer: ``"sgd"`` (``momentum``, ``weight_decay``, ``nesterov``) or
             ``"adamw"`` (``betas``, ``eps``, ``weight_decay``), or a RowOptimizer.
-        compute_dtype: dtype of the matrix products (None: the embeddings' dtype,
-            at least float32). The softmax is always float32 or wider.
+        compute_dtype: dtype of the matrix products. None: bf16 on CUDA (tensor cores),
+            the accumulation dtype (float32, float64 for float64 centers) elsewhere;
+            ``torch.float32`` asks for IEEE float32 products on a GPU too. The softmax,
+            the centers and their gradients are always float32 or wider.
         init_std: standard deviation of the initial centers.
         dtype: storage dtype of the centers (float32; float64 for exactness checks).
         data_parallel_grad: the backbone producing ``embeddings`` is data parallel over
@@ -118,8 +121,9 @@ class PartialFC(nn.Module):
         block_bytes: bytes of float32 logits per class block of the softmax, and of
             rows per chunk of the row optimizer (None: 256 MiB on CUDA, 2 MiB on CPU).
             Logits larger than one block are recomputed in backward, never kept.
-        backend: softmax backend, ``"auto"`` (fused Triton kernels on CUDA when
-            triton imports, else torch), ``"torch"`` or ``"triton"``.
+        backend: softmax backend, ``"auto"`` (the Triton kernels on CUDA for bf16/fp16
+            products when triton imports; torch for float32 products and off CUDA),
+            ``"torch"`` or ``"triton"``.
         sub_centers: ``K`` centers per class (sub-center ArcFace): the bank holds
             ``K`` rows per class, row ``i K + k`` the k-th sub-center of local class
             ``i``; a class's cosine is the largest of its sub-centers'; sampling picks

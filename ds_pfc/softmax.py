@@ -29,9 +29,18 @@ The math is a few stateless steps shared by both backends:
   ``O((N + S) d)``.
 
 Backends: ``"torch"`` (the blocks above, the readable reference; runs anywhere) and
-``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`: the same decomposition fused into
-kernels with an online log-sum-exp, nothing of size ``N x S`` ever written).
-``"auto"`` picks triton on CUDA when it imports, torch otherwise.
+``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`: a forward statistics kernel with nothing of
+size ``N x S`` written, and a backward that writes the gradient block ``G`` in the compute dtype,
+bounded by ``block_bytes``, for a cuBLAS ``dX`` product and a dW kernel with the normalisation in
+its epilogue; ``8 N S d`` matrix FLOPs per step). ``"auto"`` picks triton on CUDA for bf16/fp16
+products (any embedding width, center dtype or layout) and torch for float32 products (cuBLAS
+SGEMM outruns an FMA kernel) and everywhere else.
+
+Compute dtype: ``compute_dtype=None`` means bf16 on CUDA (tensor cores; float32 accumulation, a
+float32 softmax and float32 centers and gradients; about 12x the float32 GEMM rate on an H100)
+and the accumulation dtype (float32, or float64 for float64 inputs) elsewhere (CPU bf16 GEMMs are
+slow, and CPU runs serve tests and exactness checks). Pass ``torch.float32`` for IEEE float32
+products on a GPU.
 """
 from __future__ import annotations
 
@@ -44,7 +53,7 @@ from .collectives import all_reduce_
 from .margins import Margin
 
 __all__ = ["margin_softmax_cross_entropy", "SoftmaxResult", "default_block_bytes", "check_block_bytes",
-           "resolve_backend", "CPU_BLOCK_BYTES", "CUDA_BLOCK_BYTES", "KEEP_BYTES", "BACKENDS"]
+           "resolve_backend", "default_compute_dtype", "CPU_BLOCK_BYTES", "CUDA_BLOCK_BYTES", "KEEP_BYTES", "BACKENDS"]
 
 _NORM_EPS = 1e-12
 CPU_BLOCK_BYTES = 1 << 21     # ~2 MiB of logits: a block stays in a CPU core's cache
@@ -74,10 +83,23 @@ def check_block_bytes(value, name: str = "block_bytes") -> None:
         raise ValueError(f"{name} must be None (the device's default) or a positive int of bytes, got {value!r}")
 
 
+def default_compute_dtype(device, acc_dtype) -> torch.dtype:
+    """The product dtype for ``compute_dtype=None``: bf16 on CUDA when accumulating in float32,
+    else the accumulation dtype itself (see the module docstring for why)."""
+    if torch.device(device).type == "cuda" and acc_dtype == torch.float32:
+        return torch.bfloat16
+    return acc_dtype
+
+
 def resolve_backend(backend: str, device, compute_dtype, acc_dtype, margin: Margin | None = None) -> str:
-    """``"torch"`` or ``"triton"`` for ``backend`` in :data:`BACKENDS` (checked). A
-    margin the fused kernels do not implement (``margin.fused`` False: a transform of
-    the negatives) makes ``"auto"`` pick torch and ``"triton"`` an error."""
+    """``"torch"`` or ``"triton"`` for ``backend`` in :data:`BACKENDS` (checked).
+
+    ``"auto"`` never returns a backend that would then refuse the inputs: triton on CUDA for
+    bf16/fp16 products with float32 accumulation and a margin the kernels implement (the
+    kernels take float32/bf16/fp16 centers of any layout and any width), torch otherwise --
+    float32 products included, which cuBLAS runs faster than an FMA kernel. A margin the
+    kernels do not implement (``margin.fused`` False: a transform of the negatives) makes
+    ``"triton"`` an error."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     device = torch.device(device)
@@ -88,7 +110,7 @@ def resolve_backend(backend: str, device, compute_dtype, acc_dtype, margin: Marg
                              "negative logits; use backend='torch' (or 'auto', which picks it)")
         return "torch"
     if backend == "auto":
-        if device.type == "cuda" and supported and _triton_available():
+        if device.type == "cuda" and supported and compute_dtype != torch.float32 and _triton_available():
             return "triton"
         return "torch"
     if backend == "triton":
@@ -96,7 +118,7 @@ def resolve_backend(backend: str, device, compute_dtype, acc_dtype, margin: Marg
             raise RuntimeError("backend='triton' needs the triton package (pip install triton, or "
                                "pip install -e .[dev]); use backend='torch' or 'auto'")
         if not supported:
-            raise ValueError(f"backend='triton' supports float32 embeddings/centers with compute_dtype float32, "
+            raise ValueError(f"backend='triton' supports float32 accumulation with compute_dtype float32, "
                              f"bfloat16 or float16; got accumulation {acc_dtype} and compute {compute_dtype}; "
                              "use backend='torch'")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -266,6 +288,7 @@ def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
     dx_hat = torch.zeros(n, blocks.xc.shape[1], dtype=acc, device=coef.device)
     dw = torch.empty(blocks.w.shape, dtype=w_dtype, device=coef.device)
     direct = blocks.compute == acc == w_dtype     # GEMMs straight into dx_hat and dw
+    c_max = None
     for j, k in blocks:
         rj, rk = j * kk, k * kk
         w_hat = blocks.w_hat(j, k)
@@ -281,6 +304,14 @@ def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
         if direct:
             dw_hat = torch.mm(g, blocks.xc, out=dw[rj:rk])
             dx_hat.addmm_(g.t(), w_hat)
+        elif blocks.compute == torch.float16:
+            # G is ~5e-9 at initialisation, below float16's range: round G / c (c = max |coef|)
+            # and scale the float32 products back.
+            if c_max is None:
+                c_max = coef.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+            gc = (g / c_max).to(blocks.compute)
+            dw_hat = _mm(gc, blocks.xc, acc).mul_(c_max)
+            dx_hat.add_(_mm(gc.t(), w_hat.to(blocks.compute), acc).mul_(c_max))
         else:
             gc = g.to(blocks.compute)
             dw_hat = _mm(gc, blocks.xc, acc)
@@ -299,11 +330,18 @@ class _MarginSoftmaxCE(torch.autograd.Function):
     def forward(ctx, x, w, target_col, margin, threshold, group, compute_dtype, want_correct, block_bytes,
                 keep_bytes, backend, validate, guard_nonfinite, update_state, sub_centers):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        compute = acc if compute_dtype is None else compute_dtype
+        compute = default_compute_dtype(x.device, acc) if compute_dtype is None else compute_dtype
         n = x.shape[0]
         scale = margin.scale
         x_hat, x_norm = _normalize(x, acc)
-        w_inv = w.to(acc).norm(dim=1).clamp_min(_NORM_EPS).reciprocal()
+        w_hat_c = None
+        if backend == "triton":
+            # One pass over w: the norms and the normalised centers in the compute dtype, which
+            # the backward reuses (S d compute-dtype bytes kept, half of a float32 w).
+            from .kernels import triton_softmax as kernels
+            w_hat_c, w_inv = kernels.prepare(w, compute)
+        else:
+            w_inv = w.to(acc).norm(dim=1).clamp_min(_NORM_EPS).reciprocal()
         owned, w_hat_t, cos_t, t_row = _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers)
         if margin.needs_all_targets:     # every rank needs every sample's target cosine
             cos_all = torch.where(owned, cos_t, torch.zeros_like(cos_t))
@@ -315,9 +353,8 @@ class _MarginSoftmaxCE(torch.autograd.Function):
 
         kept, blocks = None, None
         if backend == "triton":
-            from .kernels import triton_softmax as kernels
             m, l, max_cos = kernels.lse_stats(x_hat, w, w_inv, target_col, scale=scale, threshold=threshold,
-                                              compute_dtype=compute, want_max_cos=want_correct)
+                                              compute_dtype=compute, want_max_cos=want_correct, w_hat=w_hat_c)
             lse = m + torch.log(l)
         else:
             blocks = _Blocks(x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes,
@@ -351,7 +388,8 @@ class _MarginSoftmaxCE(torch.autograd.Function):
 
         none = torch.empty(0)
         ctx.save_for_backward(x_hat, x_norm, w, w_inv, target_col, t_row, w_hat_t, cos_t, t_logit, row_max, sum_exp,
-                              kept if kept is not None else none, plan.dtarget,
+                              kept if kept is not None else none, w_hat_c if w_hat_c is not None else none,
+                              plan.dtarget,
                               *(none if v is None else v for v in (plan.dtarget_dnorm, plan.dextra_dnorm,
                                                                     plan.neg_above, plan.neg_t)))
         ctx.has = tuple(v is not None for v in (plan.dtarget_dnorm, plan.dextra_dnorm, plan.neg_above))
@@ -365,7 +403,8 @@ class _MarginSoftmaxCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_per_sample, _grad_correct):
-        (x_hat, x_norm, w, w_inv, target_col, t_row, w_hat_t, cos_t, t_logit, row_max, sum_exp, kept, dtarget,
+        (x_hat, x_norm, w, w_inv, target_col, t_row, w_hat_t, cos_t, t_logit, row_max, sum_exp, kept, w_hat_c,
+         dtarget,
          dtarget_dnorm, dextra_dnorm, neg_above, neg_t) = ctx.saved_tensors
         has_dnorm, has_extra, has_neg = ctx.has
         margin, compute = ctx.margin, ctx.compute
@@ -380,7 +419,8 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         if ctx.backend == "triton":
             from .kernels import triton_softmax as kernels
             dx_hat, dw = kernels.grad(x_hat, w, w_inv, target_col, coef, row_max, scale=margin.scale,
-                                      threshold=ctx.threshold, compute_dtype=compute)
+                                      threshold=ctx.threshold, compute_dtype=compute, w_hat=w_hat_c,
+                                      block_bytes=ctx.block_bytes)
             dw = dw.to(ctx.in_dtypes[1])
         else:
             blocks = _Blocks(x_hat, w, w_inv, target_col, ctx.threshold, margin.scale, compute, acc,
@@ -451,7 +491,7 @@ def margin_softmax_cross_entropy(
     """
     check_block_bytes(block_bytes)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    compute = acc if compute_dtype is None else compute_dtype
+    compute = default_compute_dtype(x.device, acc) if compute_dtype is None else compute_dtype
     if sub_centers != 1:
         if backend == "triton":
             raise ValueError("backend='triton' does not implement sub-centers; use backend='torch' or 'auto'")

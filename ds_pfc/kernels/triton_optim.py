@@ -22,6 +22,7 @@ import os
 import torch
 
 from .._checks import check_number as _number
+from ._device import on_device
 
 try:
     import triton
@@ -264,12 +265,13 @@ def sgd_rows_(weight: torch.Tensor, momentum_buffer: torch.Tensor | None, rows: 
     rows_ptr, stride_rows, has_rows = _rows_args(rows, grad)
     buf = momentum_buffer if momentum else weight  # never read without momentum
     grid = (triton.cdiv(num_rows, block_r), triton.cdiv(width, block_d))
-    _sgd_rows_kernel[grid](
-        weight, buf, rows_ptr, grad, num_rows, width,
-        weight.stride(0), buf.stride(0), stride_rows, grad.stride(0),
-        lr, momentum, weight_decay,
-        HAS_ROWS=has_rows, HAS_MOMENTUM=momentum != 0.0, HAS_WEIGHT_DECAY=weight_decay != 0.0,
-        NESTEROV=bool(nesterov), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    with on_device(grad.device):    # Triton launches on the current device, not the tensors'
+        _sgd_rows_kernel[grid](
+            weight, buf, rows_ptr, grad, num_rows, width,
+            weight.stride(0), buf.stride(0), stride_rows, grad.stride(0),
+            lr, momentum, weight_decay,
+            HAS_ROWS=has_rows, HAS_MOMENTUM=momentum != 0.0, HAS_WEIGHT_DECAY=weight_decay != 0.0,
+            NESTEROV=bool(nesterov), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
 
 
 def adamw_rows_(weight: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -316,6 +318,15 @@ def adamw_rows_(weight: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
     # beta == 0 gives beta**t == 0 for t >= 1: log(0) = -inf, exp(-inf) = 0.
     log_beta1 = math.log(beta1) if beta1 > 0 else -math.inf
     log_beta2 = math.log(beta2) if beta2 > 0 else -math.inf
+    with on_device(grad.device):    # Triton launches on the current device, not the tensors'
+        _adamw_launches(weight, exp_avg, exp_avg_sq, step, rows_ptr, grad, num_rows, width, stride_rows, has_rows,
+                        lr, beta1, beta2, log_beta1, log_beta2, eps, weight_decay, block_r, block_d, num_warps,
+                        block_step)
+
+
+def _adamw_launches(weight, exp_avg, exp_avg_sq, step, rows_ptr, grad, num_rows, width, stride_rows, has_rows,
+                    lr, beta1, beta2, log_beta1, log_beta2, eps, weight_decay, block_r, block_d, num_warps,
+                    block_step):
     if width:
         # Every column tile of a row reads the same step count, so the count cannot be
         # bumped in this launch without racing; the second launch does it after.

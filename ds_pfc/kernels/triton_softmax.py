@@ -1,22 +1,34 @@
-"""Fused Triton kernels for the Partial-FC margin softmax: log-sum-exp statistics and the gradient.
+"""Triton kernels of the Partial-FC margin softmax: statistics in the forward, the gradient in the backward.
 
-The logits ``z = scale * <x_hat[n], w_hat[j]>`` of an ``N x S`` block are recomputed tile by tile
-in registers and never written to memory: the forward keeps an online (running max, rescaled
-sum) log-sum-exp per sample, the backward forms ``G = coef * exp(z - row_max)`` per tile and feeds
-it straight into the second matrix product. The normalised centers ``w_hat = w * w_inv_norm`` are
-formed on the loaded tile, so no normalised copy of ``w`` exists either.
+One step at the standard shape (N = 2048 gathered samples, S = 800k active classes per rank,
+d = 512, bf16) is ``8 N S d`` matrix FLOPs in four products of equal size, and the design keeps
+every one of them on the tensor cores at a high arithmetic intensity:
 
-Every kernel holds one tile resident for its whole life and streams the other operand past it:
+1. ``prepare`` (one pass over the centers): ``w_inv = 1 / ||w||`` and ``w_hat = w * w_inv``
+   rounded once to the compute dtype. Every later kernel loads 2-byte operands and does no
+   normalisation or conversion in its inner loop. Accepts float32/bf16/fp16 centers with any
+   row stride.
+2. ``lse_stats`` (forward, ``2 N S d``): 2-D output tiles (samples x classes) with a K-loop over
+   ``d``, so a tile of ``BM x BN`` logits costs ``(BM + BN) d`` operand bytes from L2 (64 FLOP/B at
+   128 x 128). The epilogue excludes the target and filtered negatives, scales, and folds the
+   tile into an online (running max, rescaled sum) log-sum-exp per sample. Programs are laid out
+   as (sample tiles, class splits); only ``[SPLITS, N]`` partials reach memory.
+3. ``grad`` (backward), per block of classes (``block_bytes`` of G):
 
-* ``lse_stats`` and the ``dx_hat`` half of ``grad`` hold a tile of samples and stream class tiles.
-  The class dimension is split over ``SPLITS`` programs per sample tile (N is small, S large);
-  each writes per-split partials that a few torch ops combine.
-* the ``dw`` half of ``grad`` holds a tile of classes and streams every sample tile, so it owns
-  complete rows of ``dw_hat`` and can project them through the normalisation in its epilogue.
+   * the G kernel (``2 N S d``) recomputes each cosine tile the same way and writes
+     ``G / c = coef / c * exp(z - row_max)`` (``c = max |coef|``) in the compute dtype, class-major,
+     plus ``rho[j] = sum_n G[n, j] cos[n, j] / c`` (the radial part of ``dw_hat``, needed by the
+     projection) -- the only ``N x S``-sized buffer, bounded by ``block_bytes``;
+   * ``dx_hat += c * G^T w_hat`` is a cuBLAS product (``2 N S d``; float32 output);
+   * the dW kernel (``2 N S d``) is a GEMM ``G x_hat`` with the normalisation projection
+     ``dw = c * w_inv * (G x_hat - w_hat rho)`` in its epilogue, so ``dw_hat`` never reaches memory.
 
-The target entry of each sample (handled by the caller, which applies the margin) and, with a
-``threshold``, negatives whose cosine exceeds it (PFC's noise filter) are excluded from ``m``,
-``l`` and ``G``.
+   Scaling G by ``1 / c`` keeps it in range: at initialisation ``coef`` is ~5e-9 (N = 2048, 6.4M
+   classes), below float16's smallest subnormal; relative to the largest row coefficient every
+   entry that matters is representable, and ``c`` is applied in float32 afterwards.
+
+The target entry of each sample (the caller applies the margin to it) and, with a ``threshold``,
+negatives whose cosine exceeds it (PFC's noise filter) are excluded from the statistics and from G.
 
 Importing this module imports triton; ``TRITON_INTERPRET=1`` must be set before that import to
 run the kernels on CPU tensors with Triton's interpreter (this is how the tests run without a GPU).
@@ -30,7 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["available", "check_device", "lse_stats", "grad", "tile_config"]
+from ._device import on_device
+
+__all__ = ["available", "check_device", "prepare", "lse_stats", "grad", "tile_config", "TILES", "on_device"]
 
 # Triton decides at decoration time whether ``@triton.jit`` yields an interpreted function, so
 # what counts is the environment when this module was imported, not later. The kernels also call
@@ -40,67 +54,53 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TRITON_INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_NORM_EPS = 1e-12
 
 # ---------------------------------------------------------------------------------------------
 # Tile table: the ONLY place where tile sizes and launch parameters are chosen.
 #
-# Key: (operand kind, largest padded width D it serves). Value: (HELD, STREAMED, num_warps,
-# num_stages). Every kernel keeps a HELD-row tile of one operand (with its [HELD, D] float32
-# accumulator in the backward) and loops over STREAMED-row tiles of the other:
-#   lse_stats, dx kernel: HELD = BLOCK_N (samples),  STREAMED = BLOCK_S (classes)
-#   dw kernel:            HELD = BLOCK_S (classes),  STREAMED = BLOCK_N (samples)
-# so one entry bounds both backward kernels' registers and shared memory alike.
-#
-# Sized for Hopper (sm_90: 227 KiB = 232448 bytes of shared memory per block, at most 255
-# registers per thread) from what Triton 3.9 and its bundled ptxas (13.4, sm_90a) compile each
-# kernel to: tests/test_triton_softmax.py::test_kernels_compile_for_sm90 compiles every row up to
-# D = 512 for sm_90 without a GPU and checks shared memory and register spills. Observations that
-# shaped the rows (reasoned from compiler output, not autotuned on a GPU):
-# * Shared memory is never the limit (at most 149504 bytes up to D = 512); registers are. The dw
-#   kernel is the most demanding: besides its [HELD, D] float32 accumulator it keeps the held w
-#   operand and the [HELD, STREAMED] cosine and G tiles live, so a row that suits lse/dx can still
-#   spill there.
-# * "lowp" (bf16/fp16) dots run on tensor cores. With 8 warps, HELD = 64 is spill-free up to
-#   D = 128 (with STREAMED <= 32); at D = 256 / 512 every HELD = 64 (or 128) row spills in the dw
-#   kernel (16 warps cap registers at 128 and spill more), hence HELD = 32 / 16 there.
-# * "fp32" dots use input_precision="ieee": FMA, no TF32, and each thread's operand rows span the
-#   whole K = D, so tiles are small. ptxas either fits such a kernel or falls back to ~32
-#   registers with hundreds of spilled 4-byte words (Triton's n_spills), and which one depends on
-#   num_stages in opposite ways for the kernels: at D = 512 lse/dx fit only with num_stages = 1
-#   and dw only with >= 2. No shared row avoids that; the row chosen keeps lse/dx spill-free and
-#   leaves ~550 spilled words in the fp32 dw kernel at D = 512 (D = 256: <= 52 words in lse/dx,
-#   dw clean).
-_TILES = {
-    ("lowp", 64): (64, 32, 8, 3),    # also serves D = 16, 32
-    ("lowp", 128): (64, 16, 8, 3),
-    ("lowp", 256): (32, 32, 8, 3),
-    ("lowp", 512): (16, 32, 8, 3),
-    ("fp32", 64): (16, 64, 8, 2),
-    ("fp32", 128): (16, 16, 8, 2),
-    ("fp32", 256): (16, 16, 8, 2),
-    ("fp32", 512): (16, 32, 16, 1),
-    # Beyond the practical range (d <= 512); wider D reuses the last row. Compiled for sm_90 once
-    # (lowp: 36 spilled words, in dw; fp32: dw spills ~1500 words), not covered by the test.
-    ("lowp", 1024): (16, 16, 8, 2),
-    ("fp32", 1024): (16, 16, 8, 1),
+# (kernel, operand kind) -> (BLOCK_A, BLOCK_B, BLOCK_K, num_warps, num_stages):
+#   "lse": A = samples, B = classes, K over d. Grid (sample tiles, class splits).
+#   "g":   A = classes, B = samples, K over d. Grid (class tiles of the block,); each program
+#          walks every sample tile, so it owns complete sums rho of its classes.
+#   "dw":  A = classes, B = dims,    K over samples. Grid (class tiles, pairs of dim tiles).
+#   "prep": A = rows, B = dims per chunk (K unused).
+# Each of lse, g and dw computes its B tiles in PAIRS that share every loaded A slice, so the
+# operand traffic is that of an A x 2B tile while only one B-half's epilogue is live. "lowp"
+# (bf16/fp16): A = 128, 2B = 128, K step 64: (128 + 128) * 64 * 2 B = 32 KiB of operands per
+# stage for 2 * 128 * 128 * 64 FLOP, i.e. 64 FLOP per byte of L2 traffic, on 8 warps (two
+# warpgroups, as Hopper's wgmma wants). Larger pairs (A x 256) spill on sm_90: the exp epilogue
+# of a 128 x 128 half plus the other half's accumulator exceed 255 registers.
+# tests/test_triton_softmax.py compiles every kernel for sm_90 without a GPU (as Triton
+# specialises a real launch: 16-byte aligned pointers, d and N multiples of 16, unit column
+# stride) and checks shared memory, registers, that bf16/fp16 spill nothing and that the SASS
+# multiplies with wgmma (HGMMA). "fp32" rows (input_precision="ieee", FMA) serve exactness on
+# request only: backend="auto" runs float32 products through cuBLAS.
+TILES = {
+    ("lse", "lowp"): (128, 64, 64, 8, 3),
+    ("g", "lowp"): (128, 64, 64, 8, 3),
+    ("dw", "lowp"): (128, 64, 64, 8, 3),
+    ("lse", "fp32"): (64, 32, 32, 4, 2),
+    ("g", "fp32"): (64, 32, 32, 4, 2),
+    ("dw", "fp32"): (64, 32, 32, 4, 2),
+    ("prep", "lowp"): (8, 256, 0, 4, 1),
+    ("prep", "fp32"): (8, 256, 0, 4, 1),
 }
 # Under the interpreter every program runs as numpy on the CPU: small tiles keep tests fast and
-# make the small test shapes span several tiles and splits (ragged edges, partial combines).
-_INTERPRET_TILES = (16, 16, 1, 1)
-# Programs per SM the class split aims for (a few waves), and the pretend SM count of the
-# interpreter (small, so that CPU tests still exercise several splits).
+# make the small test shapes span several tiles, K steps and splits (ragged edges everywhere).
+_INTERPRET_TILES = {"lse": (16, 16, 16, 1, 1), "g": (16, 16, 16, 1, 1), "dw": (16, 16, 16, 1, 1),
+                    "prep": (4, 16, 0, 1, 1)}
+# Programs per SM the class split of the forward aims for (a few waves), and the pretend SM
+# count of the interpreter (small, so that CPU tests still exercise several splits).
 _WAVES = 4
 _INTERPRET_SMS = 2
 
 
-def tile_config(compute_dtype: torch.dtype, D: int, interpret: bool | None = None):
-    """``(HELD, STREAMED, num_warps, num_stages)`` for a compute dtype and padded width ``D``."""
+def tile_config(kernel: str, compute_dtype: torch.dtype, interpret: bool | None = None):
+    """``(BLOCK_A, BLOCK_B, BLOCK_K, num_warps, num_stages)`` of ``kernel`` for a compute dtype."""
     if interpret if interpret is not None else _INTERPRET:
-        return _INTERPRET_TILES
-    kind = "fp32" if compute_dtype == torch.float32 else "lowp"
-    widths = sorted(w for k, w in _TILES if k == kind)
-    width = next((w for w in widths if D <= w), widths[-1])
-    return _TILES[(kind, width)]
+        return _INTERPRET_TILES[kernel]
+    return TILES[(kernel, "fp32" if compute_dtype == torch.float32 else "lowp")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,15 +150,14 @@ def _split(held_tiles: int, stream_tiles: int, device: torch.device) -> tuple[in
 
 
 @triton.jit
-def _operand(t, COMPUTE: tl.constexpr, UPCAST: tl.constexpr):
-    """Round a float32 tile to the dot's operand dtype (round to nearest even, as on the GPU).
+def _round(t, COMPUTE: tl.constexpr, UPCAST: tl.constexpr):
+    """Round a float32 tile to the compute dtype (round to nearest even, as on the GPU).
 
     UPCAST (interpreter only) works around two bugs of Triton's interpreter, both reproduced on
     triton 3.9.0: ``tl.dot`` on bf16 operands multiplies raw bit patterns (triton-lang/triton
     #11584), and the float32 -> bf16 cast truncates instead of rounding to nearest. There the
-    tile is rounded by hand and kept in float32: products of bf16/fp16 values are exact in
-    float32, so the dot equals a bf16/fp16 dot with float32 accumulation. On the GPU the tile is
-    cast to COMPUTE and the dot runs on tensor cores.
+    tile is rounded by hand and kept in float32 (a store to a bf16 buffer then truncates exactly,
+    and products of bf16/fp16 values are exact in float32). On the GPU the tile is cast.
     """
     if UPCAST:
         if COMPUTE == tl.bfloat16:
@@ -174,11 +173,54 @@ def _operand(t, COMPUTE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(ptr, rows, row_ok, dims, dim_ok, d):
-    """float32 [len(rows), D] tile of a row-major [*, d] matrix; padding and ragged rows are 0."""
-    # int64 offsets: S * d exceeds 2**31 for the largest shards.
-    offs = rows.to(tl.int64)[:, None] * d + dims[None, :]
-    return tl.load(ptr + offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+def _dot_operand(t, UPCAST: tl.constexpr):
+    """A loaded compute-dtype tile as a dot operand (upcast, exactly, under the interpreter)."""
+    if UPCAST:
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
+def _cos_tile(a_ptr, b_ptr, a_rows, a_ok, b_rows, b_ok, d,
+              BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """float32 ``[BLOCK_A, BLOCK_B]`` of row dot products of two contiguous ``[*, d]`` matrices
+    in the compute dtype, with a K-loop over ``d`` (padding and ragged rows contribute 0)."""
+    acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+    a_off = a_rows.to(tl.int64)[:, None] * d
+    b_off = b_rows.to(tl.int64)[:, None] * d
+    for k0 in range(0, d, BLOCK_K):
+        dims = k0 + tl.arange(0, BLOCK_K)
+        dim_ok = dims < d
+        a = tl.load(a_ptr + a_off + dims[None, :], mask=a_ok[:, None] & dim_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + b_off + dims[None, :], mask=b_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc = tl.dot(_dot_operand(a, UPCAST), tl.trans(_dot_operand(b, UPCAST)), acc,
+                     input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _cos_tile2(a_ptr, b_ptr, a_rows, a_ok, b_rows, b_ok, b2_rows, b2_ok, d,
+               BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Two ``[BLOCK_A, BLOCK_B]`` cosine tiles that share their ``a`` rows: each ``a`` K-slice is
+    loaded once for both products, so the pair has the arithmetic intensity of one
+    ``BLOCK_A x 2 BLOCK_B`` tile while the epilogue holds one half at a time."""
+    acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+    acc2 = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+    a_off = a_rows.to(tl.int64)[:, None] * d
+    b_off = b_rows.to(tl.int64)[:, None] * d
+    b2_off = b2_rows.to(tl.int64)[:, None] * d
+    for k0 in range(0, d, BLOCK_K):
+        dims = k0 + tl.arange(0, BLOCK_K)
+        dim_ok = dims < d
+        a = _dot_operand(tl.load(a_ptr + a_off + dims[None, :], mask=a_ok[:, None] & dim_ok[None, :], other=0.0),
+                         UPCAST)
+        b = tl.load(b_ptr + b_off + dims[None, :], mask=b_ok[:, None] & dim_ok[None, :], other=0.0)
+        b2 = tl.load(b_ptr + b2_off + dims[None, :], mask=b2_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(_dot_operand(b, UPCAST)), acc, input_precision=PRECISION)
+        acc2 = tl.dot(a, tl.trans(_dot_operand(b2, UPCAST)), acc2, input_precision=PRECISION)
+    return acc, acc2
 
 
 @triton.jit
@@ -189,10 +231,10 @@ def _negative_logits(cos, col, tgt, valid, scale, threshold, HAS_THRESHOLD: tl.c
     each sample; either orientation). The target entry is excluded (the caller adds it back with
     its margin), as are filtered negatives (``cos > threshold``) and out-of-range padding.
 
-    Extension point: per-sample margin parameters or a transform of the negative logits (e.g.
-    CurricularFace's ``cos * (t + cos)`` for hard negatives ``cos > cos_theta_m``) belong here:
-    load the per-sample tensors by row next to ``tgt`` in each kernel, pass them in, and select the
-    transform with a new ``MODE: tl.constexpr``; the backward then also needs dz/dcos here.
+    Extension point: a transform of the negative logits (e.g. CurricularFace's ``cos * (t + cos)``
+    for hard negatives) belongs here, selected by a new constexpr; the G kernel then also needs
+    dz/dcos here. Per-sample target margins (AdaFace, MagFace, ElasticFace) need nothing here: the
+    caller handles every target term.
     """
     keep = valid & (col != tgt)
     if HAS_THRESHOLD:
@@ -201,76 +243,83 @@ def _negative_logits(cos, col, tgt, valid, scale, threshold, HAS_THRESHOLD: tl.c
     return z, keep
 
 
-@triton.jit
-def _grad_entries(cos, col, tgt, valid, coef, row_max, scale, threshold,
-                  HAS_THRESHOLD: tl.constexpr):
-    """``G = coef * exp(z - row_max)`` on kept entries, exactly 0 on excluded ones."""
-    z, keep = _negative_logits(cos, col, tgt, valid, scale, threshold, HAS_THRESHOLD)
-    # ``where`` (not a product with a 0/1 mask): exp may overflow to inf on excluded entries,
-    # e.g. for a sample with nothing kept whose row_max is -inf.
-    return tl.where(keep, coef * tl.exp(z - row_max), 0.0)
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernels
 
 
 @triton.jit
-def _sample_tile(x_ptr, tgt_ptr, N, d, pid_n, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                 COMPUTE: tl.constexpr, UPCAST: tl.constexpr):
-    """The held sample tile of the forward and dX kernels: row ids and mask, padded
-    dims and mask, the embeddings as dot operands, the target columns."""
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    dims = tl.arange(0, D)
-    dim_ok = dims < d
-    x = _operand(_load_rows(x_ptr, rows, row_ok, dims, dim_ok, d), COMPUTE, UPCAST)
-    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-    return rows, row_ok, dims, dim_ok, x, tgt
+def _prep_kernel(w_ptr, stride_r, stride_c, wc_ptr, inv_ptr, S, d, eps,
+                 COMPUTE: tl.constexpr, UPCAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (row tiles,): ``inv = 1 / max(||w_j||, eps)`` and ``wc_j = w_j * inv`` in COMPUTE."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < S
+    src = rows.to(tl.int64)[:, None] * stride_r
+    dst = rows.to(tl.int64)[:, None] * d
+    sq = tl.zeros([ROWS], tl.float32)
+    for k0 in range(0, d, BLOCK_D):
+        dims = k0 + tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (dims < d)[None, :]
+        v = tl.load(w_ptr + src + dims[None, :].to(tl.int64) * stride_c, mask=ok, other=0.0).to(tl.float32)
+        sq += tl.sum(v * v, axis=1)
+    inv = 1.0 / tl.maximum(tl.sqrt(sq), eps)
+    tl.store(inv_ptr + rows, inv, mask=row_ok)
+    for k0 in range(0, d, BLOCK_D):
+        dims = k0 + tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (dims < d)[None, :]
+        v = tl.load(w_ptr + src + dims[None, :].to(tl.int64) * stride_c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(wc_ptr + dst + dims[None, :], _round(v * inv[:, None], COMPUTE, UPCAST), mask=ok)
 
 
 @triton.jit
-def _class_tile(w_ptr, w_inv_ptr, t, S, dims, dim_ok, d, BLOCK_S: tl.constexpr):
-    """Class tile ``t``: column ids and mask, and the normalised centers (float32)."""
-    cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
-    col_ok = cols < S
-    w_inv = tl.load(w_inv_ptr + cols, mask=col_ok, other=0.0)
-    return cols, col_ok, _load_rows(w_ptr, cols, col_ok, dims, dim_ok, d) * w_inv[:, None]
+def _lse_part(cos, cols, col_ok, tgt, m, l, max_cos, scale, threshold,
+              HAS_THRESHOLD: tl.constexpr, WANT_MAX_COS: tl.constexpr):
+    """Fold one ``[samples, classes]`` cosine tile into the running (m, l, max_cos)."""
+    if WANT_MAX_COS:
+        # Raw cosines of every class but the target (filtered negatives included): the
+        # caller compares the target's cosine with this for top-1 accuracy.
+        other = col_ok[None, :] & (cols[None, :] != tgt[:, None])
+        max_cos = tl.maximum(max_cos, tl.max(tl.where(other, cos, float("-inf")), axis=1))
+    z, keep = _negative_logits(cos, cols[None, :], tgt[:, None], col_ok[None, :], scale, threshold, HAS_THRESHOLD)
+    z = tl.where(keep, z, float("-inf"))
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    # Shift by 0 while a row has kept nothing yet: exp(-inf - -inf) would be nan, while
+    # exp(-inf - 0) = 0 leaves l = 0 as it should.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l = l * tl.exp(m - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
+    return m_new, l, max_cos
 
 
 @triton.jit
-def _lse_kernel(x_ptr, w_ptr, w_inv_ptr, tgt_ptr, m_ptr, l_ptr, max_cos_ptr,
+def _lse_kernel(x_ptr, w_ptr, tgt_ptr, m_ptr, l_ptr, max_cos_ptr,
                 N, S, d, tiles_per_split, scale, threshold,
                 HAS_THRESHOLD: tl.constexpr, WANT_MAX_COS: tl.constexpr,
-                COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
-    """Grid (sample tiles, splits): partial m, l (and max cos) of one sample tile over one split."""
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (sample tiles, splits): partial m, l (and max cos) of one sample tile over one split.
+    Class tiles go two at a time, sharing each loaded sample K-slice (``BLOCK_N x 2 BLOCK_S``
+    operand reuse, one half's epilogue live at a time)."""
     pid_k = tl.program_id(1)
-    rows, row_ok, dims, dim_ok, x, tgt = _sample_tile(x_ptr, tgt_ptr, N, d, tl.program_id(0), BLOCK_N, D,
-                                                      COMPUTE, UPCAST)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
 
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_N], tl.float32)
     max_cos = tl.full([BLOCK_N], float("-inf"), tl.float32)
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(S, BLOCK_S))
-    for t in range(first, last):
-        cols, col_ok, w_hat = _class_tile(w_ptr, w_inv_ptr, t, S, dims, dim_ok, d, BLOCK_S)
-        cos = tl.dot(x, tl.trans(_operand(w_hat, COMPUTE, UPCAST)), input_precision="ieee")
-        if WANT_MAX_COS:
-            # Raw cosines of every class but the target (filtered negatives included): the
-            # caller compares the target's cosine with this for top-1 accuracy.
-            other = col_ok[None, :] & (cols[None, :] != tgt[:, None])
-            max_cos = tl.maximum(max_cos, tl.max(tl.where(other, cos, float("-inf")), axis=1))
-        z, keep = _negative_logits(cos, cols[None, :], tgt[:, None], col_ok[None, :],
-                                   scale, threshold, HAS_THRESHOLD)
-        z = tl.where(keep, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        # Shift by 0 while a row has kept nothing yet: exp(-inf - -inf) would be nan, while
-        # exp(-inf - 0) = 0 leaves l = 0 as it should.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp(m - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
-        m = m_new
+    end = tl.minimum(last * BLOCK_S, S)
+    for t in range(first, last, 2):
+        cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
+        col_ok = cols < end
+        cols2 = cols + BLOCK_S
+        col2_ok = cols2 < end
+        cos, cos2 = _cos_tile2(x_ptr, w_ptr, rows, row_ok, cols, col_ok, cols2, col2_ok, d,
+                               BLOCK_N, BLOCK_S, BLOCK_K, UPCAST, PRECISION)
+        m, l, max_cos = _lse_part(cos, cols, col_ok, tgt, m, l, max_cos, scale, threshold,
+                                  HAS_THRESHOLD, WANT_MAX_COS)
+        m, l, max_cos = _lse_part(cos2, cols2, col2_ok, tgt, m, l, max_cos, scale, threshold,
+                                  HAS_THRESHOLD, WANT_MAX_COS)
 
     out = pid_k * N + rows
     tl.store(m_ptr + out, m, mask=row_ok)
@@ -280,114 +329,168 @@ def _lse_kernel(x_ptr, w_ptr, w_inv_ptr, tgt_ptr, m_ptr, l_ptr, max_cos_ptr,
 
 
 @triton.jit
-def _grad_x_kernel(x_ptr, w_ptr, w_inv_ptr, tgt_ptr, coef_ptr, row_max_ptr, dx_ptr,
-                   N, S, d, tiles_per_split, scale, threshold,
-                   HAS_THRESHOLD: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
-    """Grid (sample tiles, splits): partial ``dx_hat = G @ w_hat`` of one sample tile, one split."""
-    pid_k = tl.program_id(1)
-    rows, row_ok, dims, dim_ok, x, tgt = _sample_tile(x_ptr, tgt_ptr, N, d, tl.program_id(0), BLOCK_N, D,
-                                                      COMPUTE, UPCAST)
+def _g_part(cos_t, cols, col_ok, rows, row_ok, tgt_ptr, coef_ptr, row_max_ptr, g_ptr, N, scale, threshold,
+            HAS_THRESHOLD: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr):
+    """Epilogue of one ``[classes, samples]`` cosine tile: store its G, return its part of rho."""
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
     row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
-
-    acc = tl.zeros([BLOCK_N, D], tl.float32)
-    first = pid_k * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, tl.cdiv(S, BLOCK_S))
-    for t in range(first, last):
-        cols, col_ok, w_hat = _class_tile(w_ptr, w_inv_ptr, t, S, dims, dim_ok, d, BLOCK_S)
-        w_op = _operand(w_hat, COMPUTE, UPCAST)
-        cos = tl.dot(x, tl.trans(w_op), input_precision="ieee")
-        g = _grad_entries(cos, cols[None, :], tgt[:, None], row_ok[:, None] & col_ok[None, :],
-                          coef[:, None], row_max[:, None], scale, threshold, HAS_THRESHOLD)
-        acc = tl.dot(_operand(g, COMPUTE, UPCAST), w_op, acc, input_precision="ieee")
-
-    offs = (pid_k * N + rows).to(tl.int64)[:, None] * d + dims[None, :]
-    tl.store(dx_ptr + offs, acc, mask=row_ok[:, None] & dim_ok[None, :])
+    z, keep = _negative_logits(cos_t, cols[:, None], tgt[None, :], col_ok[:, None] & row_ok[None, :],
+                               scale, threshold, HAS_THRESHOLD)
+    # ``where`` (not a product with a 0/1 mask): exp may overflow to inf on excluded entries,
+    # e.g. for a sample with nothing kept whose row_max is -inf.
+    g = _round(tl.where(keep, coef[None, :] * tl.exp(z - row_max[None, :]), 0.0), COMPUTE, UPCAST)
+    offs = cols.to(tl.int64)[:, None] * N + rows[None, :]
+    tl.store(g_ptr + offs, g, mask=col_ok[:, None] & row_ok[None, :])
+    return tl.sum(g * cos_t, axis=1)
 
 
 @triton.jit
-def _grad_w_kernel(x_ptr, w_ptr, w_inv_ptr, tgt_ptr, coef_ptr, row_max_ptr, dw_ptr,
-                   N, S, d, scale, threshold,
-                   HAS_THRESHOLD: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
-    """Grid (class tiles,): ``dw`` of one class tile, over all samples, projected in the epilogue."""
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+def _g_kernel(x_ptr, w_ptr, tgt_ptr, coef_ptr, row_max_ptr, g_ptr, rho_ptr,
+              N, S, d, scale, threshold,
+              HAS_THRESHOLD: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
+              PRECISION: tl.constexpr,
+              BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (class tiles,): ``G^T`` rows of one class tile over every sample, class-major
+    ``[S, N]`` in COMPUTE, and ``rho = sum_n G^T cos`` per class (float32). ``coef`` is already
+    divided by the block's scale ``c``; ``w_ptr`` points at the block's first center. Samples go
+    two ``BLOCK_N`` tiles at a time, sharing each loaded class K-slice."""
+    cols = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     col_ok = cols < S
-    dims = tl.arange(0, D)
-    dim_ok = dims < d
-    w_inv = tl.load(w_inv_ptr + cols, mask=col_ok, other=0.0)
-    w_op = _operand(_load_rows(w_ptr, cols, col_ok, dims, dim_ok, d) * w_inv[:, None],
-                    COMPUTE, UPCAST)
-
-    # Class-major throughout (cos^T, G^T), so G^T feeds the second dot without a transpose.
-    acc = tl.zeros([BLOCK_S, D], tl.float32)
-    for n0 in range(0, N, BLOCK_N):
+    rho = tl.zeros([BLOCK_S], tl.float32)
+    for n0 in range(0, N, 2 * BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        x = _operand(_load_rows(x_ptr, rows, row_ok, dims, dim_ok, d), COMPUTE, UPCAST)
-        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-        coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
-        row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
-        cos_t = tl.dot(w_op, tl.trans(x), input_precision="ieee")
-        g_t = _grad_entries(cos_t, cols[:, None], tgt[None, :], col_ok[:, None] & row_ok[None, :],
-                            coef[None, :], row_max[None, :], scale, threshold, HAS_THRESHOLD)
-        acc = tl.dot(_operand(g_t, COMPUTE, UPCAST), x, acc, input_precision="ieee")
+        rows2 = rows + BLOCK_N
+        row2_ok = rows2 < N
+        cos_t, cos_t2 = _cos_tile2(w_ptr, x_ptr, cols, col_ok, rows, row_ok, rows2, row2_ok, d,
+                                   BLOCK_S, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        rho += _g_part(cos_t, cols, col_ok, rows, row_ok, tgt_ptr, coef_ptr, row_max_ptr, g_ptr, N, scale,
+                       threshold, HAS_THRESHOLD, COMPUTE, UPCAST)
+        rho += _g_part(cos_t2, cols, col_ok, rows2, row2_ok, tgt_ptr, coef_ptr, row_max_ptr, g_ptr, N, scale,
+                       threshold, HAS_THRESHOLD, COMPUTE, UPCAST)
+    tl.store(rho_ptr + cols, rho, mask=col_ok)
 
-    # Through w_hat = w / ||w||: remove the radial part (with the float32 w_hat, as autograd
-    # would), then divide by the norm. Reloaded rather than kept live through the loop.
-    w_hat = _load_rows(w_ptr, cols, col_ok, dims, dim_ok, d) * w_inv[:, None]
-    radial = tl.sum(w_hat * acc, axis=1)
-    dw = (acc - w_hat * radial[:, None]) * w_inv[:, None]
-    offs = cols.to(tl.int64)[:, None] * d + dims[None, :]
-    tl.store(dw_ptr + offs, dw, mask=col_ok[:, None] & dim_ok[None, :])
+
+@triton.jit
+def _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d):
+    """Epilogue of one ``[classes, dims]`` tile of ``G^T x_hat``: project and store ``dw``."""
+    ok = col_ok[:, None] & (dims < d)[None, :]
+    w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_r + dims[None, :].to(tl.int64) * stride_c,
+                mask=ok, other=0.0).to(tl.float32)
+    dw = (acc - (w * inv[:, None]) * rho[:, None]) * (inv * c)[:, None]
+    tl.store(dw_ptr + cols.to(tl.int64)[:, None] * d + dims[None, :], dw, mask=ok)
+
+
+@triton.jit
+def _dw_kernel(g_ptr, x_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr, dw_ptr,
+               N, S, d, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (class tiles, pairs of dim tiles): ``dw = c * w_inv * (G^T x_hat - w_hat rho)``.
+
+    The GEMM's K runs over the samples, and each loaded G slice serves two ``BLOCK_D`` dim tiles.
+    The epilogue applies the derivative of the normalisation ``w_hat = w * w_inv`` (the tangent
+    projection, with the float32 ``w_hat``)."""
+    cols = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    col_ok = cols < S
+    dims = tl.program_id(1) * 2 * BLOCK_D + tl.arange(0, BLOCK_D)
+    dims2 = dims + BLOCK_D
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    acc2 = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    for n0 in range(0, N, BLOCK_K):
+        rows = n0 + tl.arange(0, BLOCK_K)
+        row_ok = rows < N
+        g = _dot_operand(tl.load(g_ptr + cols.to(tl.int64)[:, None] * N + rows[None, :],
+                                 mask=col_ok[:, None] & row_ok[None, :], other=0.0), UPCAST)
+        x_off = rows.to(tl.int64)[:, None] * d
+        x = tl.load(x_ptr + x_off + dims[None, :], mask=row_ok[:, None] & (dims < d)[None, :], other=0.0)
+        x2 = tl.load(x_ptr + x_off + dims2[None, :], mask=row_ok[:, None] & (dims2 < d)[None, :], other=0.0)
+        acc = tl.dot(g, _dot_operand(x, UPCAST), acc, input_precision=PRECISION)
+        acc2 = tl.dot(g, _dot_operand(x2, UPCAST), acc2, input_precision=PRECISION)
+    inv = tl.load(inv_ptr + cols, mask=col_ok, other=0.0)
+    rho = tl.load(rho_ptr + cols, mask=col_ok, other=0.0)
+    c = tl.load(c_ptr)
+    _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
+    _dw_part(acc2, cols, col_ok, dims2, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
 
 
 # ---------------------------------------------------------------------------------------------
 # Python entry points
 
 
+def _check_tensor(name, t, shape, dtypes, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but x_hat is on {device}")
+
+
 def _validate(x_hat, w, w_inv_norm, target_col, compute_dtype, **per_sample):
-    tensors = dict(x_hat=x_hat, w=w, w_inv_norm=w_inv_norm, target_col=target_col, **per_sample)
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    """Shapes, dtypes and devices of the entry points' arguments; ``w`` may be float32, bf16 or
+    fp16 with any strides; everything else is checked exactly."""
+    if not isinstance(x_hat, torch.Tensor):
+        raise TypeError(f"x_hat: expected a torch.Tensor, got {type(x_hat).__name__}")
     if x_hat.dim() != 2:
         raise ValueError(f"x_hat: expected shape [N, d], got {tuple(x_hat.shape)}")
-    if w.dim() != 2 or w.shape[1] != x_hat.shape[1]:
-        raise ValueError(f"w: expected shape [S, {x_hat.shape[1]}], got {tuple(w.shape)}")
-    n, s = x_hat.shape[0], w.shape[0]
-    shapes = dict(w_inv_norm=(s,), target_col=(n,), **{k: (n,) for k in per_sample})
-    for name, shape in shapes.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{name}: expected shape {list(shape)}, got {list(tensors[name].shape)}")
-    for name, t in tensors.items():
-        want = torch.int64 if name == "target_col" else torch.float32
-        if t.dtype != want:
-            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor")
-        if t.device != x_hat.device:
-            raise ValueError(f"{name}: on {t.device}, but x_hat is on {x_hat.device}")
+    n, d = x_hat.shape
+    _check_tensor("x_hat", x_hat, (n, d), (torch.float32,))
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w: expected a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != 2 or w.shape[1] != d:
+        raise ValueError(f"w: expected shape [S, {d}], got {tuple(w.shape)}")
+    s = w.shape[0]
+    _check_tensor("w", w, (s, d), tuple(_TL_DTYPES), x_hat.device)
+    if w_inv_norm is not None:
+        _check_tensor("w_inv_norm", w_inv_norm, (s,), (torch.float32,), x_hat.device)
+    _check_tensor("target_col", target_col, (n,), (torch.int64,), x_hat.device)
+    for name, t in per_sample.items():
+        _check_tensor(name, t, (n,), (torch.float32,), x_hat.device)
     if compute_dtype not in _TL_DTYPES:
         raise TypeError(f"compute_dtype: expected one of {list(_TL_DTYPES)}, got {compute_dtype}")
     check_device(x_hat)
 
 
-def _launch_args(x_hat, compute_dtype, threshold):
-    d = x_hat.shape[1]
-    D = max(16, triton.next_power_of_2(d))   # tl.dot needs K >= 16
-    held, streamed, num_warps, num_stages = tile_config(compute_dtype, D)
-    consts = dict(HAS_THRESHOLD=threshold is not None, COMPUTE=_TL_DTYPES[compute_dtype],
-                  UPCAST=_INTERPRET and compute_dtype != torch.float32, D=D)
-    launch = dict(num_warps=num_warps, num_stages=num_stages)
-    return held, streamed, consts, launch
+def _consts(compute_dtype):
+    lowp = compute_dtype != torch.float32
+    return dict(UPCAST=_INTERPRET and lowp, PRECISION="ieee")
 
 
-def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dtype,
-              want_max_cos: bool):
+def prepare(w: torch.Tensor, compute_dtype: torch.dtype):
+    """``(w_hat [S, d] in compute_dtype, contiguous; w_inv_norm [S] float32)`` of centers ``w``
+    (float32, bf16 or fp16, any strides): one read of ``w``, no normalised float32 copy."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError(f"w: expected a [S, d] tensor, got {getattr(w, 'shape', type(w).__name__)}")
+    if w.dtype not in _TL_DTYPES:
+        raise TypeError(f"w: expected dtype float32, bfloat16 or float16, got {w.dtype}")
+    if compute_dtype not in _TL_DTYPES:
+        raise TypeError(f"compute_dtype: expected one of {list(_TL_DTYPES)}, got {compute_dtype}")
+    check_device(w)
+    s, d = w.shape
+    wc = torch.empty(s, d, dtype=compute_dtype, device=w.device)
+    inv = torch.empty(s, dtype=torch.float32, device=w.device)
+    if s == 0 or d == 0:
+        return wc, inv.fill_(1.0 / _NORM_EPS)
+    rows, block_d, _, warps, stages = tile_config("prep", compute_dtype)
+    block_d = min(block_d, max(16, triton.next_power_of_2(d)))
+    with on_device(w.device):
+        _prep_kernel[(triton.cdiv(s, rows),)](
+            w, w.stride(0), w.stride(1), wc, inv, s, d, _NORM_EPS,
+            COMPUTE=_TL_DTYPES[compute_dtype], UPCAST=_consts(compute_dtype)["UPCAST"], ROWS=rows, BLOCK_D=block_d,
+            num_warps=warps, num_stages=stages)
+    return wc, inv
+
+
+def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dtype, want_max_cos: bool,
+              w_hat=None):
     """Per-sample log-sum-exp statistics of the non-target, unfiltered logits of this shard.
+
+    ``x_hat [N, d]`` float32 normalised embeddings, ``w [S, d]`` raw centers (float32, bf16 or
+    fp16, any strides), ``w_inv_norm [S]`` (None: computed here), ``w_hat``: the output of
+    :func:`prepare` when the caller has it (saves a pass over ``w``).
 
     Returns ``(m, l, max_cos)``, float32 ``[N]``: ``m`` the largest kept logit ``scale * cos``
     (-inf if none), ``l = sum exp(z - m)`` over kept entries (0 if none), and with
@@ -403,17 +506,23 @@ def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
     max_cos = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev) if want_max_cos else None
     if n == 0 or s == 0:
         return m, l, max_cos
+    if w_hat is None:
+        w_hat, _ = prepare(w, compute_dtype)
+    xc = x_hat.to(compute_dtype).contiguous()
 
-    block_n, block_s, consts, launch = _launch_args(x_hat, compute_dtype, threshold)
+    block_n, block_s, block_k, warps, stages = tile_config("lse", compute_dtype)
     n_tiles = triton.cdiv(n, block_n)
     splits, per = _split(n_tiles, triton.cdiv(s, block_s), dev)
     m_k = torch.empty(splits, n, dtype=torch.float32, device=dev)
     l_k = torch.empty_like(m_k)
     max_cos_k = torch.empty_like(m_k) if want_max_cos else m_k   # dummy pointer when unused
-    _lse_kernel[(n_tiles, splits)](
-        x_hat, w, w_inv_norm, target_col, m_k, l_k, max_cos_k,
-        n, s, d, per, float(scale), float(threshold if threshold is not None else 0.0),
-        WANT_MAX_COS=bool(want_max_cos), BLOCK_N=block_n, BLOCK_S=block_s, **consts, **launch)
+    with on_device(dev):
+        _lse_kernel[(n_tiles, splits)](
+            xc, w_hat, target_col, m_k, l_k, max_cos_k,
+            n, s, d, per, float(scale), float(threshold if threshold is not None else 0.0),
+            HAS_THRESHOLD=threshold is not None, WANT_MAX_COS=bool(want_max_cos),
+            BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_K=block_k, **_consts(compute_dtype),
+            num_warps=warps, num_stages=stages)
 
     m = m_k.amax(dim=0)
     # Same guard as in the kernel: a row with nothing kept anywhere has m = -inf.
@@ -424,16 +533,35 @@ def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
     return m, l, max_cos
 
 
-def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, compute_dtype):
+def _block_classes(n: int, s: int, itemsize: int, block_bytes: int | None, tile: int) -> int:
+    """Classes per backward block: G of ``[block, N]`` within ``block_bytes`` (None: all of
+    ``S``), a multiple of the class tile, at least one tile."""
+    if block_bytes is None:
+        return s
+    per = block_bytes // max(1, n * itemsize)
+    return max(tile, per // tile * tile)
+
+
+def _gemm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with a float32 result; bf16/fp16 operands run on tensor cores on CUDA and are
+    upcast exactly on a CPU (where reduced-precision GEMMs are slow or unsupported)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, compute_dtype,
+         w_hat=None, block_bytes: int | None = None):
     """Backward of the non-target logits: ``(dx_hat [N, d], dw [S, d])``, float32.
 
     With ``G[n, j] = coef[n] * exp(z[n, j] - row_max[n])`` on kept entries (0 on the target and
     filtered ones): ``dx_hat = G @ w_hat`` and ``dw`` = ``dw_hat = G^T @ x_hat`` taken through the
-    normalisation ``w_hat = w * w_inv_norm``. Logits are recomputed; nothing N x S is stored.
-
-    Cost: both kernels recompute the cosines, so 8 N S d FLOPs (vs 2 N S d for the forward).
-    Memory beyond the outputs: ``[SPLITS, N, d]`` float32 partials of dx_hat (SPLITS is at most
-    ~4 x SMs / sample tiles, e.g. ~20 MiB for N = 2048, d = 512 on 132 SMs with 16-sample tiles).
+    normalisation ``w_hat = w * w_inv_norm``. ``w_hat``: :func:`prepare`'s output, if the caller
+    kept it. ``block_bytes`` bounds the G buffer (``[classes, N]`` in the compute dtype; None:
+    one block). Cost: ``6 N S d`` FLOPs (recompute, two products) and ``N S`` G elements written
+    and read twice; memory beyond the outputs: G of one block and ``4 S`` bytes of ``rho``.
     """
     _validate(x_hat, w, w_inv_norm, target_col, compute_dtype, coef=coef, row_max=row_max)
     n, d = x_hat.shape
@@ -442,25 +570,36 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
     if n == 0 or s == 0:
         return (torch.zeros(n, d, dtype=torch.float32, device=dev),
                 torch.zeros(s, d, dtype=torch.float32, device=dev))
-
-    held, streamed, consts, launch = _launch_args(x_hat, compute_dtype, threshold)
-    args = (float(scale), float(threshold if threshold is not None else 0.0))
-
-    # dx: hold sample tiles, stream class tiles split over programs, sum the partials.
-    n_tiles = triton.cdiv(n, held)
-    splits, per = _split(n_tiles, triton.cdiv(s, streamed), dev)
-    dx_k = torch.empty(splits, n, d, dtype=torch.float32, device=dev)
-    _grad_x_kernel[(n_tiles, splits)](
-        x_hat, w, w_inv_norm, target_col, coef, row_max, dx_k, n, s, d, per, *args,
-        BLOCK_N=held, BLOCK_S=streamed, **consts, **launch)
-    dx_hat = dx_k.sum(dim=0) if splits > 1 else dx_k[0]
-
-    # dw: hold class tiles (complete rows of dw_hat, for the projection), stream all samples.
-    # One program per class tile fills the GPU for S >~ 4 x SMs x HELD; for smaller shards the
-    # sample loop could be split too (the projection is linear, so partials may be projected
-    # separately and summed), not done as such shards are cheap anyway.
+    if w_hat is None or w_inv_norm is None:
+        w_hat, w_inv_norm = prepare(w, compute_dtype)
+    xc = x_hat.to(compute_dtype).contiguous()
+    # G is stored relative to the largest row coefficient (a device scalar: no host sync).
+    c = coef.abs().amax().clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    coef_rel = (coef / c).contiguous()
+    consts = _consts(compute_dtype)
+    tg = tile_config("g", compute_dtype)
+    tw = tile_config("dw", compute_dtype)
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    step = _block_classes(n, s, itemsize, block_bytes, max(tg[0], tw[0]))
+    g_buf = torch.empty(min(step, s), n, dtype=compute_dtype, device=dev)
+    rho = torch.empty(s, dtype=torch.float32, device=dev)
+    dx_hat = torch.zeros(n, d, dtype=torch.float32, device=dev)
     dw = torch.empty(s, d, dtype=torch.float32, device=dev)
-    _grad_w_kernel[(triton.cdiv(s, held),)](
-        x_hat, w, w_inv_norm, target_col, coef, row_max, dw, n, s, d, *args,
-        BLOCK_N=streamed, BLOCK_S=held, **consts, **launch)
-    return dx_hat, dw
+    thr = float(threshold if threshold is not None else 0.0)
+    with on_device(dev):
+        for j in range(0, s, step):
+            k = min(s, j + step)
+            b = k - j
+            g = g_buf[:b]
+            _g_kernel[(triton.cdiv(b, tg[0]),)](
+                xc, w_hat[j:k], target_col - j, coef_rel, row_max, g, rho[j:k],
+                n, b, d, float(scale), thr,
+                HAS_THRESHOLD=threshold is not None, COMPUTE=_TL_DTYPES[compute_dtype], **consts,
+                BLOCK_S=tg[0], BLOCK_N=tg[1], BLOCK_K=tg[2], num_warps=tg[3], num_stages=tg[4])
+            dx_hat.add_(_gemm_f32(g.t(), w_hat[j:k]))
+            w_blk = w[j:k]
+            _dw_kernel[(triton.cdiv(b, tw[0]), triton.cdiv(d, 2 * tw[1]))](
+                g, xc, w_blk, w_blk.stride(0), w_blk.stride(1), w_inv_norm[j:k], rho[j:k], c, dw[j:k],
+                n, b, d, **consts,
+                BLOCK_S=tw[0], BLOCK_D=tw[1], BLOCK_K=tw[2], num_warps=tw[3], num_stages=tw[4])
+    return dx_hat.mul_(c), dw
