@@ -183,6 +183,13 @@ def test_matches_float64_reference(n, s, d, scale, threshold, compute_dtype, wan
         assert bool((ref["x_c"] @ ref["w_c"].T > threshold).any())
 
 
+
+@pytest.mark.parametrize("d,compute_dtype", [(64, torch.bfloat16), (100, torch.float32), (256, torch.float16),
+                                             (512, torch.bfloat16), (1024, torch.float32)])
+def test_embedding_widths(d, compute_dtype):
+    """The K-loop over d covers every width: multiples of the K step, ragged ones, and 1024."""
+    _check(19, 37, d, scale=64.0, threshold=0.2, compute_dtype=compute_dtype, want_max_cos=True, seed=d)
+
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
 def test_sample_with_nothing_kept(compute_dtype):
     # S == 1: sample 0's only column is its target, so m = -inf, l = 0, G = 0 for it, while
