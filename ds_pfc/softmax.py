@@ -53,7 +53,7 @@ from .collectives import all_reduce_
 from .margins import Margin
 
 __all__ = ["margin_softmax_cross_entropy", "SoftmaxResult", "default_block_bytes", "check_block_bytes",
-           "resolve_backend", "default_compute_dtype", "CPU_BLOCK_BYTES", "CUDA_BLOCK_BYTES", "KEEP_BYTES", "BACKENDS"]
+           "resolve_backend", "default_compute_dtype", "class_blocks", "CPU_BLOCK_BYTES", "CUDA_BLOCK_BYTES", "KEEP_BYTES", "BACKENDS"]
 
 _NORM_EPS = 1e-12
 CPU_BLOCK_BYTES = 1 << 21     # ~2 MiB of logits: a block stays in a CPU core's cache
@@ -89,6 +89,23 @@ def default_compute_dtype(device, acc_dtype) -> torch.dtype:
     if torch.device(device).type == "cuda" and acc_dtype == torch.float32:
         return torch.bfloat16
     return acc_dtype
+
+
+def class_blocks(backend: str, n: int, s: int, compute_dtype: torch.dtype, block_bytes: int) -> int:
+    """Class blocks one call of ``backend`` ("torch" or "triton") walks for ``n`` samples and
+    ``s`` active classes: torch blocks hold ``block_bytes`` of float32 logits, triton blocks
+    ``block_bytes`` of the gradient ``G`` in the compute dtype (a whole number of class tiles)."""
+    if s <= 0:
+        return 0
+    if backend == "triton":
+        from .kernels import triton_softmax as kernels
+        item = torch.empty((), dtype=compute_dtype).element_size()
+        a = kernels.tile_config("g", compute_dtype, interpret=False)[0]
+        b = kernels.tile_config("dw", compute_dtype, interpret=False)[0]
+        step = kernels._block_classes(n, s, item, block_bytes, max(a, b))
+    else:
+        step = max(1, min(s, block_bytes // max(1, n * 4)))
+    return -(-s // step)
 
 
 def resolve_backend(backend: str, device, compute_dtype, acc_dtype, margin: Margin | None = None) -> str:
