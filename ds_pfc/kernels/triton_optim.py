@@ -22,6 +22,7 @@ import os
 import torch
 
 from .._checks import check_number as _number
+from . import _target
 
 try:
     import triton
@@ -55,7 +56,7 @@ def available() -> bool:
 
 
 def _tiles():
-    return _TILES["interpreter" if _INTERPRET else "cuda"]
+    return _TILES["interpreter" if _INTERPRET and not _target.active() else "cuda"]
 
 
 if triton is not None:

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _target
+
 __all__ = ["available", "check_device", "lse_stats", "grad", "tile_config"]
 
 # Triton decides at decoration time whether ``@triton.jit`` yields an interpreted function, so
@@ -95,7 +97,7 @@ _INTERPRET_SMS = 2
 
 def tile_config(compute_dtype: torch.dtype, D: int, interpret: bool | None = None):
     """``(HELD, STREAMED, num_warps, num_stages)`` for a compute dtype and padded width ``D``."""
-    if interpret if interpret is not None else _INTERPRET:
+    if interpret if interpret is not None else (_INTERPRET and not _target.active()):
         return _INTERPRET_TILES
     kind = "fp32" if compute_dtype == torch.float32 else "lowp"
     widths = sorted(w for k, w in _TILES if k == kind)
@@ -126,8 +128,12 @@ def check_device(t: torch.Tensor) -> None:
         raise RuntimeError(f"the triton backend does not support tensors on {t.device}")
 
 
-@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
+    return _target.sms() or _device_sms(device)   # inside _target.gpu_tiles: the target's SMs
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(device: torch.device) -> int:
     if _INTERPRET or device.type != "cuda":
         return _INTERPRET_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
