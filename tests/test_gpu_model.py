@@ -256,3 +256,34 @@ def test_compare_flags_kernels_off_by_more_than_the_factor():
     assert by["d"]["ok"] and by["e"]["ok"] and by["d"]["ratio"] is None      # negligible, one side only
     with pytest.raises(ValueError, match="factor"):
         model.compare({}, {}, factor=1.0)
+
+
+# --------------------------------------------------------------------- the self-check's parts
+def test_selfcheck_groups_profiler_rows_and_predictions_alike():
+    from ds_pfc import selfcheck
+    events = [("aten::mm", False, 0.010), ("aten::addmm_", False, 0.002), ("aten::mul_", False, 0.003),
+              ("aten::copy_", False, 0.001), ("_lse_kernel", True, 0.030), ("_lse_kernel", True, 0.001),
+              ("sm90_xmma_gemm_bf16", True, 0.012), ("void at::native::kernel", True, 0.004),
+              ("aten::linear", False, 0.0)]
+    got = selfcheck.group_measured(events, {"_lse_kernel", "_grad_w_kernel"})
+    assert got == pytest.approx({"torch GEMMs": 0.012, "torch other ops": 0.004, "triton:_lse_kernel": 0.031})
+    pred = {"kernels": [{"kernel": "aten:mm[bf16]", "seconds": 0.01}, {"kernel": "aten:addmm_[fp32]", "seconds": 0.001},
+                        {"kernel": "aten:mul_", "seconds": 0.002}, {"kernel": "triton:_lse_kernel", "seconds": 0.03}]}
+    assert selfcheck.group_predicted(pred) == pytest.approx(
+        {"torch GEMMs": 0.011, "torch other ops": 0.002, "triton:_lse_kernel": 0.03})
+    assert selfcheck.gpu_model_key("NVIDIA H100 80GB HBM3") == "h100"
+    assert selfcheck.gpu_model_key("NVIDIA H200") == "h200"
+    assert selfcheck.gpu_model_key("NVIDIA A100-SXM4-80GB") == "a100"
+    assert selfcheck.gpu_model_key("NVIDIA L4") is None
+
+
+def test_selfcheck_case_is_the_standard_rank_or_as_much_as_fits():
+    from ds_pfc import selfcheck
+    case = selfcheck.fitting_case(78 << 30)
+    assert case["classes"] == 8_000_000 and case["batch"] == 2048 and case["dim"] == 512
+    small = selfcheck.fitting_case(24 << 30)
+    rows = small["classes"] * small["sample_rate"]
+    table = 8 * 512 * small["classes"]                          # weight and momentum
+    assert 100_000 < rows < 800_000 and table + 24 * 512 * rows <= 0.7 * (24 << 30)
+    with pytest.raises(RuntimeError, match="free"):
+        selfcheck.fitting_case(1 << 30)
