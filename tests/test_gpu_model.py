@@ -163,9 +163,11 @@ def test_the_torch_step_does_8NSd_flops_and_its_products_move_what_they_touch():
     # [N, d] (read and written). float32 elements.
     assert flops == 8 * N * S * d
     assert moved == 4 * (4 * S * d + 4 * S * N + 5 * B * N * d)
-    # The row update: weight, momentum read and written, the gradient read: 20 B per element.
+    # The row update: weight and momentum read and written, the gradient and the row ids read
+    # (20 B per element, 8 per row).
     sgd = out["kernels"]["triton:_sgd_rows_kernel"]
-    assert sgd["unique_read"] >= 12 * S * d and sgd["unique_written"] == 8 * S * d
+    assert sgd["unique_read"] == sgd["read"] == 12 * S * d + 8 * S
+    assert sgd["unique_written"] == sgd["written"] == 8 * S * d
 
 
 def test_the_fit_is_exact_for_linear_counts():
@@ -287,3 +289,13 @@ def test_selfcheck_case_is_the_standard_rank_or_as_much_as_fits():
     assert 100_000 < rows < 800_000 and table + 24 * 512 * rows <= 0.7 * (24 << 30)
     with pytest.raises(RuntimeError, match="free"):
         selfcheck.fitting_case(1 << 30)
+
+
+def test_logsumexp_counts_the_passes_cuda_makes():
+    x = torch.randn(100, 8)
+    with model.CostCounter() as c:
+        torch.logsumexp(x, dim=0)
+    rec = c.kernels()["aten:logsumexp"]
+    # amax (read), x - max (read, write), exp_ (read, write), sum (read), then [8]-sized ops.
+    assert rec["read"] == 4 * 100 * 8 * 4 and rec["written"] == 2 * 100 * 8 * 4 + 8 * 4
+    assert rec["launches"] == 7

@@ -10,7 +10,8 @@ kernel it launches is counted:
   the bytes each op reads and writes (a broadcast operand once; gathers and scatters
   (index, index_select, index_put, index_add, gather, scatter) move the indexed rows, not the
   whole source). A float32 cast of a bf16/fp16 product is folded into the product, as CUDA
-  writes such a product in float32 directly (``mm(..., out_dtype=float32)``).
+  writes such a product in float32 directly (``mm(..., out_dtype=float32)``); an op that CUDA
+  runs as several passes (logsumexp) counts all of them (:data:`_CUDA_PASSES`).
 * Triton kernels, by instrumenting Triton's interpreter (``TRITON_INTERPRET=1``) inside
   :func:`ds_pfc.kernels._target.gpu_tiles`, so that every launch uses the GPU tile table and
   the target's SM count: per launch the dot FLOPs (``2 M N K`` per ``tl.dot``, over all
@@ -120,6 +121,12 @@ _GATHERS = {"index", "index_select", "gather", "embedding", "take", "take_along_
 _SCATTERS = {"index_put", "index_put_", "_index_put_impl_", "index_add", "index_add_", "index_copy", "index_copy_",
              "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
              "index_fill", "index_fill_", "masked_scatter_"}
+
+
+# Ops that one aten call runs as several full passes on CUDA: (reads, writes) of the input's
+# size and launches. logsumexp over a dim is amax, sub, exp_, sum, log_, add_ (ATen's
+# ReduceOps.cpp logsumexp_out_impl).
+_CUDA_PASSES = {"logsumexp": (4, 2, 7)}
 
 
 def _tensors(obj):
@@ -253,6 +260,10 @@ class CostCounter(TorchDispatchMode):
                 self._last_mm = (out, rec)
         else:
             rec = self._record(f"aten:{name}", "elementwise")
+        if name in _CUDA_PASSES and args and isinstance(args[0], torch.Tensor):
+            reads, writes, launches = _CUDA_PASSES[name]
+            read, written = reads * _nbytes(args[0]), writes * _nbytes(args[0]) + written
+            rec.launches += launches - 1
         rec.launches += 1
         rec.read += read
         rec.written += written
@@ -662,8 +673,7 @@ def predict_case(case: dict, gpu_name: str, *, counts: list[dict] | None = None,
                   for s, b in _standard_runs(case)]
     fitted = fit_counts(counts, S, math.ceil(S / rows))
     out = predict(fitted, gpu, S=S, batch=case["batch"], dim=case["dim"], compile_code=compile_code)
-    out.update(case=dict(case), gpu=gpu_name, gpu_name=gpu["name"], S=S,
-               counted=[{"S": c["S"], "blocks": c["blocks"]} for c in counts])
+    out.update(case=dict(case), gpu=gpu_name, gpu_name=gpu["name"], S=S, counts=counts)
     return out
 
 
