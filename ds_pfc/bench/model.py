@@ -725,7 +725,15 @@ def main_predict(argv=None) -> int:
     p.add_argument("--block-bytes", type=int, default=None)
     p.add_argument("--no-compile", action="store_true", help="skip reading the kernels' machine code")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/predict-<gpu>-<date>.json)")
-    args, _ = p.parse_known_args(argv)
+    args = p.parse_args(argv)
+    for name in ("world", "classes", "batch", "dim"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be a positive int, got {getattr(args, name)}")
+    if not 0 < args.sample_rate <= 1:
+        p.error(f"--sample-rate must lie in (0, 1], got {args.sample_rate}")
+    for backend in args.backend.split(","):
+        if backend not in ("torch", "triton"):
+            p.error(f"--backend: expected torch and/or triton, got {backend!r}")
     results = []
     for backend in args.backend.split(","):
         case = dict(world=args.world, classes=args.classes, sample_rate=args.sample_rate, batch=args.batch,
