@@ -183,6 +183,16 @@ def test_the_fit_is_exact_for_linear_counts():
     assert got["written"] == pytest.approx(800_000)
     with pytest.raises(ValueError, match="runs"):
         model.fit_counts([fake(128, 2), fake(256, 4), fake(384, 6)], 10, 1)
+    # Four runs: B's share from two steps at one small S, where a kernel's grid (and so its
+    # per-launch work) may still grow with S: that part must not leak into the per-S rate.
+    small = [fake(64, 2), fake(64, 4)]
+    for r in small:
+        r["kernels"]["k"]["read"] += 1000         # what an unsaturated grid adds at S = 64
+    got = model.fit_counts(small + [fake(320, 2), fake(640, 4)], 800_000, 25)["k"]
+    assert got["read"] == pytest.approx(7 + 5 * 800_000 + 11 * 25)
+    assert got["launches"] == pytest.approx(3 + 2 * 25)
+    with pytest.raises(ValueError, match="runs"):
+        model.fit_counts([fake(64, 2), fake(128, 4), fake(320, 2), fake(640, 4)], 10, 1)
 
 
 @needs_interpreter

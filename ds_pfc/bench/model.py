@@ -19,14 +19,15 @@ kernel it launches is counted:
   pointer) = traffic between L2 and the SMs, and the distinct bytes touched per tensor argument
   (a bitmap over each argument's storage, loads and stores apart) = HBM traffic.
 
-Scaling. The counting step runs at the target ``N`` and ``d`` but at small ``S``: three runs
-(two values of ``S``, and two class-block sizes of the torch backend at the larger one, all
-with logits recomputed in backward as at the target), and each kernel's launches, FLOPs and
-bytes are fitted exactly as ``a + b S + c B`` (``B`` the number of class blocks) and evaluated
-at the target ``S`` and its ``B`` (``block_bytes`` / 4N rows per block, 256 MiB by default).
-Linear in ``S`` is exact for the streaming kernels (their grids' split counts saturate at a
-few hundred active rows) and for the torch blocks; the counting step's labels draw from few
-classes so that positives never exceed the small ``S``.
+Scaling. The counting step runs at the target ``N`` and ``d`` but at small ``S``: four runs
+(two class-block sizes of the torch backend at S = 64, then S = 320 and 640; always with the
+logits recomputed in backward, as at the target), and each kernel's launches, FLOPs and bytes
+are fitted as ``a + b S + c B`` (``B`` the number of class blocks; :func:`fit_counts`) and
+evaluated at the target ``S`` and its ``B`` (``block_bytes`` / 4N rows per block, 256 MiB by
+default). Linear in ``S`` is exact for the torch blocks and for the streaming kernels once
+their grids' class splits have saturated (a few hundred active rows, see
+:func:`_standard_runs`); the counting step's labels draw from few classes so that positives
+never exceed the small ``S``.
 
 Time rule, per kernel: ``launches * launch + max(FLOPs / matrix rate, bytes / L2 rate,
 unique bytes / HBM rate) / fill``. Triton kernels: the matrix rate is read from their machine
@@ -476,21 +477,37 @@ def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str
 
 
 def fit_counts(runs: list[dict], S: int, blocks: int) -> dict:
-    """Each kernel's counts at ``S`` rows and ``blocks`` class blocks, from runs fitted exactly
-    as ``a + b S + c B`` (three runs; with two, ``c = 0``). Negative extrapolations become 0."""
+    """Each kernel's counts at ``S`` rows and ``blocks`` class blocks, fitted as
+    ``a + b S + c B``. Four runs (what :func:`predict_case` counts): the first two share one
+    S and differ in B (they give ``c``, and may lie below the S where the kernels' grids stop
+    growing), the last two give ``a`` and ``b``. Three runs: solved exactly; two: ``c = 0``.
+    Negative extrapolations become 0."""
     keys = sorted({k for r in runs for k in r["kernels"]})
-    if len(runs) == 3:
-        basis = [[1.0, r["S"], r["blocks"]] for r in runs]
-        target = [1.0, S, blocks]
-    elif len(runs) == 2:
-        basis = [[1.0, r["S"]] for r in runs]
-        target = [1.0, S]
+    if len(runs) == 4:
+        (s0, b0), (s1, b1), (s2, b2), (s3, b3) = [(r["S"], r["blocks"]) for r in runs]
+        if s0 != s1 or b0 == b1 or s2 == s3:
+            raise ValueError("runs: expected two steps at one S with different blocks, then two at different S")
+
+        def value(v):
+            c = (v[1] - v[0]) / (b1 - b0)
+            u2, u3 = v[2] - c * b2, v[3] - c * b3
+            b = (u3 - u2) / (s3 - s2)
+            return (u2 - b * s2) + b * S + c * blocks
+
+        weights = torch.tensor([value([float(i == j) for j in range(4)]) for i in range(4)], dtype=torch.float64)
     else:
-        raise ValueError(f"runs: expected 2 or 3 counted steps, got {len(runs)}")
-    A = torch.tensor(basis, dtype=torch.float64)
-    if abs(float(torch.linalg.det(A))) < 1e-9:
-        raise ValueError("runs: the counted steps' (S, blocks) do not determine the fit")
-    weights = torch.linalg.solve(A.T, torch.tensor(target, dtype=torch.float64))   # value = w . counts
+        if len(runs) == 3:
+            basis = [[1.0, r["S"], r["blocks"]] for r in runs]
+            target = [1.0, S, blocks]
+        elif len(runs) == 2:
+            basis = [[1.0, r["S"]] for r in runs]
+            target = [1.0, S]
+        else:
+            raise ValueError(f"runs: expected 2, 3 or 4 counted steps, got {len(runs)}")
+        A = torch.tensor(basis, dtype=torch.float64)
+        if abs(float(torch.linalg.det(A))) < 1e-9:
+            raise ValueError("runs: the counted steps' (S, blocks) do not determine the fit")
+        weights = torch.linalg.solve(A.T, torch.tensor(target, dtype=torch.float64))   # value = w . counts
     out = {}
     for key in keys:
         recs = [r["kernels"].get(key) for r in runs]
@@ -653,10 +670,12 @@ def predict(fitted: dict, gpu: dict, *, S: int, batch: int, dim: int, compile_co
 
 
 def _standard_runs(case: dict) -> list[tuple[int, int | None]]:
-    """``(S, block_rows)`` of the three counted steps: two small S, and two block sizes of
-    the torch backend at the smaller; always >= 2 blocks, so that backward recomputes the
-    logits as it does at the target."""
-    return [(128, 64), (256, 64), (128, 32)]
+    """``(S, block_rows)`` of the four counted steps (see :func:`fit_counts`). Always >= 2
+    class blocks, so that backward recomputes the logits as it does at the target. The
+    last two S lie past the point where the Triton kernels' class splits stop growing with S
+    (at N = 2048 with 132 SMs: S >= 288 for d = 128 and 256, 160 for d = 512): below it
+    their per-split work would be taken for work per class."""
+    return [(64, 32), (64, 16), (320, 160), (640, 160)]
 
 
 def predict_case(case: dict, gpu_name: str, *, counts: list[dict] | None = None, compile_code: bool = True) -> dict:
