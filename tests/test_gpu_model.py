@@ -4,7 +4,6 @@ linear scaling in S, the time rule and the measured-vs-predicted comparison.
 The Triton counts need the interpreter (``TRITON_INTERPRET=1`` before triton is imported,
 which the conftest sets on a machine without CUDA); those tests skip elsewhere.
 """
-import math
 import os
 
 import pytest

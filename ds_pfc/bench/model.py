@@ -48,12 +48,9 @@ import inspect
 import json
 import math
 import os
-import re
 import subprocess
 import sys
-import tempfile
 import time
-from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
