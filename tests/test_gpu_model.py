@@ -308,3 +308,23 @@ def test_logsumexp_counts_the_passes_cuda_makes():
     # amax (read), x - max (read, write), exp_ (read, write), sum (read), then [8]-sized ops.
     assert rec["read"] == 4 * 100 * 8 * 4 and rec["written"] == 2 * 100 * 8 * 4 + 8 * 4
     assert rec["launches"] == 7
+
+
+def test_grids_agree_when_each_dimension_stays_or_scales():
+    assert model._grids_agree({"k": [(4, 5, 1)], "w": [(10, 2, 1)]}, {"k": [(4, 5, 1)], "w": [(20, 2, 1)]}, 2)
+    assert not model._grids_agree({"k": [(32, 10, 1)]}, {"k": [(32, 14, 1)]}, 2)      # splits still growing
+    assert not model._grids_agree({"k": [(4, 5, 1)]}, {"k": [(4, 5, 1)], "j": [(1, 1, 1)]}, 2)
+
+
+@needs_interpreter
+def test_the_counted_sizes_lie_where_the_triton_grids_have_settled():
+    # N = 2048, d = 128 on 132 SMs: the class split of the streaming kernels aims at 17.
+    case = dict(batch=2048, dim=128, sample_rate=0.1, compute="bf16", embeddings="fp32", backend="triton",
+                world=8, S=800_000)
+    (s0, r0), (s1, r1), (s2, _), (s3, _) = model._standard_runs(case)
+    assert s0 == s1 and r0 != r1 and s3 == 2 * s2 >= 640
+    grids = lambda S, rate=0.1: model.count_step(S, batch=2048, dim=128, sample_rate=rate, compute="bf16",
+                                                 backend="triton", block_rows=S // 2, world=8, grids_only=True)
+    # The lse kernel's grid is (sample tiles, class splits): the splits are those of a large S.
+    splits = [grids(s2)["_lse_kernel"][0][1], grids(s3)["_lse_kernel"][0][1], grids(1 << 16, 1.0)["_lse_kernel"][0][1]]
+    assert splits == [17, 17, 17]

@@ -20,14 +20,14 @@ kernel it launches is counted:
   (a bitmap over each argument's storage, loads and stores apart) = HBM traffic.
 
 Scaling. The counting step runs at the target ``N`` and ``d`` but at small ``S``: four runs
-(two class-block sizes of the torch backend at S = 64, then S = 320 and 640; always with the
+(two class-block sizes of the torch backend at S = 64, then S2 >= 320 and 2 S2; always with the
 logits recomputed in backward, as at the target), and each kernel's launches, FLOPs and bytes
 are fitted as ``a + b S + c B`` (``B`` the number of class blocks; :func:`fit_counts`) and
 evaluated at the target ``S`` and its ``B`` (``block_bytes`` / 4N rows per block, 256 MiB by
-default). Linear in ``S`` is exact for the torch blocks and for the streaming kernels once
-their grids' class splits have saturated (a few hundred active rows, see
-:func:`_standard_runs`); the counting step's labels draw from few classes so that positives
-never exceed the small ``S``.
+default). Linear in ``S`` is exact for the torch blocks and for the streaming kernels at S
+where their grids' class splits no longer change (:func:`_standard_runs` finds such S from
+the grids alone); the counting step's labels draw from few classes so that positives never
+exceed the small ``S``.
 
 Time rule, per kernel: ``launches * launch + max(FLOPs / matrix rate, bytes / L2 rate,
 unique bytes / HBM rate) / fill``. Triton kernels: the matrix rate is read from their machine
@@ -438,8 +438,11 @@ def _constexpr_json(value):
 # --------------------------------------------------------------------- one counted step
 def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str = "bf16",
                embeddings: str = "fp32", backend: str = "triton", block_rows: int | None = None,
-               world: int = 1, sms: int = 132, seed: int = 0) -> dict:
+               world: int = 1, sms: int = 132, seed: int = 0, grids_only: bool = False) -> dict:
     """Counts of one head step (forward, backward, fused row SGD) with ``S`` active rows.
+
+    ``grids_only``: launch no Triton kernel, only record each launch's grid (in seconds:
+    what follows a launch computes on uninitialised outputs); returns ``{name: [grids]}``.
 
     ``block_rows``: class rows per block of the torch backend (None: a 256 MiB block). Runs on
     CPU tensors; Triton kernels need ``TRITON_INTERPRET=1`` set before triton was imported.
@@ -465,12 +468,61 @@ def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str
     # One rank owns about N / k of the gathered labels; few distinct ones keep |P| << S.
     positives = max(1, min(batch // max(1, world), S // 4))
     y = torch.randint(0, positives, (batch,), generator=gen) * (num_classes // positives)
+    if grids_only:
+        with gpu_tiles(sms=sms), _GridRecorder() as grids:
+            head(x, y).backward()
+            head.step(0.1)
+        head.close()
+        return grids.grids
     with gpu_tiles(sms=sms), CostCounter() as counter:
         loss = head(x, y)
         loss.backward()
         head.step(0.1)
     head.close()
     return {"kernels": counter.kernels(), "S": S, "blocks": math.ceil(S / rows), "block_rows": rows}
+
+
+class _GridRecorder:
+    """Within it, interpreted Triton launches only record their grid (padded to 3-D)."""
+
+    def __enter__(self):
+        from triton.runtime import interpreter as interp
+        self.grids, self._owner, self._run = {}, interp.InterpretedFunction, interp.InterpretedFunction.run
+        recorder = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            if not warmup:
+                if callable(grid):
+                    grid = grid(dict(zip(fn.arg_names, args), **kwargs))
+                grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+                recorder.grids.setdefault(fn.__name__, []).append(grid)
+
+        self._owner.run = run
+        return self
+
+    def __exit__(self, *exc):
+        self._owner.run = self._run
+        return False
+
+
+def _grids_agree(small: dict, large: dict, ratio: float, probe: dict | None = None, probe_ratio: float = 1.0) -> bool:
+    """Whether each dimension of every launch's grid is the same at both S (and at the probe's
+    S), or grows with S: ``ratio`` (``probe_ratio``) times larger, up to rounding."""
+    if small.keys() != large.keys() or (probe is not None and probe.keys() != small.keys()):
+        return False
+    for name in small:
+        others = [large[name]] + ([probe[name]] if probe is not None else [])
+        if any(len(o) != len(small[name]) for o in others):
+            return False
+        for i, g in enumerate(small[name]):
+            h = large[name][i]
+            p = probe[name][i] if probe is not None else None
+            for d, (a, b) in enumerate(zip(g, h)):
+                same = b == a and (p is None or p[d] == a)
+                grows = b == ratio * a and (p is None or abs(p[d] - probe_ratio * a) <= probe_ratio)
+                if not (same or grows):
+                    return False
+    return True
 
 
 def fit_counts(runs: list[dict], S: int, blocks: int) -> dict:
@@ -667,12 +719,34 @@ def predict(fitted: dict, gpu: dict, *, S: int, batch: int, dim: int, compile_co
 
 
 def _standard_runs(case: dict) -> list[tuple[int, int | None]]:
-    """``(S, block_rows)`` of the four counted steps (see :func:`fit_counts`). Always >= 2
-    class blocks, so that backward recomputes the logits as it does at the target. The
-    last two S lie past the point where the Triton kernels' class splits stop growing with S
-    (at N = 2048 with 132 SMs: S >= 288 for d = 128 and 256, 160 for d = 512): below it
-    their per-split work would be taken for work per class."""
-    return [(64, 32), (64, 16), (320, 160), (640, 160)]
+    """``(S, block_rows)`` of the four counted steps (see :func:`fit_counts`): two class-block
+    sizes at S = 64 (always >= 2 blocks, so that backward recomputes the logits as it does at
+    the target), then ``S2`` and ``2 S2``, the smallest ``S2 >= 320`` (a multiple of 32) at
+    which every Triton launch's grid has each dimension either the same at S2, 2 S2 and a
+    probe at min(target S, 64k), or growing in proportion to S. Below that, a grid still
+    growing towards its cap (the class splits of a streaming kernel, a few waves of
+    programs) would have its per-split work taken for work per class. Grids are found by
+    launching the step with the Triton kernels skipped (:class:`_GridRecorder`)."""
+    grids = {}
+    target = case.get("S") or 1 << 16
+
+    def at(S, rate=case["sample_rate"]):
+        if S not in grids:
+            grids[S] = count_step(S, batch=case["batch"], dim=case["dim"], sample_rate=rate,
+                                  compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"],
+                                  block_rows=S // 2, world=case["world"], sms=case.get("sms", 132), grids_only=True)
+        return grids[S]
+
+    # The probe: the grids at (up to) 64k rows, with every class active (a small table).
+    probe_rows = min(target, 1 << 16)
+    probe = at(probe_rows, 1.0)
+    S2 = 320
+    while S2 < 4096 and not _grids_agree(at(S2), at(2 * S2), 2, probe, probe_rows / S2):
+        S2 += 32
+    if S2 >= 4096:
+        print(f"warning: the Triton grids did not settle below S = 4096 (the probe at S = {probe_rows}); "
+              "per-split work may be extrapolated as per-class work", file=sys.stderr)
+    return [(64, 32), (64, 16), (S2, S2 // 2), (2 * S2, S2 // 2)]
 
 
 def predict_case(case: dict, gpu_name: str, *, counts: list[dict] | None = None, compile_code: bool = True) -> dict:
@@ -686,7 +760,7 @@ def predict_case(case: dict, gpu_name: str, *, counts: list[dict] | None = None,
         counts = [count_step(s, batch=case["batch"], dim=case["dim"], sample_rate=case["sample_rate"],
                              compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"],
                              block_rows=b, world=case["world"], sms=gpu["sms"])
-                  for s, b in _standard_runs(case)]
+                  for s, b in _standard_runs(dict(case, sms=gpu["sms"], S=S))]
     fitted = fit_counts(counts, S, math.ceil(S / rows))
     out = predict(fitted, gpu, S=S, batch=case["batch"], dim=case["dim"], compile_code=compile_code)
     out.update(case=dict(case), gpu=gpu_name, gpu_name=gpu["name"], S=S, counts=counts)
@@ -790,6 +864,7 @@ def compare(measured: dict, predicted: dict, factor: float = 2.0, min_seconds: f
 
 def _count_main(spec: str) -> int:
     case = json.loads(spec)
+    case["S"] = max(math.floor(case["sample_rate"] * math.ceil(case["classes"] / case["world"]) + 1e-9), 1)
     out = [count_step(s, batch=case["batch"], dim=case["dim"], sample_rate=case["sample_rate"],
                       compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"], block_rows=b,
                       world=case["world"], sms=case["sms"])
