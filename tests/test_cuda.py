@@ -58,8 +58,8 @@ def test_head_steps_on_the_gpu_follow_the_float64_cpu_head(backend, compute, rto
     relative error per operand, times a scale of 64 in the logits).
 
     Initial centers and sampled sets come from per-device random streams, so both heads
-    start from the CPU head's centers and the GPU head samples the CPU head's active set
-    of each step (the sampler itself is device-independent code, tested on the CPU)."""
+    start from the same float32 centers and the GPU head takes the CPU head's active set
+    of each step: the comparison is of the step's arithmetic on one sampled set."""
     if backend == "triton" and not HAS_TRITON:
         pytest.skip("triton is not installed")
     batches = _batches(3, 96, 64, 5003)
