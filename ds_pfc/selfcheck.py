@@ -12,7 +12,10 @@ On a CUDA machine it runs, in order:
    ``validate=False`` under ``torch.cuda.set_sync_debug_mode("error")`` (no host sync);
 2. the CUDA-marked tests (``pytest -m cuda tests``), when run from a source checkout;
 3. the bank tests again under ``TORCH_CUDA_SANITIZER=1`` (stream races);
-4. the head and bank benchmarks (``launch/bench.py head`` / ``bank`` on the GPU);
+4. each kernel of a head step at the standard case (scaled to fit one GPU) timed against
+   the GPU model's prediction (:mod:`ds_pfc.bench.model`; fails beyond 2x, writes
+   ``benchmarks/results/selfcheck-<gpu>-<date>.json``), then the head and bank benchmarks
+   (``launch/bench.py head`` / ``bank`` on the GPU);
 5. with two or more GPUs, a 5-step ``deepspeed --num_gpus 2`` run of the training app.
 
 It prints a pass/fail table and writes ``benchmarks/results/<gpu>-<date>.json`` (and
@@ -155,6 +158,140 @@ def check_no_sync_step(device) -> str:
     return "no host synchronisation in forward, backward and step"
 
 
+# --------------------------------------------------------------------- the GPU model, measured
+_GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "mv", "addmv", "addmv_", "dot", "vdot",
+             "matmul", "linear", "_scaled_mm"}
+
+
+def gpu_model_key(name: str) -> str | None:
+    """The :data:`ds_pfc.bench.model.GPUS` key of a CUDA device name (None: not modelled)."""
+    name = name.upper()
+    for key in ("H200", "H100", "A100"):
+        if key in name:
+            return key.lower()
+    return None
+
+
+def fitting_case(free_bytes: int, dim: int = 512, sample_rate: float = 0.1, batch: int = 2048,
+                 target_rows: int = 800_000) -> dict:
+    """One rank of the standard case on one GPU: S = 800k active rows, fewer if the class
+    table (weight and momentum, 8 d bytes per class of S / r classes) and a step's
+    ``[S, d]`` float32 tensors (about 6 of them) do not fit in 70% of ``free_bytes``."""
+    per_row = dim * (8 / sample_rate + 24)
+    rows = int(min(target_rows, max(0.7 * free_bytes - (1 << 30), 0) // per_row))
+    if rows < 1024:
+        raise RuntimeError(f"only {free_bytes / 2**30:.1f} GiB free: too little for the model check")
+    return dict(world=1, classes=math.ceil(rows / sample_rate), sample_rate=sample_rate, batch=batch, dim=dim,
+                compute="bf16", embeddings="fp32", block_bytes=None)
+
+
+def group_measured(events, triton_kernels) -> dict:
+    """Seconds per comparison group from profiler rows ``(name, is_kernel, self_device_s)``:
+    the kernels named in ``triton_kernels`` each by name (``triton:<kernel>``), the aten
+    products together (``torch GEMMs``), every other aten op together (``torch other ops``).
+    Other device rows (the kernels behind aten ops, copies) are already in their aten op."""
+    out = {}
+    for name, is_kernel, seconds in events:
+        if name.startswith("aten::"):
+            key = "torch GEMMs" if name[6:] in _GEMM_OPS else "torch other ops"
+        elif is_kernel and name in triton_kernels:
+            key = "triton:" + name
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + seconds
+    return out
+
+
+def group_predicted(prediction: dict) -> dict:
+    """The same groups from :func:`ds_pfc.bench.model.predict_case`'s kernels."""
+    out = {}
+    for row in prediction["kernels"]:
+        name = row["kernel"]
+        if name.startswith("triton:"):
+            key = name
+        else:
+            op = name.split(":", 1)[1].split("[")[0]
+            key = "torch GEMMs" if op in _GEMM_OPS else "torch other ops"
+        out[key] = out.get(key, 0.0) + row["seconds"]
+    return out
+
+
+def _time_step(device, case: dict, backend: str, steps: int = 3):
+    """``(seconds per step, profiler rows per step)`` of the case's head step on ``device``."""
+    from . import ArcFace, PartialFC
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[case["compute"]]
+    head = PartialFC(case["classes"], case["dim"], sample_rate=case["sample_rate"], margin=ArcFace(), device=device,
+                     compute_dtype=compute, momentum=0.9, weight_decay=5e-4, data_parallel_grad=False,
+                     backend=backend)
+    gen = torch.Generator().manual_seed(1)
+    batch, dim = case["batch"], case["dim"]
+    data = [(torch.randn(batch, dim, generator=gen).to(device).requires_grad_(),
+             torch.randint(0, case["classes"], (batch,), generator=gen).to(device)) for _ in range(2 + steps)]
+
+    def step(x, y):
+        head(x, y).backward()
+        head.step(0.1)
+
+    for x, y in data[:2]:
+        step(x, y)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for x, y in data[2:]:
+        step(x, y)
+    end.record()
+    torch.cuda.synchronize(device)
+    seconds = start.elapsed_time(end) / 1e3 / steps
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for x, y in data[2:]:
+            step(x, y)
+        torch.cuda.synchronize(device)
+    rows = []
+    for evt in prof.key_averages():
+        is_kernel = str(getattr(evt, "device_type", "")).endswith("CUDA")
+        rows.append((evt.key, is_kernel, getattr(evt, "self_device_time_total", 0.0) / 1e6 / steps))
+    head.close()
+    return seconds, rows
+
+
+def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 2.0) -> str:
+    """Each Triton kernel, the torch products, the other torch ops and the whole step of the
+    standard case (scaled to fit this GPU) measured against ds_pfc.bench.model's prediction;
+    fails where they differ by more than ``factor``."""
+    from .bench import model
+    kind = gpu_model_key(torch.cuda.get_device_name(device))
+    if kind is None:
+        return f"skipped: the model has no constants for {torch.cuda.get_device_name(device)}"
+    free, _ = torch.cuda.mem_get_info(device)
+    base = fitting_case(free)
+    doc, bad = {"gpu": kind, "case": base, "factor": factor, "backends": {}}, []
+    for backend in ("torch", "triton") if _triton_available() else ("torch",):
+        case = dict(base, backend=backend)
+        counts = model._count_in_subprocess(case, model.GPUS[kind]["sms"])
+        pred = model.predict_case(case, kind, counts=counts)
+        seconds, events = _time_step(device, case, backend)
+        predicted = dict(group_predicted(pred), step=pred["step_s"])
+        names = {k.split(":", 1)[1] for k in predicted if k.startswith("triton:")}
+        measured = dict(group_measured(events, names), step=seconds)
+        rows = model.compare(measured, predicted, factor=factor, min_seconds=0.5e-3)
+        doc["backends"][backend] = {"rows": rows, "prediction": pred, "profile": events}
+        for r in rows:
+            line = (f"{backend} {r['kernel']}: measured {1e3 * (r['measured_s'] or 0):.2f} ms, predicted "
+                    f"{1e3 * (r['predicted_s'] or 0):.2f} ms")
+            print(("  " if r["ok"] else "  MODEL OFF BY MORE THAN 2x: ") + line, flush=True)
+            if not r["ok"]:
+                bad.append(line)
+    path = os.path.join(results_dir, f"selfcheck-{gpu}-{stamp}.json")
+    os.makedirs(results_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    if bad:
+        raise AssertionError(f"the GPU model is off by more than {factor:g}x for: " + "; ".join(bad)
+                             + f" (details in {path})")
+    return f"S={math.floor(base['sample_rate'] * base['classes']):,}: every kernel within {factor:g}x; wrote {path}"
+
+
 def _run(cmd, env=None, timeout=None) -> str:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
@@ -216,6 +353,7 @@ def plan(device: torch.device, quick: bool) -> list[tuple[str, object]]:
         ("CUDA-marked tests", (check_cuda_tests if source else need_source) if cuda else no_gpu),
         ("bank tests under TORCH_CUDA_SANITIZER=1", (check_sanitizer if source else need_source) if cuda else no_gpu),
     ]
+    checks.append(("kernel times vs the GPU model (2x)", ("model" if not quick else slow) if cuda else no_gpu))
     if cuda and quick:
         checks.append(("head and bank benchmarks", slow))
     else:
@@ -234,6 +372,8 @@ def run_checks(device, quick: bool = False, results_dir: str | None = None, stam
     for name, what in plan(device, quick):
         if what == "bench":
             what = (lambda: check_benchmarks(results_dir, stamp, gpu))
+        elif what == "model":
+            what = (lambda: check_model(device, results_dir, stamp or time.strftime("%Y%m%d-%H%M%S"), gpu))
         if isinstance(what, str):
             rows.append({"check": name, "status": "skipped", "detail": what, "seconds": 0.0})
             print(f"  - {name}: skipped ({what})", flush=True)

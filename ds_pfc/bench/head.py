@@ -268,7 +268,13 @@ def default_cases(classes, sample_rate, extra_rate, device, compute, memory_byte
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--predict" or a.startswith("--predict=") for a in argv):
+        from . import model     # a predicted step on a GPU model, counted here; its own case options
+        return model.main_predict(argv)
     p = argparse.ArgumentParser(prog="bench.py head", description=__doc__.split("\n")[0])
+    p.add_argument("--predict", choices=("h100", "h200", "a100"),
+                   help="predict the step on this GPU model instead (see ds_pfc/bench/model.py; --predict h100 -h)")
     p.add_argument("--classes", default="100000,1000000,4000000", help="comma-separated C values")
     p.add_argument("--sample-rate", type=float, default=0.1)
     p.add_argument("--extra-rate", type=float, default=0.025,

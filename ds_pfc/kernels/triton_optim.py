@@ -23,6 +23,7 @@ import torch
 
 from .._checks import check_number as _number
 from ._device import on_device
+from . import _target
 
 try:
     import triton
@@ -56,7 +57,7 @@ def available() -> bool:
 
 
 def _tiles():
-    return _TILES["interpreter" if _INTERPRET else "cuda"]
+    return _TILES["interpreter" if _INTERPRET and not _target.active() else "cuda"]
 
 
 if triton is not None:

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _target
 from ._device import on_device
 
 __all__ = ["available", "check_device", "prepare", "lse_stats", "grad", "tile_config", "TILES", "on_device"]
@@ -98,7 +99,7 @@ _INTERPRET_SMS = 2
 
 def tile_config(kernel: str, compute_dtype: torch.dtype, interpret: bool | None = None):
     """``(BLOCK_A, BLOCK_B, BLOCK_K, num_warps, num_stages)`` of ``kernel`` for a compute dtype."""
-    if interpret if interpret is not None else _INTERPRET:
+    if interpret if interpret is not None else (_INTERPRET and not _target.active()):
         return _INTERPRET_TILES[kernel]
     return TILES[(kernel, "fp32" if compute_dtype == torch.float32 else "lowp")]
 
@@ -126,8 +127,12 @@ def check_device(t: torch.Tensor) -> None:
         raise RuntimeError(f"the triton backend does not support tensors on {t.device}")
 
 
-@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
+    return _target.sms() or _device_sms(device)   # inside _target.gpu_tiles: the target's SMs
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(device: torch.device) -> int:
     if _INTERPRET or device.type != "cuda":
         return _INTERPRET_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count

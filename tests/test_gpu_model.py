@@ -1,0 +1,330 @@
+"""The GPU step model (ds_pfc/bench/model.py): its counts against hand-computed ones, the
+linear scaling in S, the time rule and the measured-vs-predicted comparison.
+
+The Triton counts need the interpreter (``TRITON_INTERPRET=1`` before triton is imported,
+which the conftest sets on a machine without CUDA); those tests skip elsewhere.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ds_pfc.bench import model  # noqa: E402
+from ds_pfc.kernels import _target  # noqa: E402
+
+try:
+    import triton
+    import triton.language as tl
+    INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
+except ImportError:       # pragma: no cover - triton is a dev dependency
+    triton = tl = None
+    INTERPRETED = False
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs triton running in its interpreter "
+                                       "(TRITON_INTERPRET=1 set before triton was imported)")
+
+
+# --------------------------------------------------------------------- torch ops
+def test_a_product_counts_2mnk_flops_and_its_operands_and_result():
+    a, b = torch.randn(7, 5), torch.randn(5, 3)
+    with model.CostCounter() as c:
+        torch.mm(a, b)
+    k = c.kernels()
+    assert list(k) == ["aten:mm[fp32]"]
+    rec = k["aten:mm[fp32]"]
+    assert rec["launches"] == 1
+    assert rec["flops"] == 2 * 7 * 5 * 3
+    assert rec["read"] == (7 * 5 + 5 * 3) * 4
+    assert rec["written"] == 7 * 3 * 4
+
+
+def test_gathers_and_scatters_move_the_indexed_rows_not_the_table():
+    table = torch.randn(1000, 8)
+    index = torch.tensor([3, 1, 4, 1, 5])
+    with model.CostCounter() as c:
+        rows = table.index_select(0, index)
+        table.index_add_(0, index, rows)
+    k = c.kernels()
+    moved = 5 * 8 * 4
+    assert k["aten:index_select"]["read"] == moved + 5 * 8        # rows + int64 index
+    assert k["aten:index_select"]["written"] == moved
+    assert k["aten:index_add_"]["read"] == 5 * 8 + 2 * moved       # index, source, the rows added to
+    assert k["aten:index_add_"]["written"] == moved
+
+
+def test_a_broadcast_operand_counts_once_and_in_place_ops_read_and_write():
+    x, col = torch.randn(64, 32), torch.randn(64, 1)
+    with model.CostCounter() as c:
+        x.mul_(col.expand(64, 32))
+        x.fill_(1.0)
+    k = c.kernels()
+    assert k["aten:mul_"]["read"] == (64 * 32 + 64) * 4
+    assert k["aten:mul_"]["written"] == 64 * 32 * 4
+    assert k["aten:fill_"]["read"] == 0 and k["aten:fill_"]["written"] == 64 * 32 * 4
+
+
+def test_a_float32_copy_of_a_bf16_product_is_the_product_writing_float32():
+    a, b = torch.randn(6, 16).bfloat16(), torch.randn(16, 4).bfloat16()
+    with model.CostCounter() as c:
+        torch.mm(a, b).float()
+    k = c.kernels()
+    assert list(k) == ["aten:mm[bf16]"], "the cast is folded into the product, as CUDA's out_dtype does"
+    assert k["aten:mm[bf16]"]["written"] == 6 * 4 * 4
+    assert k["aten:mm[bf16]"]["read"] == (6 * 16 + 16 * 4) * 2
+
+
+# --------------------------------------------------------------------- Triton kernels
+if INTERPRETED:
+    @triton.jit
+    def _twice_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+        """Loads each element twice (one distinct read), stores the masked range once."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        a = tl.load(src_ptr + offs, mask=ok, other=0.0)
+        b = tl.load(src_ptr + offs, mask=ok, other=0.0)
+        tl.store(dst_ptr + offs, a + b, mask=ok)
+
+    @triton.jit
+    def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+        rm, rn, rk = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+        a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
+        b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], tl.dot(a, b))
+
+
+@needs_interpreter
+def test_triton_loads_and_stores_count_live_lanes_and_distinct_bytes():
+    n, block = 100, 32                      # 4 programs, the last one 4 lanes live
+    src = torch.randn(n, dtype=torch.float32)
+    dst = torch.empty(n, dtype=torch.float32)
+    with model.CostCounter() as c:
+        _twice_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block)
+    rec = c.kernels()["triton:_twice_kernel"]
+    assert rec["launches"] == 1 and rec["programs"] == 4
+    assert rec["read"] == 2 * n * 4 and rec["unique_read"] == n * 4
+    assert rec["written"] == n * 4 and rec["unique_written"] == n * 4
+    assert rec["flops"] == 0
+    torch.testing.assert_close(dst, 2 * src)
+    assert rec["meta"]["signature"] == {"src_ptr": "*fp32", "dst_ptr": "*fp32", "n": "i32"}
+    assert rec["meta"]["constexprs"] == {"BLOCK": 32}
+
+
+@needs_interpreter
+def test_triton_dots_count_2mnk_per_program():
+    M, N, K = 16, 32, 64
+    a, b, out = torch.randn(M, K), torch.randn(K, N), torch.empty(M, N)
+    with model.CostCounter() as c:
+        _dot_kernel[(3,)](a, b, out, M=M, N=N, K=K)
+    rec = c.kernels()["triton:_dot_kernel"]
+    assert rec["flops"] == 3 * 2 * M * N * K
+    assert rec["read"] == 3 * (M * K + K * N) * 4 and rec["unique_read"] == (M * K + K * N) * 4
+    assert rec["written"] == 3 * M * N * 4 and rec["unique_written"] == M * N * 4
+
+
+@needs_interpreter
+def test_gpu_tiles_make_the_interpreter_launch_with_the_gpu_rows():
+    from ds_pfc.kernels import triton_optim, triton_softmax as ts
+    assert ts.tile_config(torch.bfloat16, 512) == ts._INTERPRET_TILES
+    with _target.gpu_tiles(sms=108):
+        assert ts.tile_config(torch.bfloat16, 512) == ts._TILES[("lowp", 512)]
+        assert ts._num_sms(torch.device("cpu")) == 108
+        assert triton_optim._tiles() == triton_optim._TILES["cuda"]
+    assert ts._num_sms(torch.device("cpu")) == ts._INTERPRET_SMS
+    assert triton_optim._tiles() == triton_optim._TILES["interpreter"]
+    with pytest.raises(ValueError, match="sms"):
+        with _target.gpu_tiles(sms=0):
+            pass
+
+
+# --------------------------------------------------------------------- a whole step
+def _torch_step(S, block_rows, N=32, d=16):
+    return model.count_step(S, batch=N, dim=d, sample_rate=0.25, compute="fp32", backend="torch",
+                            block_rows=block_rows)
+
+
+def _gemm_totals(kernels):
+    flops = sum(r["flops"] for r in kernels.values())
+    moved = sum(r["read"] + r["written"] for k, r in kernels.items() if r["kind"] == "gemm")
+    return flops, moved
+
+
+@needs_interpreter     # the fused row update runs in the interpreter
+def test_the_torch_step_does_8NSd_flops_and_its_products_move_what_they_touch():
+    N, d, S, rows = 32, 16, 64, 32
+    out = _torch_step(S, rows, N, d)
+    B = out["blocks"]
+    assert B == 2
+    flops, moved = _gemm_totals(out["kernels"])
+    # Per block of b classes, recomputed in backward (two blocks: nothing kept): cosines
+    # (w_hat [b, d], x [N, d] -> [b, N]) twice, dW (G [b, N], x -> [b, d]) and dX added into
+    # [N, d] (read and written). float32 elements.
+    assert flops == 8 * N * S * d
+    assert moved == 4 * (4 * S * d + 4 * S * N + 5 * B * N * d)
+    # The row update: weight and momentum read and written, the gradient and the row ids read
+    # (20 B per element, 8 per row).
+    sgd = out["kernels"]["triton:_sgd_rows_kernel"]
+    assert sgd["unique_read"] == sgd["read"] == 12 * S * d + 8 * S
+    assert sgd["unique_written"] == sgd["written"] == 8 * S * d
+
+
+def test_the_fit_is_exact_for_linear_counts():
+    def fake(S, B):
+        return {"S": S, "blocks": B, "kernels": {"k": dict(kind="elementwise", dtype=None, meta=None,
+                                                           launches=3 + 2 * B, flops=0, read=7 + 5 * S + 11 * B,
+                                                           written=S, unique_read=0, unique_written=0,
+                                                           programs=0)}}
+    runs = [fake(128, 2), fake(256, 4), fake(128, 4)]
+    got = model.fit_counts(runs, 800_000, 25)["k"]
+    assert got["launches"] == pytest.approx(3 + 2 * 25)
+    assert got["read"] == pytest.approx(7 + 5 * 800_000 + 11 * 25)
+    assert got["written"] == pytest.approx(800_000)
+    with pytest.raises(ValueError, match="runs"):
+        model.fit_counts([fake(128, 2), fake(256, 4), fake(384, 6)], 10, 1)
+    # Four runs: B's share from two steps at one small S, where a kernel's grid (and so its
+    # per-launch work) may still grow with S: that part must not leak into the per-S rate.
+    small = [fake(64, 2), fake(64, 4)]
+    for r in small:
+        r["kernels"]["k"]["read"] += 1000         # what an unsaturated grid adds at S = 64
+    got = model.fit_counts(small + [fake(320, 2), fake(640, 4)], 800_000, 25)["k"]
+    assert got["read"] == pytest.approx(7 + 5 * 800_000 + 11 * 25)
+    assert got["launches"] == pytest.approx(3 + 2 * 25)
+    with pytest.raises(ValueError, match="runs"):
+        model.fit_counts([fake(64, 2), fake(128, 4), fake(320, 2), fake(640, 4)], 10, 1)
+
+
+@needs_interpreter
+def test_counts_fitted_on_small_steps_match_a_counted_larger_step():
+    runs = [_torch_step(64, 32), _torch_step(128, 32), _torch_step(64, 16)]
+    direct = _torch_step(192, 32)                       # 6 blocks
+    fitted = model.fit_counts(runs, 192, direct["blocks"])
+    for key in ("aten:mm[fp32]", "aten:addmm_[fp32]", "triton:_sgd_rows_kernel", "aten:mul_"):
+        for q in ("launches", "flops", "read", "written"):
+            assert fitted[key][q] == pytest.approx(direct["kernels"][key][q], rel=1e-9, abs=1e-6), (key, q)
+    total = lambda ks: sum(r["read"] + r["written"] for r in ks.values())
+    assert total(fitted) == pytest.approx(total(direct["kernels"]), rel=0.02)
+
+
+# --------------------------------------------------------------------- the time rule
+H100, A100 = model.GPUS["h100"], model.GPUS["a100"]
+
+
+def _counts(kind="triton", **kw):
+    base = dict(kind=kind, dtype="bfloat16", launches=1, flops=0, read=0, written=0, unique_read=0,
+                unique_written=0, programs=10_000)
+    base.update(kw)
+    return base
+
+
+def test_time_is_the_largest_bound_plus_launches():
+    launch = H100["launch_s"]
+    # 8 FLOP/B through L2 with mma.sync at d = 512: L2 bound.
+    c = _counts(flops=8e11, read=1e11, unique_read=1e9)
+    t = model.kernel_time(c, H100, {"hmma": 10, "regs": 128, "shared": 0, "num_warps": 8})
+    assert t["bound"] == "L2" and t["mma"] == "mma.sync"
+    assert t["seconds"] == pytest.approx(1e11 / H100["l2"] + launch)
+    # A product-heavy kernel: mma.sync runs at half the tensor rate on sm_90, all of it on sm_80.
+    c = _counts(flops=1e13, read=1e9, unique_read=1e9)
+    hmma = {"hmma": 10}
+    assert model.kernel_time(c, H100, hmma)["seconds"] == pytest.approx(1e13 / (H100["gemm"] / 2) + launch)
+    assert model.kernel_time(c, H100, {"hgmma": 10})["seconds"] == pytest.approx(1e13 / H100["gemm"] + launch)
+    assert model.kernel_time(c, A100, hmma)["seconds"] == pytest.approx(1e13 / A100["gemm"] + launch)
+    assert model.kernel_time(c, H100, {"ffma": 10})["seconds"] == pytest.approx(1e13 / H100["fma"] + launch)
+    # Distinct bytes bound by HBM.
+    c = _counts(read=1e10, unique_read=1e10)
+    assert model.kernel_time(c, H100, {})["bound"] == "HBM"
+    # A grid of 33 programs on 132 SMs runs at a quarter of the rates.
+    c = _counts(read=1e10, unique_read=1e10, programs=33)
+    assert model.kernel_time(c, H100, {})["seconds"] == pytest.approx(4 * 1e10 / H100["hbm"] + launch)
+    # Many tiny launches: launch bound.
+    c = _counts(kind="elementwise", launches=100, read=1000, written=1000)
+    t = model.kernel_time(c, H100)
+    assert t["bound"] == "launch" and t["seconds"] == pytest.approx(100 * launch + 2000 / H100["hbm"])
+    # cuBLAS: bf16 at the GEMM rate, float32 (no TF32) at the SGEMM rate.
+    c = _counts(kind="gemm", flops=1e12, read=1e6)
+    assert model.kernel_time(c, H100)["seconds"] == pytest.approx(1e12 / H100["gemm"] + launch)
+    c["dtype"] = "float32"
+    assert model.kernel_time(c, H100)["seconds"] == pytest.approx(1e12 / H100["sgemm"] + launch)
+
+
+def test_floor_and_occupancy():
+    assert model.floor_time(800_000, 2048, 512, H100) == pytest.approx(
+        6 * 2048 * 800_000 * 512 / 700e12 + 20 * 800_000 * 512 / 2.9e12)
+    # 128 registers x 256 threads = 32768 of 65536: 2 CTAs; 100 KB of shared memory: 2; warps: 8.
+    assert model.occupancy({"regs": 128, "shared": 100_000, "num_warps": 8}, H100) == 2
+    # 64 registers x 128 threads: 8 CTAs by registers (16 by warps).
+    assert model.occupancy({"regs": 64, "shared": 0, "num_warps": 4}, H100) == 8
+    assert model.occupancy({"regs": 32, "shared": 300_000, "num_warps": 4}, H100) == 0
+
+
+def test_compare_flags_kernels_off_by_more_than_the_factor():
+    rows = model.compare({"a": 1.0, "b": 3.0, "c": 0.4, "d": 1e-6}, {"a": 1.9, "b": 1.0, "c": 0.2, "e": 1e-6},
+                         factor=2.0, min_seconds=1e-3)
+    by = {r["kernel"]: r for r in rows}
+    assert by["a"]["ok"] and by["c"]["ok"]
+    assert not by["b"]["ok"] and by["b"]["ratio"] == pytest.approx(3.0)
+    assert by["d"]["ok"] and by["e"]["ok"] and by["d"]["ratio"] is None      # negligible, one side only
+    with pytest.raises(ValueError, match="factor"):
+        model.compare({}, {}, factor=1.0)
+
+
+# --------------------------------------------------------------------- the self-check's parts
+def test_selfcheck_groups_profiler_rows_and_predictions_alike():
+    from ds_pfc import selfcheck
+    events = [("aten::mm", False, 0.010), ("aten::addmm_", False, 0.002), ("aten::mul_", False, 0.003),
+              ("aten::copy_", False, 0.001), ("_lse_kernel", True, 0.030), ("_lse_kernel", True, 0.001),
+              ("sm90_xmma_gemm_bf16", True, 0.012), ("void at::native::kernel", True, 0.004),
+              ("aten::linear", False, 0.0)]
+    got = selfcheck.group_measured(events, {"_lse_kernel", "_grad_w_kernel"})
+    assert got == pytest.approx({"torch GEMMs": 0.012, "torch other ops": 0.004, "triton:_lse_kernel": 0.031})
+    pred = {"kernels": [{"kernel": "aten:mm[bf16]", "seconds": 0.01}, {"kernel": "aten:addmm_[fp32]", "seconds": 0.001},
+                        {"kernel": "aten:mul_", "seconds": 0.002}, {"kernel": "triton:_lse_kernel", "seconds": 0.03}]}
+    assert selfcheck.group_predicted(pred) == pytest.approx(
+        {"torch GEMMs": 0.011, "torch other ops": 0.002, "triton:_lse_kernel": 0.03})
+    assert selfcheck.gpu_model_key("NVIDIA H100 80GB HBM3") == "h100"
+    assert selfcheck.gpu_model_key("NVIDIA H200") == "h200"
+    assert selfcheck.gpu_model_key("NVIDIA A100-SXM4-80GB") == "a100"
+    assert selfcheck.gpu_model_key("NVIDIA L4") is None
+
+
+def test_selfcheck_case_is_the_standard_rank_or_as_much_as_fits():
+    from ds_pfc import selfcheck
+    case = selfcheck.fitting_case(78 << 30)
+    assert case["classes"] == 8_000_000 and case["batch"] == 2048 and case["dim"] == 512
+    small = selfcheck.fitting_case(24 << 30)
+    rows = small["classes"] * small["sample_rate"]
+    table = 8 * 512 * small["classes"]                          # weight and momentum
+    assert 100_000 < rows < 800_000 and table + 24 * 512 * rows <= 0.7 * (24 << 30)
+    with pytest.raises(RuntimeError, match="free"):
+        selfcheck.fitting_case(1 << 30)
+
+
+def test_logsumexp_counts_the_passes_cuda_makes():
+    x = torch.randn(100, 8)
+    with model.CostCounter() as c:
+        torch.logsumexp(x, dim=0)
+    rec = c.kernels()["aten:logsumexp"]
+    # amax (read), x - max (read, write), exp_ (read, write), sum (read), then [8]-sized ops.
+    assert rec["read"] == 4 * 100 * 8 * 4 and rec["written"] == 2 * 100 * 8 * 4 + 8 * 4
+    assert rec["launches"] == 7
+
+
+def test_grids_agree_when_each_dimension_stays_or_scales():
+    assert model._grids_agree({"k": [(4, 5, 1)], "w": [(10, 2, 1)]}, {"k": [(4, 5, 1)], "w": [(20, 2, 1)]}, 2)
+    assert not model._grids_agree({"k": [(32, 10, 1)]}, {"k": [(32, 14, 1)]}, 2)      # splits still growing
+    assert not model._grids_agree({"k": [(4, 5, 1)]}, {"k": [(4, 5, 1)], "j": [(1, 1, 1)]}, 2)
+
+
+@needs_interpreter
+def test_the_counted_sizes_lie_where_the_triton_grids_have_settled():
+    # N = 2048, d = 128 on 132 SMs: the class split of the streaming kernels aims at 17.
+    case = dict(batch=2048, dim=128, sample_rate=0.1, compute="bf16", embeddings="fp32", backend="triton",
+                world=8, S=800_000)
+    (s0, r0), (s1, r1), (s2, _), (s3, _) = model._standard_runs(case)
+    assert s0 == s1 and r0 != r1 and s3 == 2 * s2 >= 640
+    grids = lambda S, rate=0.1: model.count_step(S, batch=2048, dim=128, sample_rate=rate, compute="bf16",
+                                                 backend="triton", block_rows=S // 2, world=8, grids_only=True)
+    # The lse kernel's grid is (sample tiles, class splits): the splits are those of a large S.
+    splits = [grids(s2)["_lse_kernel"][0][1], grids(s3)["_lse_kernel"][0][1], grids(1 << 16, 1.0)["_lse_kernel"][0][1]]
+    assert splits == [17, 17, 17]
