@@ -2,11 +2,12 @@
 
 ``S_q = P_q ∪ Sample([0, C_q) \\ P_q, max(b_q - |P_q|, 0))`` with ``b_q = floor(r C_q)``.
 
-How it is drawn: at step ``s`` every local class ``i`` gets a 62-bit key, the top bits
-of output ``s C_q + i`` of a splitmix64 generator seeded with ``hash(seed, rank)``
-(:func:`class_keys`: each step reads the next ``C_q`` outputs); the positives' keys are then overwritten with ``2**62``, above
-every random key, by one indexed write (labels this rank does not own, ``-1``, write
-into a spare last key that is never read). ``S_q`` is the ``k`` classes with the
+How it is drawn: at step ``s`` every local class ``i`` gets a 62-bit key, the top
+bits of output ``s C_q + i`` of a splitmix64 generator seeded with ``hash(seed,
+rank)`` (:func:`class_keys`: each step reads the next ``C_q`` outputs); the
+positives' keys are then overwritten with ``2**62``, above every random key, by one
+indexed write (labels this rank does not own, ``-1``, write into a spare last key
+that is never read). ``S_q`` is the ``k`` classes with the
 largest keys (``topk``), sorted, with ``k = max(b_q, |P_q|)``. Given the positives,
 the negatives' keys are i.i.d. uniform, so the ``k - |P_q|`` largest of them are a
 uniform ``(k - |P_q|)``-subset of the negatives: exactly the paper's distribution.
@@ -21,7 +22,7 @@ Why this form:
   read back from the device, one host sync, and the same keys decide the set.
 - **Counter-based.** The keys are a hash of ``(seed, step, rank, class)`` computed
   with int64 tensor ops, not a ``torch.Generator``: the draw is the same on every
-  device type (CPU and CUDA give identical sets), ``step`` may be a device tensor (a
+  device type (CPU and CUDA give identical sets, ties aside), ``step`` may be a device tensor (a
   CUDA graph replay then draws the next step's set, as an eager step does), and no
   generator state is created per step.
 - **Deterministic and resumable.** A pure function of ``(seed, step, rank,
@@ -29,13 +30,17 @@ Why this form:
   keys tie with probability below ``C_q**2 / 2**63`` per step; ``topk`` breaks ties
   by its own fixed rule.
 
-Cost: O(C_q) per step on the device, all elementwise but ``topk``: about 14 int64
-elementwise passes over ``C_q`` keys (8 bytes each) and one ``topk(b_q)`` of them,
-then a sort of ``b_q`` indices; about ``C_q * 8`` bytes of scratch. At ``C_q = 8M``
-that is ~1.7 GB of memory traffic (~0.5 ms at H100 bandwidth) plus the ``topk``,
-against the ``6 N d b_q`` GEMM FLOPs of the step it serves. The sampler before this
-one drew only ``O(|S_q|)`` values (cost ``O(|S_q| log |S_q|)``, independent of
-``C_q``) but needed ``unique`` and a loop on its result: 2+ host syncs per step.
+Cost: O(C_q) per step on the device, where the sampler before this one cost
+O(|S_q| log |S_q|) whatever ``C_q`` (it drew only ``|S_q|`` values, but needed
+``unique`` and a loop on its size: host syncs). The keys are 14 elementwise int64
+passes over ``C_q`` (written so that one fused kernel could replace them), then one
+``topk(b_q)`` of ``C_q`` keys and a sort of ``b_q`` indices; scratch about ``16 C_q``
+bytes. Estimated at ``C_q = 8M`` on an H100: ~2 GB of memory traffic for the keys
+(~0.7 ms at 3.35 TB/s) plus a radix ``topk`` over 64 MB of keys, about 1 ms in all,
+against ~4 ms for the step's ``6 N d b_q`` GEMM FLOPs at ``N = 1024, d = 512, r =
+0.1`` in bf16; both grow linearly in ``C_q``, so the ratio holds at every size. On a
+CPU thread (measured): 150 ms at ``C_q = 1M, r = 0.1`` (120 ms before), 1.2 s at 8M
+(0.35 s before).
 """
 from __future__ import annotations
 
