@@ -82,9 +82,10 @@ def batch_probe(embeddings, labels, error: Exception | None, device) -> torch.Te
     """This rank's row ``[len(PROBE_FIELDS)]`` (int64, on ``device``) of the checks of a
     validating forward, computed on the device with no host sync: the row count,
     whether the local checks of types and shapes passed (``error`` is None), whether an
-    embedding is NaN/Inf, the labels' min and max, and a position-weighted hash of the
-    labels (tensor-parallel peers must hold the same samples). Gathered over the group
-    and read with one ``.tolist()``: :func:`check_batch_table` judges it."""
+    embedding is NaN/Inf (``embeddings`` None: none checked), the labels' min and max,
+    and a position-weighted hash of the labels (tensor-parallel peers must hold the
+    same samples). Gathered over the group and read with one ``.tolist()``:
+    :func:`check_batch_table` judges it."""
     row = torch.zeros(len(PROBE_FIELDS), dtype=torch.int64, device=device)
     if error is not None:
         return row                         # ok = 0; the tensors may be unusable
@@ -95,8 +96,9 @@ def batch_probe(embeddings, labels, error: Exception | None, device) -> torch.Te
         return row
     y = labels.long()
     weights = torch.arange(1, n + 1, dtype=torch.int64, device=y.device) % _HASH_MOD
+    nonfinite = y.new_zeros(()) if embeddings is None else (~torch.isfinite(embeddings)).any().long()
     row[2:] = torch.stack([
-        (~torch.isfinite(embeddings)).any().long(), y.min(), y.max(),
+        nonfinite, y.min(), y.max(),
         ((y % _HASH_MOD) * weights % _HASH_MOD).sum() % _HASH_MOD,
     ]).to(device)
     return row

@@ -360,7 +360,7 @@ class PartialFC(nn.Module):
         return CrossEntropyOutput(result.loss, result.per_sample[offset: offset + sizes[self.batch_rank]],
                                   result.correct.mean())
 
-    def _batch_sizes(self, embeddings, labels, error, what) -> list[int]:
+    def _batch_sizes(self, embeddings, labels, error, what, label_name="labels") -> list[int]:
         """Rows per batch rank, after the input checks, in one host sync at most.
 
         ``validate=True``: every rank's probe row (:func:`~ds_pfc._checks.batch_probe`:
@@ -369,15 +369,18 @@ class PartialFC(nn.Module):
         uneven batches are allowed (padded in the gather). ``validate=False``: the local
         size is everyone's size, asserted on the device (no host sync)."""
         if not self.validate:
+            device = collective_device(self.group, self.device)
             if error is not None:
+                if self.world_size > 1:      # join the sizes' all-gather with size -1: the others' assert fails
+                    collectives.all_gather_row(torch.full((1,), -1, dtype=torch.int64, device=device), self.group)
                 raise error
-            n = embeddings.shape[0]
+            n = labels.shape[0]
             if self.world_size > 1:
-                collectives.assert_equal_sizes(n, self.group, collective_device(self.group, self.device), what)
+                collectives.assert_equal_sizes(n, self.group, device, what)
             return [n] * self.batch_world_size
         device = collective_device(self.group, self.device)
         table = collectives.all_gather_row(batch_probe(embeddings, labels, error, device), self.group).tolist()
-        check_batch_table(table, self.rank, error, self.num_classes, what)
+        check_batch_table(table, self.rank, error, self.num_classes, what, names=("embeddings", label_name))
         if self._layout is None:
             return [row[0] for row in table]
         return check_peers(table, self._layout.positions, self._layout.batch_world, what)
@@ -416,24 +419,22 @@ class PartialFC(nn.Module):
             check_labels(next_labels, next_labels.shape[0], name="next_labels")
             if next_labels.device != self.device:
                 raise ValueError(f"next_labels must be on the head's device {self.device}, got {next_labels.device}")
-            if next_labels.numel() and (int(next_labels.min()) < 0 or int(next_labels.max()) >= self.num_classes):
-                raise ValueError(f"next_labels must lie in [0, {self.num_classes}), got values in "
-                                 f"[{int(next_labels.min())}, {int(next_labels.max())}]")
             error = None
         except (TypeError, ValueError) as err:
             error = err
         if self._stager is None:        # nothing to stage: no collective either
             if error is not None:
                 raise error
+            if self.validate and next_labels.numel():       # one host sync
+                low, high = torch.stack([next_labels.min(), next_labels.max()]).tolist()
+                if low < 0 or high >= self.num_classes:
+                    raise ValueError(f"next_labels must lie in [0, {self.num_classes}), got values in "
+                                     f"[{low}, {high}]")
             return
-        if self._layout is None:
-            sizes = collectives.gather_sizes(next_labels.shape[0] if error is None else 0, self.group, self.device,
-                                             error, what="next_labels")
-            y = collectives.all_gather_rows(next_labels.long(), self.group, sizes)
-        else:
-            sizes = collectives.gather_batch_sizes(next_labels.shape[0] if error is None else 0, self.group,
-                                                   self._layout, self.device, error, what="next_labels")
-            y = collectives.all_gather_rows(next_labels.long(), self._layout.batch_group, sizes)
+        # The checks and sizes as in forward: one host sync with validate, none without.
+        sizes = self._batch_sizes(None, next_labels, error, "next_labels", label_name="next_labels")
+        group = self.group if self._layout is None else self._layout.batch_group
+        y = collectives.all_gather_rows(next_labels.long(), group, sizes)
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
         rows = self._rows(active)

@@ -35,8 +35,9 @@ O(|S_q| log |S_q|) whatever ``C_q`` (it drew only ``|S_q|`` values, but needed
 ``unique`` and a loop on its size: host syncs). The keys are 14 elementwise int64
 passes over ``C_q`` (written so that one fused kernel could replace them), then one
 ``topk(b_q)`` of ``C_q`` keys and a sort of ``b_q`` indices; scratch about ``16 C_q``
-bytes. Estimated at ``C_q = 8M`` on an H100: ~2 GB of memory traffic for the keys
-(~0.7 ms at 3.35 TB/s) plus a radix ``topk`` over 64 MB of keys, about 1 ms in all,
+bytes. Estimated, not measured, at ``C_q = 8M`` on an H100: ~2 GB of memory traffic
+for the keys (~0.7 ms at 3.35 TB/s) plus a ``topk`` over 64 MB of keys (a radix
+select, or a radix sort where PyTorch sorts large single slices), ~1-3 ms in all,
 against ~4 ms for the step's ``6 N d b_q`` GEMM FLOPs at ``N = 1024, d = 512, r =
 0.1`` in bf16; both grow linearly in ``C_q``, so the ratio holds at every size. On a
 CPU thread (measured): 150 ms at ``C_q = 1M, r = 0.1`` (120 ms before), 1.2 s at 8M

@@ -58,6 +58,18 @@ def test_one_rank_with_validation_syncs_once(rate):
         assert syncs == 1, ops
 
 
+def test_prefetch_on_the_device_bank_syncs_as_forward_does():
+    """With the device bank prefetch stages nothing; its label check is the one sync
+    of validate=True and is skipped without validation."""
+    for validate, expected in ((False, 0), (True, 1)):
+        head = _head(0.1, validate)
+        with OpCounter() as c:
+            head.prefetch(torch.randint(0, C, (37,)))
+        assert c.syncs == expected, c.sync_ops
+    with pytest.raises(ValueError, match=r"next_labels must lie in \[0, 1009\)"):
+        _head(0.1, True).prefetch(torch.tensor([3, C]))
+
+
 def test_budget_below_the_batch_reads_the_positives_count():
     """floor(r C_q) < N: a step's positives may outnumber the budget, so the active
     set's size is read back (documented); still one sync, the sampler's."""
@@ -136,13 +148,16 @@ def test_ranks_train_the_same_with_and_without_validation():
         assert torch.equal(a, b)
 
 
-def _uneven(rank, world, validate):
+def _uneven(rank, world, validate, bad_dtype=False):
     head = _head(0.5, validate)
     x, y = _batch(0, rank, 5 + 2 * rank)
+    if bad_dtype:
+        x, y = _batch(0, rank, 5)
+        y = y.float() if rank == 1 else y
     try:
         head(x, y).backward()
         head.step(0.1)
-    except RuntimeError as err:
+    except (RuntimeError, TypeError) as err:
         return str(err)
     return float(torch.linalg.norm(head.centers()))
 
@@ -154,6 +169,10 @@ def test_uneven_batches_need_validation():
     assert all(isinstance(v, float) for v in ok), ok
     failed = run_ranks(_uneven, 2, False)
     assert all(isinstance(v, str) and "different sizes" in v for v in failed), failed
+    # A rank whose input fails its local checks still joins the sizes' all-gather: the
+    # other ranks fail the size assert instead of waiting for it.
+    first, second = run_ranks(_uneven, 2, False, True)
+    assert "different sizes" in first and "integer tensor" in second, (first, second)
 
 
 def _bad_labels(rank, world):
