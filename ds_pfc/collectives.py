@@ -131,22 +131,24 @@ def gather_sizes(num_rows: int, group=None, device=None, error: Exception | None
     A rank whose input failed its local checks passes its ``error``: it still joins
     this all-gather (so no other rank waits forever in a later collective) and then
     raises it; the other ranks raise a ``ValueError`` naming the failed ranks. Nothing
-    has been changed on any rank at that point.
+    has been changed on any rank at that point. One all-gather and one host sync (the
+    sizes decide the padding of the gathers that follow).
     """
     if world_size(group) == 1:
         if error is not None:
             raise error
         return [num_rows]
-    row = torch.tensor([[num_rows, int(error is None)]], dtype=torch.int64, device=device)
-    table = row.new_empty(world_size(group), 2)
-    _all_gather_tensor(table, row, group=group)
+    # torch.full, not torch.tensor: no copy from pageable host memory; one read back.
+    row = torch.full((1, 2), num_rows, dtype=torch.int64, device=device)
+    row[0, 1] = int(error is None)
+    table = all_gather_row(row, group).tolist()
     if error is not None:
         raise error
-    failed = [q for q, ok in enumerate(table[:, 1].tolist()) if not ok]
+    failed = [q for q, (_, ok) in enumerate(table) if not ok]
     if failed:
         raise ValueError(f"{what}: ranks {failed} of the group rejected their {what} (see their errors); "
                          "nothing was changed on any rank")
-    return [int(n) for n in table[:, 0].tolist()]
+    return [int(n) for n, _ in table]
 
 
 def all_gather_rows(tensor: torch.Tensor, group=None, sizes: list[int] | None = None) -> torch.Tensor:
