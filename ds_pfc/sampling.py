@@ -39,9 +39,10 @@ bytes. Estimated, not measured, at ``C_q = 8M`` on an H100: ~2 GB of memory traf
 for the keys (~0.7 ms at 3.35 TB/s) plus a ``topk`` over 64 MB of keys (a radix
 select, or a radix sort where PyTorch sorts large single slices), ~1-3 ms in all,
 against ~4 ms for the step's ``6 N d b_q`` GEMM FLOPs at ``N = 1024, d = 512, r =
-0.1`` in bf16; both grow linearly in ``C_q``, so the ratio holds at every size. On a
-CPU thread (measured): 150 ms at ``C_q = 1M, r = 0.1`` (120 ms before), 1.2 s at 8M
-(0.35 s before).
+0.1`` in bf16; both grow linearly in ``C_q``, so the ratio holds at every size. On one
+CPU thread (measured, best of 5 on a shared 2-core VM): ~30 ms at ``C_q = 1M, r =
+0.1`` (~19 ms before), ~150 ms at ``4M, r = 0.025`` (~15 ms before), ~0.55 s at
+``8M, r = 0.1`` (~0.2 s before).
 """
 from __future__ import annotations
 
@@ -87,8 +88,10 @@ def _chain(seed: int, *keys: int) -> int:
 
 # ----------------------------------------------------------------- int64 tensor hash
 def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of the uint64 bit patterns held in int64 ``z``."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
+    """Logical right shift of the uint64 bit patterns held in int64 ``z`` (a new tensor)."""
+    out = z >> bits
+    out &= (1 << (64 - bits)) - 1
+    return out
 
 
 def _mix_(z: torch.Tensor) -> torch.Tensor:
@@ -118,7 +121,10 @@ def class_keys(num_local: int, seed: int, step, rank: int, device=None, spare: i
         z += _signed(int(step) * num_local)
     z *= _signed(_GAMMA)
     z += _signed(base + _GAMMA)
-    return _shr(_mix_(z), 2)
+    z = _mix_(z)
+    z >>= 2
+    z &= (1 << 62) - 1
+    return z
 
 
 # ----------------------------------------------------------------- the sampler
