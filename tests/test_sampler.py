@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from fractions import Fraction
 
 import pytest
