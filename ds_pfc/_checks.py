@@ -70,3 +70,78 @@ def check_number(name: str, value, low: float = 0.0, high: float | None = None, 
         bound = f"in [{low}, {high}{')' if high_open else ']'}" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bound}, got {value}")
     return float(value)
+
+
+# ------------------------------------------------------------ one sync per step
+# Columns of a rank's row in the table a validating forward gathers over its group.
+PROBE_FIELDS = ("num_rows", "ok", "nonfinite", "label_min", "label_max", "label_hash")
+_HASH_MOD = (1 << 31) - 1
+
+
+def batch_probe(embeddings, labels, error: Exception | None, device) -> torch.Tensor:
+    """This rank's row ``[len(PROBE_FIELDS)]`` (int64, on ``device``) of the checks of a
+    validating forward, computed on the device with no host sync: the row count,
+    whether the local checks of types and shapes passed (``error`` is None), whether an
+    embedding is NaN/Inf (``embeddings`` None: none checked), the labels' min and max,
+    and a position-weighted hash of the labels (tensor-parallel peers must hold the
+    same samples). Gathered over the group and read with one ``.tolist()``:
+    :func:`check_batch_table` judges it."""
+    row = torch.zeros(len(PROBE_FIELDS), dtype=torch.int64, device=device)
+    if error is not None:
+        return row                         # ok = 0; the tensors may be unusable
+    n = labels.shape[0]
+    row[0], row[1] = n, 1
+    if n == 0:
+        row[3], row[4] = 0, -1             # an empty range: nothing out of bounds
+        return row
+    y = labels.long()
+    weights = torch.arange(1, n + 1, dtype=torch.int64, device=y.device) % _HASH_MOD
+    nonfinite = y.new_zeros(()) if embeddings is None else (~torch.isfinite(embeddings)).any().long()
+    row[2:] = torch.stack([
+        nonfinite, y.min(), y.max(),
+        ((y % _HASH_MOD) * weights % _HASH_MOD).sum() % _HASH_MOD,
+    ]).to(device)
+    return row
+
+
+def check_batch_table(table: list[list[int]], me: int, error: Exception | None, num_classes: int,
+                      what: str = "embeddings/labels", names=("embeddings", "labels")) -> list[int]:
+    """Every rank's row count, after the checks of every rank's probe row
+    (:func:`batch_probe`); raises on every rank together when any rank's input is bad.
+
+    This rank raises its own ``error``, or a readable ``ValueError`` for its NaN/Inf
+    embeddings or out-of-range labels; the other ranks raise a ``ValueError`` naming the
+    failed ranks. Nothing has been changed on any rank at that point."""
+    if error is not None:
+        raise error
+    mine = table[me]
+    if mine[2]:
+        raise ValueError(f"{names[0]} contain NaN or Inf values")
+    if mine[0] and (mine[3] < 0 or mine[4] >= num_classes):
+        raise ValueError(f"{names[1]} must lie in [0, {num_classes}), got values in [{mine[3]}, {mine[4]}]")
+    failed = [q for q, row in enumerate(table)
+              if not row[1] or row[2] or (row[0] and (row[3] < 0 or row[4] >= num_classes))]
+    if failed:
+        raise ValueError(f"{what}: ranks {failed} of the group rejected their {what} (see their errors); "
+                         "nothing was changed on any rank")
+    return [row[0] for row in table]
+
+
+def check_peers(table: list[list[int]], positions, batch_world: int, what: str = "embeddings/labels") -> list[int]:
+    """One row count per batch position from a table of :func:`batch_probe` rows over a
+    class group laid out in batch groups (``positions[q]``: rank q's position): ranks at
+    the same position (tensor-parallel peers) must pass the same number of samples and
+    the same labels (equal hashes), or they would train on mixed-up targets."""
+    sizes: dict[int, set] = {}
+    hashes: dict[int, set] = {}
+    for q, row in enumerate(table):
+        sizes.setdefault(positions[q], set()).add(row[0])
+        hashes.setdefault(positions[q], set()).add(row[5])
+    bad = {p: sorted(v) for p, v in sizes.items() if len(v) > 1}
+    if bad:
+        raise ValueError(f"{what}: ranks at the same batch position (tensor-parallel peers) must pass the same "
+                         f"samples, but their batch sizes differ: position -> sizes {bad}")
+    if any(len(v) > 1 for v in hashes.values()):
+        raise ValueError("labels: the ranks of the class group gathered different labels; tensor-parallel peers "
+                         "(the same position in their batch groups) must pass identical samples")
+    return [sizes[p].pop() for p in range(batch_world)]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["world_size", "rank", "gather_sizes", "all_gather_batch", "all_gather_rows", "all_reduce_",
-           "all_gather_scalars", "BatchLayout", "batch_layout", "group_ranks"]
+           "all_gather_scalars", "BatchLayout", "batch_layout", "group_ranks", "all_gather_row", "assert_equal_sizes"]
 
 # torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep both spellings working.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -54,6 +54,36 @@ def all_gather_scalars(values: Sequence[int | float], group=None, device=None) -
     out = torch.empty(k, row.shape[1], dtype=row.dtype, device=row.device)
     _all_gather_tensor(out, row, group=group)
     return out
+
+
+def all_gather_row(row: torch.Tensor, group=None) -> torch.Tensor:
+    """``[world, m]``: every rank's ``row [m]`` (on the device ``row`` is on, which must
+    suit the group's backend), without reading anything back to the host."""
+    row = row.reshape(1, -1)
+    k = world_size(group)
+    if k == 1:
+        return row
+    out = row.new_empty(k, row.shape[1])
+    _all_gather_tensor(out, row.contiguous(), group=group)
+    return out
+
+
+def assert_equal_sizes(num_rows: int, group=None, device=None, what: str = "input") -> list[int]:
+    """Every rank's row count when all ranks pass ``num_rows`` rows: ``[num_rows] *
+    world``, known to the host without asking the other ranks.
+
+    The agreement is checked on the device (``torch._assert_async`` on an all-gather of
+    the counts): no host sync, and a CUDA graph can capture it. Uneven batches fail as
+    a device-side assert (on CPU at once, as a ``RuntimeError``); check them with
+    :func:`gather_sizes` to pad them instead. forward: 1 all-gather of ``world`` int64.
+    """
+    k = world_size(group)
+    if k > 1:
+        table = all_gather_row(torch.full((1,), num_rows, dtype=torch.int64, device=device), group)
+        torch._assert_async((table == num_rows).all(),
+                             f"{what}: the ranks passed batches of different sizes; validate=False needs equal "
+                             "batch sizes on every rank (validate=True pads uneven batches)")
+    return [num_rows] * k
 
 
 def _gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
@@ -101,22 +131,24 @@ def gather_sizes(num_rows: int, group=None, device=None, error: Exception | None
     A rank whose input failed its local checks passes its ``error``: it still joins
     this all-gather (so no other rank waits forever in a later collective) and then
     raises it; the other ranks raise a ``ValueError`` naming the failed ranks. Nothing
-    has been changed on any rank at that point.
+    has been changed on any rank at that point. One all-gather and one host sync (the
+    sizes decide the padding of the gathers that follow).
     """
     if world_size(group) == 1:
         if error is not None:
             raise error
         return [num_rows]
-    row = torch.tensor([[num_rows, int(error is None)]], dtype=torch.int64, device=device)
-    table = row.new_empty(world_size(group), 2)
-    _all_gather_tensor(table, row, group=group)
+    # torch.full, not torch.tensor: no copy from pageable host memory; one read back.
+    row = torch.full((1, 2), num_rows, dtype=torch.int64, device=device)
+    row[0, 1] = int(error is None)
+    table = all_gather_row(row, group).tolist()
     if error is not None:
         raise error
-    failed = [q for q, ok in enumerate(table[:, 1].tolist()) if not ok]
+    failed = [q for q, (_, ok) in enumerate(table) if not ok]
     if failed:
         raise ValueError(f"{what}: ranks {failed} of the group rejected their {what} (see their errors); "
                          "nothing was changed on any rank")
-    return [int(n) for n in table[:, 0].tolist()]
+    return [int(n) for n, _ in table]
 
 
 def all_gather_rows(tensor: torch.Tensor, group=None, sizes: list[int] | None = None) -> torch.Tensor:

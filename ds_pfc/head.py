@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import collectives
-from ._checks import check_embeddings, check_labels, check_values
+from ._checks import batch_probe, check_batch_table, check_embeddings, check_labels, check_peers
 from .bank import ClassBank, DeviceBank, TieredBank, initial_centers
 from .bank.slots import SlotBank, Stager, merge_slots
 from .devices import collective_device, head_device
@@ -128,10 +128,13 @@ class PartialFC(nn.Module):
             ``K`` rows per class, row ``i K + k`` the k-th sub-center of local class
             ``i``; a class's cosine is the largest of its sub-centers'; sampling picks
             whole classes. Works with every margin (torch backend).
-        validate: check embeddings (NaN/Inf) and labels (range, ownership) every
-            forward with one host sync and a readable error. False: label ownership
-            is asserted on the device (``torch._assert_async``), nothing waits for
-            the device, and bad values fail as a device-side assert.
+        validate: check every rank's embeddings (NaN/Inf) and labels (range, hence
+            ownership) and batch size every forward, all in one host sync, with a
+            readable error on every rank; batches may differ in size between ranks.
+            False: no host sync at all (device bank, ``floor(r C_q) >= N``; a CUDA
+            graph can capture the step); the ranks must pass equal batch sizes, and
+            sizes and label ownership are asserted on the device
+            (``torch._assert_async``): bad values fail as a device-side assert.
         optimizer_kwargs: hyper-parameters of the row optimizer.
     """
 
@@ -205,6 +208,7 @@ class PartialFC(nn.Module):
         self.num_rows = self.num_local * sub_centers      # bank rows: K per class
 
         self.seed = seed
+        self._step_t = torch.zeros((), dtype=torch.int64, device=self.device)   # the sampler's step, on the device
         self.sample_step = 0   # forward passes taken in training mode: drives the sampler
         self.step_count = 0    # optimizer steps taken
         self._pending: list[tuple] = []   # (active rows, staged centers leaf, slot or None)
@@ -277,16 +281,37 @@ class PartialFC(nn.Module):
         return (active[:, None] * k + torch.arange(k, device=active.device)).reshape(-1)
 
     def active_set(self, local_labels: torch.Tensor, sample_step: int | None = None) -> torch.Tensor | None:
-        """Sorted active local ids for gathered local labels (None: every class)."""
+        """Sorted active local ids for gathered local labels (-1: another rank's; None:
+        every class). ``sample_step`` None: the head's own step counter, read on the
+        device (no host sync; a CUDA graph replay draws the next step's set)."""
         if self.sample_rate >= 1.0:
             return None
-        positives = torch.unique(local_labels[local_labels >= 0])
-        step = self.sample_step if sample_step is None else sample_step
-        return sample_active(positives, self.num_local, self.sample_rate,
+        step = self._step_t if sample_step is None else sample_step
+        return sample_active(local_labels, self.num_local, self.sample_rate,
                              seed=self.seed, step=step, rank=self.rank)
 
+    @property
+    def sample_step(self) -> int:
+        """Training forwards taken so far: the sampler draws step ``sample_step``'s set
+        next. A replayed CUDA graph advances the sampler's counter on the device only
+        (no Python runs): after replays, assign the true count before saving."""
+        return self._sample_step
+
+    @sample_step.setter
+    def sample_step(self, value: int) -> None:
+        self._sample_step = int(value)
+        # The sampler reads the step from the device, so a captured step can advance it.
+        self._step_t.fill_(self._sample_step)
+
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, *, return_details: bool = False):
-        """Mean margin-softmax loss over the global batch (same value on every rank)."""
+        """Mean margin-softmax loss over the global batch (same value on every rank).
+
+        Host syncs (device bank): with ``validate=False`` none, at any sample rate and
+        world size, when ``floor(sample_rate * C_q) >= N`` (the gathered batch; below
+        that a step's positives may outnumber the budget and the sampler reads their
+        count back); the ranks must then pass batches of one size. With
+        ``validate=True``, one: every rank's checks and batch size in one small table.
+        """
         self._check_open()
         try:
             check_embeddings(embeddings, self.embedding_size)
@@ -294,13 +319,12 @@ class PartialFC(nn.Module):
             for name, t in (("embeddings", embeddings), ("labels", labels)):
                 if t.device != self.device:
                     raise ValueError(f"{name} must be on the head's device {self.device}, got {t.device}")
-            if self.validate:
-                check_values(embeddings, labels, self.num_classes)
             error = None
         except (TypeError, ValueError) as err:
             error = err
-        # Every rank joins this gather even with bad input, so none is left waiting.
-        x, y, sizes = self._gather(embeddings, labels, error, "embeddings/labels")
+        # Every rank joins the checks' collective even with bad input, so none is left waiting.
+        sizes = self._batch_sizes(embeddings, labels, error, "embeddings/labels")
+        x, y = self._gather(embeddings, labels, sizes)
         training = self.training and torch.is_grad_enabled()
         local = self.partition.to_local(y, self.rank)
         lookahead, self._lookahead = self._lookahead, None
@@ -322,42 +346,62 @@ class PartialFC(nn.Module):
             centers = slot.states["weight"].detach()
         if training:
             centers.requires_grad_(True)
+        # With validate=True every rank's labels were checked to lie in [0, C), so each
+        # has exactly one owner: the softmax's ownership check stays on the device.
         result = margin_softmax_cross_entropy(
             x, centers, target_col, self.margin, filter_threshold=self.filter_threshold,
             group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details,
-            block_bytes=self.block_bytes, backend=self.backend, validate=self.validate,
+            block_bytes=self.block_bytes, backend=self.backend, validate=False,
             guard_nonfinite=training and self.guard_nonfinite, update_state=training, sub_centers=self.sub_centers)
         if training:
             self._fold_finished()
             self._pending.append((bank_rows, centers, slot))
-            self.sample_step += 1
+            self._step_t.add_(1)            # on the device too: a captured step advances it on replay
+            self._sample_step += 1
         if not return_details:
             return result.loss
         offset = sum(sizes[: self.batch_rank])
         return CrossEntropyOutput(result.loss, result.per_sample[offset: offset + sizes[self.batch_rank]],
                                   result.correct.mean())
 
-    def _gather(self, embeddings, labels, error, what):
-        """The global batch ``(x, y, sizes per batch rank)``; the gradient path scales
-        for data-parallel averaging and sums over the class group."""
+    def _batch_sizes(self, embeddings, labels, error, what, label_name="labels") -> list[int]:
+        """Rows per batch rank, after the input checks, in one host sync at most.
+
+        ``validate=True``: every rank's probe row (:func:`~ds_pfc._checks.batch_probe`:
+        size, NaN/Inf, label range, label hash) is all-gathered over the class group and
+        read back with one ``.tolist()``; every rank raises together on bad input, and
+        uneven batches are allowed (padded in the gather). ``validate=False``: the local
+        size is everyone's size, asserted on the device (no host sync)."""
+        if not self.validate:
+            device = collective_device(self.group, self.device)
+            if error is not None:
+                if self.world_size > 1:      # join the sizes' all-gather with size -1: the others' assert fails
+                    collectives.all_gather_row(torch.full((1,), -1, dtype=torch.int64, device=device), self.group)
+                raise error
+            n = labels.shape[0]
+            if self.world_size > 1:
+                collectives.assert_equal_sizes(n, self.group, device, what)
+            return [n] * self.batch_world_size
+        device = collective_device(self.group, self.device)
+        table = collectives.all_gather_row(batch_probe(embeddings, labels, error, device), self.group).tolist()
+        check_batch_table(table, self.rank, error, self.num_classes, what, names=("embeddings", label_name))
         if self._layout is None:
-            sizes = collectives.gather_sizes(embeddings.shape[0] if error is None else 0, self.group, self.device,
-                                             error, what=what)
-        else:
-            sizes = collectives.gather_batch_sizes(embeddings.shape[0] if error is None else 0, self.group,
-                                                   self._layout, self.device, error, what=what)
+            return [row[0] for row in table]
+        return check_peers(table, self._layout.positions, self._layout.batch_world, what)
+
+    def _gather(self, embeddings, labels, sizes):
+        """The global batch ``(x, y)``; the gradient path scales for data-parallel
+        averaging and sums over the class group."""
+        if sum(sizes) == 0:
+            raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
         if self.data_parallel_grad and self.batch_world_size > 1:
             embeddings = _ScaleGrad.apply(embeddings, float(self.batch_world_size))
         # int64 before any collective: NCCL has no int16, and every rank must agree on one dtype.
         if self._layout is None:
-            x, y, sizes = collectives.all_gather_batch(embeddings, labels.long(), self.group, sizes)
+            x, y, _ = collectives.all_gather_batch(embeddings, labels.long(), self.group, sizes)
         else:
-            x, y, sizes = collectives.all_gather_batch_2d(embeddings, labels.long(), self._layout, sizes)
-            if self.validate:
-                collectives.check_same_labels(y, self.group, collective_device(self.group, self.device))
-        if x.shape[0] == 0:
-            raise ValueError("embeddings: the global batch is empty (every rank passed 0 rows)")
-        return x, y, sizes
+            x, y, _ = collectives.all_gather_batch_2d(embeddings, labels.long(), self._layout, sizes)
+        return x, y
 
     def prefetch(self, next_labels: torch.Tensor) -> None:
         """Lookahead: this rank's labels of the *next* training forward.
@@ -379,24 +423,22 @@ class PartialFC(nn.Module):
             check_labels(next_labels, next_labels.shape[0], name="next_labels")
             if next_labels.device != self.device:
                 raise ValueError(f"next_labels must be on the head's device {self.device}, got {next_labels.device}")
-            if next_labels.numel() and (int(next_labels.min()) < 0 or int(next_labels.max()) >= self.num_classes):
-                raise ValueError(f"next_labels must lie in [0, {self.num_classes}), got values in "
-                                 f"[{int(next_labels.min())}, {int(next_labels.max())}]")
             error = None
         except (TypeError, ValueError) as err:
             error = err
         if self._stager is None:        # nothing to stage: no collective either
             if error is not None:
                 raise error
+            if self.validate and next_labels.numel():       # one host sync
+                low, high = torch.stack([next_labels.min(), next_labels.max()]).tolist()
+                if low < 0 or high >= self.num_classes:
+                    raise ValueError(f"next_labels must lie in [0, {self.num_classes}), got values in "
+                                     f"[{low}, {high}]")
             return
-        if self._layout is None:
-            sizes = collectives.gather_sizes(next_labels.shape[0] if error is None else 0, self.group, self.device,
-                                             error, what="next_labels")
-            y = collectives.all_gather_rows(next_labels.long(), self.group, sizes)
-        else:
-            sizes = collectives.gather_batch_sizes(next_labels.shape[0] if error is None else 0, self.group,
-                                                   self._layout, self.device, error, what="next_labels")
-            y = collectives.all_gather_rows(next_labels.long(), self._layout.batch_group, sizes)
+        # The checks and sizes as in forward: one host sync with validate, none without.
+        sizes = self._batch_sizes(None, next_labels, error, "next_labels", label_name="next_labels")
+        group = self.group if self._layout is None else self._layout.batch_group
+        y = collectives.all_gather_rows(next_labels.long(), group, sizes)
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
         rows = self._rows(active)

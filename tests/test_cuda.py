@@ -132,8 +132,10 @@ def test_checkpoint_save_load_reshard_from_the_gpu():
         assert len(out) == 2
 
 
-def test_a_step_never_waits_for_the_gpu_without_validation():
-    head = ds_pfc.PartialFC(100_003, 128, sample_rate=1.0, device=DEV, validate=False, data_parallel_grad=False)
+@pytest.mark.parametrize("sample_rate", [1.0, 0.1])
+def test_a_step_never_waits_for_the_gpu_without_validation(sample_rate):
+    head = ds_pfc.PartialFC(100_003, 128, sample_rate=sample_rate, device=DEV, validate=False,
+                            data_parallel_grad=False)
     x = torch.randn(128, 128, device=DEV, requires_grad=True)
     y = torch.randint(0, 100_003, (128,), device=DEV)
     head(x, y).backward()
@@ -146,6 +148,61 @@ def test_a_step_never_waits_for_the_gpu_without_validation():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if HAS_TRITON else []))
+def test_a_sampled_step_is_captured_whole_in_a_cuda_graph(backend):
+    """validate=False, r = 0.1: forward, backward and ``head.step`` captured in one CUDA
+    graph; each replay (new batch copied into the static inputs) equals an eager step of
+    an identical head: loss, embedding gradient and centers. The sampler's step lives
+    on the device, so every replay draws the next step's set as the eager head does."""
+    classes, d, n, lr = 20_011, 64, 96, 0.05
+    kw = dict(sample_rate=0.1, device=DEV, validate=False, data_parallel_grad=False, backend=backend, seed=3,
+              momentum=0.9)
+    graphed, eager = ds_pfc.PartialFC(classes, d, **kw), ds_pfc.PartialFC(classes, d, **kw)
+    batches = [(x.to(DEV), y.to(DEV)) for x, y in _batches(8, n, d, classes, seed=4)]
+    static_x = torch.zeros(n, d, device=DEV, requires_grad=True)
+    static_y = torch.zeros(n, dtype=torch.int64, device=DEV)
+
+    def graphed_step():
+        static_x.grad = None
+        loss = graphed(static_x, static_y)
+        loss.backward()
+        graphed.step(lr)
+        return loss
+
+    def eager_step(x, y):
+        x = x.clone().requires_grad_()
+        loss = eager(x, y)
+        loss.backward()
+        eager.step(lr)
+        return loss.detach(), x.grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):         # warm-up (allocator, cuBLAS, kernel compilation) off the capture
+        for x, y in batches[:3]:
+            with torch.no_grad():
+                static_x.copy_(x)
+                static_y.copy_(y)
+            graphed_step()
+    torch.cuda.current_stream().wait_stream(side)
+    for x, y in batches[:3]:
+        eager_step(x, y)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = graphed_step()
+    for x, y in batches[3:]:
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_y.copy_(y)
+        graph.replay()
+        loss, grad = eager_step(x, y)
+        torch.testing.assert_close(static_loss.detach(), loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(static_x.grad, grad, rtol=1e-5, atol=1e-7)
+    torch.cuda.synchronize()
+    assert int(graphed._step_t) == eager.sample_step == 8
+    torch.testing.assert_close(graphed.centers(), eager.centers(), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
