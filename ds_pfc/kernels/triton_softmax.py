@@ -517,14 +517,15 @@ def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
 
     block_n, block_s, block_k, warps, stages = tile_config("lse", compute_dtype)
     n_tiles = triton.cdiv(n, block_n)
-    splits, per = _split(n_tiles, triton.cdiv(s, block_s), dev)
+    # The split hands out PAIRS of class tiles (the kernel's unit), so no split ends on half a pair.
+    splits, per = _split(n_tiles, triton.cdiv(s, 2 * block_s), dev)
     m_k = torch.empty(splits, n, dtype=torch.float32, device=dev)
     l_k = torch.empty_like(m_k)
     max_cos_k = torch.empty_like(m_k) if want_max_cos else m_k   # dummy pointer when unused
     with on_device(dev):
         _lse_kernel[(n_tiles, splits)](
             xc, w_hat, target_col, m_k, l_k, max_cos_k,
-            n, s, d, per, float(scale), float(threshold if threshold is not None else 0.0),
+            n, s, d, 2 * per, float(scale), float(threshold if threshold is not None else 0.0),
             HAS_THRESHOLD=threshold is not None, WANT_MAX_COS=bool(want_max_cos),
             BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_K=block_k, **_consts(compute_dtype),
             num_warps=warps, num_stages=stages)
