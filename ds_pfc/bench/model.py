@@ -372,7 +372,7 @@ class _Launch:
         params = inspect.signature(fn.fn).parameters
         bound = dict(zip(names, args))
         bound.update({k: v for k, v in kwargs.items() if k in params})
-        signature, constexprs = {}, {}
+        signature, constexprs, divisible = {}, {}, []
         for name in names:
             p = params[name]
             value = bound.get(name, p.default)
@@ -384,10 +384,19 @@ class _Launch:
                 storage = tensor.untyped_storage()
                 self.ranges.append((storage.data_ptr(), storage.nbytes()))
                 signature[name] = _SIG_DTYPES[tensor.dtype]
+                # Triton specialises a launch on 16-byte aligned pointers ("tt.divisibility"),
+                # which decides vector widths and asynchronous copies: the machine code differs.
+                if isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0:
+                    divisible.append(name)
             elif isinstance(value, bool):
                 signature[name] = "i1"
+            elif isinstance(value, int) and value == 1:
+                signature[name] = "constexpr"          # as Triton specialises an integer 1
+                constexprs[name] = 1
             elif isinstance(value, int):
                 signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+                if value % 16 == 0:
+                    divisible.append(name)             # and integers that are multiples of 16
             elif isinstance(value, float):
                 signature[name] = "fp32"
             else:
@@ -397,7 +406,7 @@ class _Launch:
         self.bases = np.array([b for b, _ in self.ranges], dtype=np.uint64)
         self.maps = {False: {}, True: {}}
         self.meta = {"module": fn.fn.__module__, "kernel": self.name, "signature": signature,
-                     "constexprs": constexprs, "num_warps": int(kwargs.get("num_warps", 4)),
+                     "constexprs": constexprs, "divisible": divisible, "num_warps": int(kwargs.get("num_warps", 4)),
                      "num_stages": int(kwargs.get("num_stages", 3))}
 
     def access(self, ptrs, mask, store: bool):
@@ -453,9 +462,12 @@ def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str
     num_classes = max(S, math.ceil(S / sample_rate - 1e-9))
     while max(math.floor(sample_rate * num_classes + 1e-9), 1) < S:
         num_classes += 1
-    rows = block_rows or (256 << 20) // (4 * batch)
-    block_bytes = rows * batch * 4
     compute_dtype = _DTYPES[compute]
+    # A class block of ``rows`` classes: torch blocks hold float32 logits, triton blocks the
+    # gradient G in the compute dtype (softmax.class_blocks says how many each walks).
+    item = 4 if backend == "torch" else torch.empty((), dtype=compute_dtype).element_size()
+    rows = block_rows or (256 << 20) // (item * batch)
+    block_bytes = rows * batch * item
     head = PartialFC(num_classes, dim, sample_rate=sample_rate, margin=ArcFace(), device="cpu",
                      compute_dtype=None if compute_dtype == torch.float32 else compute_dtype, optimizer="sgd",
                      momentum=0.9, weight_decay=5e-4, data_parallel_grad=False, block_bytes=block_bytes,
@@ -479,7 +491,9 @@ def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str
         loss.backward()
         head.step(0.1)
     head.close()
-    return {"kernels": counter.kernels(), "S": S, "blocks": math.ceil(S / rows), "block_rows": rows}
+    from ..softmax import class_blocks
+    return {"kernels": counter.kernels(), "S": S, "blocks": class_blocks(backend, batch, S, compute_dtype, block_bytes),
+            "block_rows": rows}
 
 
 class _GridRecorder:
@@ -593,7 +607,9 @@ signature = {k: ("constexpr" if k in consts else v) for k, v in job["signature"]
 for k in consts:
     signature[k] = "constexpr"
 signature = {name: signature[name] for name in kernel.arg_names}
-compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", job["arch"], 32),
+attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in job.get("divisible", [])
+         if signature.get(name) != "constexpr"}
+compiled = triton.compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", job["arch"], 32),
                           options={"num_warps": job["num_warps"], "num_stages": job["num_stages"]})
 cuobjdump = triton.knobs.nvidia.cuobjdump.path
 with tempfile.TemporaryDirectory() as tmp:
@@ -746,6 +762,13 @@ def _standard_runs(case: dict) -> list[tuple[int, int | None]]:
     if S2 >= 4096:
         print(f"warning: the Triton grids did not settle below S = 4096 (the probe at S = {probe_rows}); "
               "per-split work may be extrapolated as per-class work", file=sys.stderr)
+    if case["backend"] == "triton":
+        # Triton blocks are whole class tiles of the dW/G kernels: two block sizes at 2 tiles,
+        # then S2 rounded up to whole tiles with one tile per block.
+        from ..kernels.triton_softmax import tile_config
+        tile = max(tile_config(k, _DTYPES[case["compute"]], interpret=False)[0] for k in ("g", "dw"))
+        S2 = -(-S2 // tile) * tile
+        return [(2 * tile, tile), (2 * tile, 2 * tile), (S2, tile), (2 * S2, tile)]
     return [(64, 32), (64, 16), (S2, S2 // 2), (2 * S2, S2 // 2)]
 
 
@@ -755,13 +778,14 @@ def predict_case(case: dict, gpu_name: str, *, counts: list[dict] | None = None,
     classes_per_rank = math.ceil(case["classes"] / case["world"])
     S = max(math.floor(case["sample_rate"] * classes_per_rank + 1e-9), 1)
     block_bytes = case.get("block_bytes") or (256 << 20)
-    rows = max(1, block_bytes // (4 * case["batch"]))
     if counts is None:
         counts = [count_step(s, batch=case["batch"], dim=case["dim"], sample_rate=case["sample_rate"],
                              compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"],
                              block_rows=b, world=case["world"], sms=gpu["sms"])
                   for s, b in _standard_runs(dict(case, sms=gpu["sms"], S=S))]
-    fitted = fit_counts(counts, S, math.ceil(S / rows))
+    from ..softmax import class_blocks
+    fitted = fit_counts(counts, S, class_blocks(case["backend"], case["batch"], S, _DTYPES[case["compute"]],
+                                                block_bytes))
     out = predict(fitted, gpu, S=S, batch=case["batch"], dim=case["dim"], compile_code=compile_code)
     out.update(case=dict(case), gpu=gpu_name, gpu_name=gpu["name"], S=S, counts=counts)
     return out

@@ -66,22 +66,24 @@ _NORM_EPS = 1e-12
 #          walks every sample tile, so it owns complete sums rho of its classes.
 #   "dw":  A = classes, B = dims,    K over samples. Grid (class tiles, pairs of dim tiles).
 #   "prep": A = rows, B = dims per chunk (K unused).
-# Each of lse, g and dw computes its B tiles in PAIRS that share every loaded A slice, so the
-# operand traffic is that of an A x 2B tile while only one B-half's epilogue is live. "lowp"
-# (bf16/fp16): A = 128, 2B = 128, K step 64: (128 + 128) * 64 * 2 B = 32 KiB of operands per
-# stage for 2 * 128 * 128 * 64 FLOP, i.e. 64 FLOP per byte of L2 traffic, on 8 warps (two
-# warpgroups, as Hopper's wgmma wants). Larger pairs (A x 256) spill on sm_90: the exp epilogue
-# of a 128 x 128 half plus the other half's accumulator exceed 255 registers.
-# tests/test_triton_softmax.py compiles every kernel for sm_90 without a GPU (as Triton
-# specialises a real launch: 16-byte aligned pointers, d and N multiples of 16, unit column
-# stride) and checks shared memory, registers, that bf16/fp16 spill nothing and that the SASS
-# multiplies with wgmma (HGMMA). "fp32" rows (input_precision="ieee", FMA) serve exactness on
-# request only: backend="auto" runs float32 products through cuBLAS.
+# Each kernel computes several B tiles per loaded A slice (lse and dw four, g two), so its
+# operand traffic is that of one A x (parts * B) tile while only one part's epilogue is live in
+# registers. "lowp" (bf16/fp16), 8 warps (two warpgroups, as Hopper's wgmma wants), K step 64:
+# * lse: 128 samples x 4 x 64 classes: (128 + 256) * 64 * 2 B = 48 KiB of operands per stage for
+#   2 * 128 * 256 * 64 FLOP, 85 FLOP per byte of L2 traffic; "lse_max" (with a threshold, when
+#   the largest cosine must be tracked apart from the log-sum-exp): 4 x 32 classes, 64 FLOP/B;
+# * g: 128 classes x 2 x 64 samples, 64 FLOP/B (its epilogue writes G and sums rho: four parts
+#   of 64 spill);
+# * dw: 128 classes x 4 x 64 dims, 85 FLOP/B.
+# Larger tiles spill on sm_90: the exp epilogue of a part plus the other parts' accumulators
+# exceed 255 registers.
 TILES = {
     ("lse", "lowp"): (128, 64, 64, 8, 3),
+    ("lse_max", "lowp"): (128, 32, 64, 8, 3),
     ("g", "lowp"): (128, 64, 64, 8, 3),
     ("dw", "lowp"): (128, 64, 64, 8, 3),
     ("lse", "fp32"): (64, 32, 32, 4, 2),
+    ("lse_max", "fp32"): (64, 32, 32, 4, 2),
     ("g", "fp32"): (64, 32, 32, 4, 2),
     ("dw", "fp32"): (64, 32, 32, 4, 2),
     ("prep", "lowp"): (8, 256, 0, 4, 1),
@@ -89,7 +91,7 @@ TILES = {
 }
 # Under the interpreter every program runs as numpy on the CPU: small tiles keep tests fast and
 # make the small test shapes span several tiles, K steps and splits (ragged edges everywhere).
-_INTERPRET_TILES = {"lse": (16, 16, 16, 1, 1), "g": (16, 16, 16, 1, 1), "dw": (16, 16, 16, 1, 1),
+_INTERPRET_TILES = {"lse": (16, 16, 16, 1, 1), "lse_max": (16, 16, 16, 1, 1), "g": (16, 16, 16, 1, 1), "dw": (16, 16, 16, 1, 1),
                     "prep": (4, 16, 0, 1, 1)}
 # Programs per SM the class split of the forward aims for (a few waves), and the pretend SM
 # count of the interpreter (small, so that CPU tests still exercise several splits).
@@ -276,14 +278,16 @@ def _prep_kernel(w_ptr, stride_r, stride_c, wc_ptr, inv_ptr, S, d, eps,
 
 
 @triton.jit
-def _lse_part(cos, cols, col_ok, tgt, m, l, max_cos, scale, threshold,
+def _lse_part(cos, cols, col_ok, tgt, m, l, max_z, scale, threshold,
               HAS_THRESHOLD: tl.constexpr, WANT_MAX_COS: tl.constexpr):
-    """Fold one ``[samples, classes]`` cosine tile into the running (m, l, max_cos)."""
+    """Fold one ``[samples, classes]`` cosine tile into the running (m, l, max_z).
+
+    ``max_z`` (``WANT_MAX_COS``): the largest ``scale * cos`` over every class but the target,
+    filtered negatives included (the caller divides by ``scale``; top-1 accuracy compares the
+    target's cosine with it)."""
     if WANT_MAX_COS:
-        # Raw cosines of every class but the target (filtered negatives included): the
-        # caller compares the target's cosine with this for top-1 accuracy.
         other = col_ok[None, :] & (cols[None, :] != tgt[:, None])
-        max_cos = tl.maximum(max_cos, tl.max(tl.where(other, cos, float("-inf")), axis=1))
+        max_z = tl.maximum(max_z, tl.max(tl.where(other, cos * scale, float("-inf")), axis=1))
     z, keep = _negative_logits(cos, cols[None, :], tgt[:, None], col_ok[None, :], scale, threshold, HAS_THRESHOLD)
     z = tl.where(keep, z, float("-inf"))
     m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -291,18 +295,19 @@ def _lse_part(cos, cols, col_ok, tgt, m, l, max_cos, scale, threshold,
     # exp(-inf - 0) = 0 leaves l = 0 as it should.
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     l = l * tl.exp(m - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
-    return m_new, l, max_cos
+    return m_new, l, max_z
 
 
 @triton.jit
-def _lse_kernel(x_ptr, w_ptr, tgt_ptr, m_ptr, l_ptr, max_cos_ptr,
+def _lse_kernel(x_ptr, w_ptr, tgt_ptr, m_ptr, l_ptr, max_z_ptr,
                 N, S, d, tiles_per_split, scale, threshold,
                 HAS_THRESHOLD: tl.constexpr, WANT_MAX_COS: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Grid (sample tiles, splits): partial m, l (and max cos) of one sample tile over one split.
-    Class tiles go two at a time, sharing each loaded sample K-slice (``BLOCK_N x 2 BLOCK_S``
-    operand reuse, one half's epilogue live at a time)."""
+    """Grid (sample tiles, splits): partial m, l (and max z) of one sample tile over one split.
+    Class tiles go four at a time, sharing each loaded sample K-slice (``BLOCK_N x 4 BLOCK_S``
+    operand reuse, one quarter's epilogue live at a time). ``WANT_MAX_COS`` is only needed with a
+    threshold: without one, the largest non-target logit is ``m`` itself."""
     pid_k = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -310,27 +315,59 @@ def _lse_kernel(x_ptr, w_ptr, tgt_ptr, m_ptr, l_ptr, max_cos_ptr,
 
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_N], tl.float32)
-    max_cos = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    max_z = tl.full([BLOCK_N], float("-inf"), tl.float32)
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(S, BLOCK_S))
     end = tl.minimum(last * BLOCK_S, S)
-    for t in range(first, last, 2):
+    for t in range(first, last, 4):
+        c0, c1, c2, c3 = _cos_tile4(x_ptr, w_ptr, rows, row_ok, t * BLOCK_S, end, d,
+                                    BLOCK_N, BLOCK_S, BLOCK_K, UPCAST, PRECISION)
         cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
-        col_ok = cols < end
-        cols2 = cols + BLOCK_S
-        col2_ok = cols2 < end
-        cos, cos2 = _cos_tile2(x_ptr, w_ptr, rows, row_ok, cols, col_ok, cols2, col2_ok, d,
-                               BLOCK_N, BLOCK_S, BLOCK_K, UPCAST, PRECISION)
-        m, l, max_cos = _lse_part(cos, cols, col_ok, tgt, m, l, max_cos, scale, threshold,
-                                  HAS_THRESHOLD, WANT_MAX_COS)
-        m, l, max_cos = _lse_part(cos2, cols2, col2_ok, tgt, m, l, max_cos, scale, threshold,
-                                  HAS_THRESHOLD, WANT_MAX_COS)
+        m, l, max_z = _lse_part(c0, cols, cols < end, tgt, m, l, max_z, scale, threshold,
+                                HAS_THRESHOLD, WANT_MAX_COS)
+        cols += BLOCK_S
+        m, l, max_z = _lse_part(c1, cols, cols < end, tgt, m, l, max_z, scale, threshold,
+                                HAS_THRESHOLD, WANT_MAX_COS)
+        cols += BLOCK_S
+        m, l, max_z = _lse_part(c2, cols, cols < end, tgt, m, l, max_z, scale, threshold,
+                                HAS_THRESHOLD, WANT_MAX_COS)
+        cols += BLOCK_S
+        m, l, max_z = _lse_part(c3, cols, cols < end, tgt, m, l, max_z, scale, threshold,
+                                HAS_THRESHOLD, WANT_MAX_COS)
 
     out = pid_k * N + rows
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(l_ptr + out, l, mask=row_ok)
     if WANT_MAX_COS:
-        tl.store(max_cos_ptr + out, max_cos, mask=row_ok)
+        tl.store(max_z_ptr + out, max_z, mask=row_ok)
+
+
+@triton.jit
+def _cos_tile4(a_ptr, b_ptr, a_rows, a_ok, b0, S_end, d,
+               BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    acc0 = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+    acc1 = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+    acc2 = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+    acc3 = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+    a_off = a_rows.to(tl.int64)[:, None] * d
+    r0 = b0 + tl.arange(0, BLOCK_B)
+    for k0 in range(0, d, BLOCK_K):
+        dims = k0 + tl.arange(0, BLOCK_K)
+        dim_ok = dims < d
+        a = _dot_operand(tl.load(a_ptr + a_off + dims[None, :], mask=a_ok[:, None] & dim_ok[None, :], other=0.0), UPCAST)
+        b = tl.load(b_ptr + r0.to(tl.int64)[:, None] * d + dims[None, :], mask=(r0 < S_end)[:, None] & dim_ok[None, :], other=0.0)
+        acc0 = tl.dot(a, tl.trans(_dot_operand(b, UPCAST)), acc0, input_precision=PRECISION)
+        r1 = r0 + BLOCK_B
+        b = tl.load(b_ptr + r1.to(tl.int64)[:, None] * d + dims[None, :], mask=(r1 < S_end)[:, None] & dim_ok[None, :], other=0.0)
+        acc1 = tl.dot(a, tl.trans(_dot_operand(b, UPCAST)), acc1, input_precision=PRECISION)
+        r2 = r1 + BLOCK_B
+        b = tl.load(b_ptr + r2.to(tl.int64)[:, None] * d + dims[None, :], mask=(r2 < S_end)[:, None] & dim_ok[None, :], other=0.0)
+        acc2 = tl.dot(a, tl.trans(_dot_operand(b, UPCAST)), acc2, input_precision=PRECISION)
+        r3 = r2 + BLOCK_B
+        b = tl.load(b_ptr + r3.to(tl.int64)[:, None] * d + dims[None, :], mask=(r3 < S_end)[:, None] & dim_ok[None, :], other=0.0)
+        acc3 = tl.dot(a, tl.trans(_dot_operand(b, UPCAST)), acc3, input_precision=PRECISION)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -391,32 +428,43 @@ def _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw
 def _dw_kernel(g_ptr, x_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr, dw_ptr,
                N, S, d, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Grid (class tiles, pairs of dim tiles): ``dw = c * w_inv * (G^T x_hat - w_hat rho)``.
+    """Grid (class tiles, quads of dim tiles): ``dw = c * w_inv * (G^T x_hat - w_hat rho)``.
 
-    The GEMM's K runs over the samples, and each loaded G slice serves two ``BLOCK_D`` dim tiles.
-    The epilogue applies the derivative of the normalisation ``w_hat = w * w_inv`` (the tangent
-    projection, with the float32 ``w_hat``)."""
+    The GEMM's K runs over the samples, and each loaded G slice serves four ``BLOCK_D`` dim
+    tiles. The epilogue applies the derivative of the normalisation ``w_hat = w * w_inv`` (the
+    tangent projection, with the float32 ``w_hat``)."""
     cols = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     col_ok = cols < S
-    dims = tl.program_id(1) * 2 * BLOCK_D + tl.arange(0, BLOCK_D)
-    dims2 = dims + BLOCK_D
-    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    d0 = tl.program_id(1) * 4 * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc0 = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    acc1 = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     acc2 = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    acc3 = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     for n0 in range(0, N, BLOCK_K):
         rows = n0 + tl.arange(0, BLOCK_K)
         row_ok = rows < N
         g = _dot_operand(tl.load(g_ptr + cols.to(tl.int64)[:, None] * N + rows[None, :],
                                  mask=col_ok[:, None] & row_ok[None, :], other=0.0), UPCAST)
-        x_off = rows.to(tl.int64)[:, None] * d
-        x = tl.load(x_ptr + x_off + dims[None, :], mask=row_ok[:, None] & (dims < d)[None, :], other=0.0)
-        x2 = tl.load(x_ptr + x_off + dims2[None, :], mask=row_ok[:, None] & (dims2 < d)[None, :], other=0.0)
-        acc = tl.dot(g, _dot_operand(x, UPCAST), acc, input_precision=PRECISION)
-        acc2 = tl.dot(g, _dot_operand(x2, UPCAST), acc2, input_precision=PRECISION)
+        x_off = x_ptr + rows.to(tl.int64)[:, None] * d
+        dims = d0
+        x = tl.load(x_off + dims[None, :], mask=row_ok[:, None] & (dims < d)[None, :], other=0.0)
+        acc0 = tl.dot(g, _dot_operand(x, UPCAST), acc0, input_precision=PRECISION)
+        dims += BLOCK_D
+        x = tl.load(x_off + dims[None, :], mask=row_ok[:, None] & (dims < d)[None, :], other=0.0)
+        acc1 = tl.dot(g, _dot_operand(x, UPCAST), acc1, input_precision=PRECISION)
+        dims += BLOCK_D
+        x = tl.load(x_off + dims[None, :], mask=row_ok[:, None] & (dims < d)[None, :], other=0.0)
+        acc2 = tl.dot(g, _dot_operand(x, UPCAST), acc2, input_precision=PRECISION)
+        dims += BLOCK_D
+        x = tl.load(x_off + dims[None, :], mask=row_ok[:, None] & (dims < d)[None, :], other=0.0)
+        acc3 = tl.dot(g, _dot_operand(x, UPCAST), acc3, input_precision=PRECISION)
     inv = tl.load(inv_ptr + cols, mask=col_ok, other=0.0)
     rho = tl.load(rho_ptr + cols, mask=col_ok, other=0.0)
     c = tl.load(c_ptr)
-    _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
-    _dw_part(acc2, cols, col_ok, dims2, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
+    _dw_part(acc0, cols, col_ok, d0, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
+    _dw_part(acc1, cols, col_ok, d0 + BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
+    _dw_part(acc2, cols, col_ok, d0 + 2 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
+    _dw_part(acc3, cols, col_ok, d0 + 3 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,18 +563,22 @@ def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
         w_hat, _ = prepare(w, compute_dtype)
     xc = x_hat.to(compute_dtype).contiguous()
 
-    block_n, block_s, block_k, warps, stages = tile_config("lse", compute_dtype)
+    # With a threshold the largest non-target cosine includes filtered negatives, which the
+    # log-sum-exp drops: the kernel tracks it separately, on the narrower "lse_max" tiles that
+    # keep those extra live values in registers. Without one it is m / scale.
+    track_max = bool(want_max_cos) and threshold is not None
+    block_n, block_s, block_k, warps, stages = tile_config("lse_max" if track_max else "lse", compute_dtype)
     n_tiles = triton.cdiv(n, block_n)
-    # The split hands out PAIRS of class tiles (the kernel's unit), so no split ends on half a pair.
-    splits, per = _split(n_tiles, triton.cdiv(s, 2 * block_s), dev)
+    # The split hands out QUADS of class tiles (the kernel's unit), so no split ends mid-quad.
+    splits, per = _split(n_tiles, triton.cdiv(s, 4 * block_s), dev)
     m_k = torch.empty(splits, n, dtype=torch.float32, device=dev)
     l_k = torch.empty_like(m_k)
-    max_cos_k = torch.empty_like(m_k) if want_max_cos else m_k   # dummy pointer when unused
+    max_z_k = torch.empty_like(m_k) if track_max else m_k   # dummy pointer when unused
     with on_device(dev):
         _lse_kernel[(n_tiles, splits)](
-            xc, w_hat, target_col, m_k, l_k, max_cos_k,
-            n, s, d, 2 * per, float(scale), float(threshold if threshold is not None else 0.0),
-            HAS_THRESHOLD=threshold is not None, WANT_MAX_COS=bool(want_max_cos),
+            xc, w_hat, target_col, m_k, l_k, max_z_k,
+            n, s, d, 4 * per, float(scale), float(threshold if threshold is not None else 0.0),
+            HAS_THRESHOLD=threshold is not None, WANT_MAX_COS=track_max,
             BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_K=block_k, **_consts(compute_dtype),
             num_warps=warps, num_stages=stages)
 
@@ -535,7 +587,7 @@ def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
     shift = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     l = (l_k * torch.exp(m_k - shift)).sum(dim=0)
     if want_max_cos:
-        max_cos = max_cos_k.amax(dim=0)
+        max_cos = (max_z_k.amax(dim=0) if track_max else m) / scale
     return m, l, max_cos
 
 
@@ -555,6 +607,10 @@ def _gemm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.mm(a, b)
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
+    if _target.active():
+        # Counting a GPU step on a CPU (ds_pfc.bench.model): the op sequence CUDA runs, a
+        # reduced-precision product whose float32 output the counter folds into it.
+        return torch.mm(a, b).float()
     return torch.mm(a.float(), b.float())
 
 
@@ -604,7 +660,7 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
                 BLOCK_S=tg[0], BLOCK_N=tg[1], BLOCK_K=tg[2], num_warps=tg[3], num_stages=tg[4])
             dx_hat.add_(_gemm_f32(g.t(), w_hat[j:k]))
             w_blk = w[j:k]
-            _dw_kernel[(triton.cdiv(b, tw[0]), triton.cdiv(d, 2 * tw[1]))](
+            _dw_kernel[(triton.cdiv(b, tw[0]), triton.cdiv(d, 4 * tw[1]))](
                 g, xc, w_blk, w_blk.stride(0), w_blk.stride(1), w_inv_norm[j:k], rho[j:k], c, dw[j:k],
                 n, b, d, **consts,
                 BLOCK_S=tw[0], BLOCK_D=tw[1], BLOCK_K=tw[2], num_warps=tw[3], num_stages=tw[4])
