@@ -206,6 +206,7 @@ def run_case(case: dict) -> dict:
     head = make_head(case, num_classes)
     build_s = time.perf_counter() - t0
     fwd, bwd, upd, total, step_mem, peak_mem = [], [], [], [], [], 0
+    budget = case.get("budget_s")
     gen = torch.Generator().manual_seed(1)
     for it in range(case["warmup"] + case["steps"]):
         x = torch.randn(batch, dim, generator=gen).to(device).requires_grad_()
@@ -226,12 +227,18 @@ def run_case(case: dict) -> dict:
             if windowed and before is not None:
                 step_mem.append(window_peak_bytes(device) - before)
         del x, y, loss
+        if total and budget is not None and time.perf_counter() - t0 > budget:
+            break       # a very slow case: the steps measured so far (their count is in "n")
     state = current_memory_bytes(device)
-    # One more step, counted (the counter's Python overhead stays out of the timings).
-    counter, loss = _counted_step(head, batch, dim, num_classes, gen, device)
+    # One more step, counted (the counter's Python overhead stays out of the timings);
+    # a case past its time budget is not counted.
+    counted = budget is None or time.perf_counter() - t0 <= budget
+    if counted:
+        counter, loss = _counted_step(head, batch, dim, num_classes, gen, device)
     active = max(math.floor(rate * num_classes + 1e-9), 1)
-    return {**case, "active": active, "build_s": build_s, "loss": loss.item(), "step": summarize(total),
-            "ops": counter.ops, "syncs": counter.syncs, "sync_ops": counter.sync_ops,
+    return {**case, "active": active, "build_s": build_s, "loss": loss.item() if counted else None,
+            "step": summarize(total), "ops": counter.ops if counted else None,
+            "syncs": counter.syncs if counted else None, "sync_ops": counter.sync_ops if counted else None,
             "forward": summarize(fwd), "backward": summarize(bwd), "update": summarize(upd),
             "peak_bytes": max(peak_mem, peak_memory_bytes(device)), "base_bytes": base_mem,
             "state_bytes": None if state is None or start_mem is None else state - start_mem,
@@ -390,6 +397,8 @@ def main(argv=None) -> int:
     p.add_argument("--vs-linear-ce", action="store_true",
                    help="preset: ds_pfc/cos against linear_ce at r = 1, N = 2048, d = 256, C = 200k, fp32")
     p.add_argument("--threads", type=int, default=None, help="torch threads per case (default: torch's)")
+    p.add_argument("--case-budget", type=float, default=600.0,
+                   help="seconds after which a case stops taking steps (at least one is measured)")
     p.add_argument("--backends", default=None,
                    help="ds_pfc softmax backends (default: torch,triton on CUDA when triton imports, else torch)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/head-<device>-<date>.json)")
@@ -435,7 +444,7 @@ def main(argv=None) -> int:
     results = []
     for i, case in enumerate(cases, 1):
         case.update(device=args.device, dim=args.dim, batch=args.batch, steps=args.steps, warmup=args.warmup,
-                    threads=args.threads)
+                    threads=args.threads, budget_s=args.case_budget)
         label = (f"[{i}/{len(cases)}] {name(case)} "
                  f"C={case['classes']:,} r={case['sample_rate']} {case['compute']}")
         if "skip" in case:
@@ -491,7 +500,8 @@ def main(argv=None) -> int:
                      f"{res['update']['median'] * 1e3:.0f}",
                      mib(res.get("state_bytes")), mib((res.get("step_peak_bytes") or {}).get("median")),
                      mib(res['peak_bytes'] - res['base_bytes']), f"{gflops:.0f}",
-                     f"{res['x_floor']:.2f}", res.get("ops", ""), res.get("syncs", ""), speedup])
+                     f"{res['x_floor']:.2f}", res.get("ops") or "-", "-" if res.get("syncs") is None else res["syncs"],
+                     speedup])
     print()
     print(format_table(["impl", "C", "r", "|S|", "gemm", "step ms [min-max]", "fwd", "bwd", "update",
                         "state MiB", "step MiB", "peak MiB", "GFLOP/s", "x floor", "ops", "syncs", "ds_pfc speedup"], rows))
@@ -511,7 +521,8 @@ def main(argv=None) -> int:
             if other.get("step_peak_bytes") and cos.get("step_peak_bytes"):
                 summary[f"step_memory_{key}"] = other["step_peak_bytes"]["median"] / cos["step_peak_bytes"]["median"]
             # Same initial centers, data and optimizer: the same loss after the same steps.
-            summary[f"loss_rel_diff_{key}"] = abs(other["loss"] - cos["loss"]) / abs(cos["loss"])
+            if other["loss"] is not None and cos["loss"] is not None and other["step"]["n"] == cos["step"]["n"]:
+                summary[f"loss_rel_diff_{key}"] = abs(other["loss"] - cos["loss"]) / abs(cos["loss"])
     big = find("ds_pfc", max(classes), args.extra_rate, args.compute, backends[0])
     if mine and big and big["active"] == mine["active"]:
         summary[f"step_ratio_C={max(classes)}_r={args.extra_rate}_vs_C={mid}_r={args.sample_rate}"] = \
