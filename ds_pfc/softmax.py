@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from .collectives import all_reduce_
+from .collectives import all_reduce_, world_size
 from .margins import Margin
 
 __all__ = ["margin_softmax_cross_entropy", "SoftmaxResult", "default_block_bytes", "check_block_bytes",
@@ -166,6 +166,7 @@ class _Blocks:
         # With K sub-centers per class, w has S*K rows; a block is a range of classes
         # and a class's cosine is the max over its rows (backward recomputes it).
         self.k = sub_centers
+        self.x_hat, self.target_col = x_hat, target_col
         self.n, self.s = x_hat.shape[0], w.shape[0] // sub_centers
         if sub_centers > 1:
             keep_bytes = 0
@@ -257,14 +258,16 @@ def _forward_torch(blocks: _Blocks, want_correct: bool):
     return lse, max_cos, kept
 
 
-def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
+def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype, dw_hat_sum=None):
     """``(dx_hat [N, d], dw [S K, d])`` of the non-target logits: ``G = coef * exp(z -
     row_max)`` per block (recomputed unless ``kept``; times the negative transform's
     derivative), through both GEMMs, and ``dw`` projected through the normalisation of
-    ``w``. With sub-centers each class's ``G`` goes to the row that gave its cosine."""
+    ``w``. With sub-centers each class's ``G`` goes to the row that gave its cosine.
+    With ``dw_hat_sum [S, d]`` (in ``acc``) the gradient of ``w_hat`` is added into it,
+    unprojected, and ``dw`` is None (:func:`_project_dw` projects the sum once)."""
     n, acc, kk = blocks.n, blocks.acc, blocks.k
     dx_hat = torch.zeros(n, blocks.xc.shape[1], dtype=acc, device=coef.device)
-    dw = torch.empty(blocks.w.shape, dtype=w_dtype, device=coef.device)
+    dw = None if dw_hat_sum is not None else torch.empty(blocks.w.shape, dtype=w_dtype, device=coef.device)
     direct = blocks.compute == acc == w_dtype     # GEMMs straight into dx_hat and dw
     for j, k in blocks:
         rj, rk = j * kk, k * kk
@@ -278,6 +281,15 @@ def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
         if kk > 1:
             spread = torch.zeros(k - j, kk, n, dtype=g.dtype, device=g.device)
             g = spread.scatter_(1, blocks.pick[:, None, :], g[:, None, :]).view((k - j) * kk, n)
+        if dw_hat_sum is not None:
+            if blocks.compute == acc:
+                dw_hat_sum[rj:rk].addmm_(g, blocks.xc)
+                dx_hat.addmm_(g.t(), w_hat)
+            else:
+                gc = g.to(blocks.compute)
+                dw_hat_sum[rj:rk].add_(_mm(gc, blocks.xc, acc))
+                dx_hat.add_(_mm(gc.t(), w_hat.to(blocks.compute), acc))
+            continue
         if direct:
             dw_hat = torch.mm(g, blocks.xc, out=dw[rj:rk])
             dx_hat.addmm_(g.t(), w_hat)
@@ -285,12 +297,64 @@ def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
             gc = g.to(blocks.compute)
             dw_hat = _mm(gc, blocks.xc, acc)
             dx_hat.add_(_mm(gc.t(), w_hat.to(blocks.compute), acc))
-        # Through the normalisation: tangent projection, then divide by the norm.
-        radial = (w_hat * dw_hat).sum(1, keepdim=True)
-        dw_hat.addcmul_(w_hat, radial, value=-1.0).mul_(blocks.w_inv[rj:rk, None])
+        _project_rows(dw_hat, w_hat, blocks.w_inv[rj:rk])
         if not direct:
             dw[rj:rk] = dw_hat
     return dx_hat, dw
+
+
+def _project_rows(dw_hat, w_hat, w_inv):
+    """In place: ``dw_hat`` through the normalisation of ``w`` (tangent projection,
+    then divide by the norm)."""
+    radial = (w_hat * dw_hat).sum(1, keepdim=True)
+    return dw_hat.addcmul_(w_hat, radial, value=-1.0).mul_(w_inv[:, None])
+
+
+def _project_dw(blocks: _Blocks, dw_hat_sum, w_dtype):
+    """``dw`` from the summed gradient of ``w_hat``, block by block, in place."""
+    for j, k in blocks:
+        _project_rows(dw_hat_sum[j:k], blocks.w_hat(j, k), blocks.w_inv[j:k])
+    return dw_hat_sum.to(w_dtype)
+
+
+def _sample_chunks(n: int, s: int, itemsize: int, keep_bytes: int):
+    """Row ranges of the samples whose ``[S, rows]`` logits fit in ``keep_bytes``
+    together (balanced), or None when not even one sample's fit."""
+    rows = keep_bytes // max(1, s * itemsize)
+    if rows < 1:
+        return None
+    count = -(-n // rows)
+    rows = -(-n // count)
+    return [(a, min(n, a + rows)) for a in range(0, n, rows)]
+
+
+def _forward_backward_torch(blocks: _Blocks, chunks, t_logit, want_correct, w_dtype, block_bytes):
+    """One rank holds every class (world size 1), so a chunk of samples' softmax rows
+    is complete once its logits over all classes are known: the logits of ``chunks``
+    of samples are kept one chunk at a time (``keep_bytes``), and their gradient for
+    a mean loss with ``dL/dloss = 1`` goes through both GEMMs at once. Every logit is
+    computed once (three GEMMs per step, not four), and nothing of size ``N x S``
+    outlives a chunk. Returns ``lse [N]``, ``max_cos`` (or None) and the gradients
+    ``(dx_hat [N, d], dw [S, d])``, which backward scales by ``dL/dloss``."""
+    n, acc = blocks.n, blocks.acc
+    lse = torch.empty(n, dtype=acc, device=t_logit.device)
+    max_cos = torch.empty(n, dtype=acc, device=t_logit.device) if want_correct else None
+    dx_hat = torch.empty(n, blocks.xc.shape[1], dtype=acc, device=t_logit.device)
+    dw_hat = torch.zeros(blocks.w.shape, dtype=acc, device=t_logit.device)
+    for a, b in chunks:
+        part = _Blocks(blocks.x_hat[a:b], blocks.w, blocks.w_inv, blocks.target_col[a:b], blocks.threshold,
+                       blocks.scale, blocks.compute, acc, block_bytes, keep_bytes=float("inf"))
+        lse_c, max_c, kept = _forward_torch(part, want_correct)
+        # The statistics the forward forms for these rows (the all-reduces are no-ops).
+        row_max = torch.maximum(lse_c, t_logit[a:b])
+        sum_exp = torch.exp(lse_c - row_max) + torch.exp(t_logit[a:b] - row_max)
+        coef = blocks.scale / n / sum_exp
+        dx_hat[a:b] = _backward_torch(part, kept, coef, row_max, w_dtype, dw_hat_sum=dw_hat)[0]
+        lse[a:b] = lse_c
+        if want_correct:
+            max_cos[a:b] = max_c
+        del part, kept
+    return lse, max_cos, (dx_hat, _project_dw(blocks, dw_hat, w_dtype))
 
 
 # --------------------------------------------------------------------- autograd
@@ -313,7 +377,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         plan = margin.plan(cos_all, x_norm[:, 0], update=update_state)
         t_logit = torch.where(owned, plan.target, torch.full_like(cos_t, float("-inf")))
 
-        kept, blocks = None, None
+        kept, blocks, pre = None, None, None
         if backend == "triton":
             from .kernels import triton_softmax as kernels
             m, l, max_cos = kernels.lse_stats(x_hat, w, w_inv, target_col, scale=scale, threshold=threshold,
@@ -322,7 +386,15 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         else:
             blocks = _Blocks(x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes,
                              plan.neg_above, plan.neg_t, sub_centers)
-            lse, max_cos, kept = _forward_torch(blocks, want_correct)
+            chunks = None
+            if not blocks.keep and sub_centers == 1 and plan.neg_above is None and any(ctx.needs_input_grad[:2]) \
+                    and world_size(group) == 1:
+                chunks = _sample_chunks(n, blocks.s, x_hat.element_size(), keep_bytes)
+            if chunks is not None:
+                lse, max_cos, pre = _forward_backward_torch(blocks, chunks, t_logit, want_correct, w.dtype,
+                                                            block_bytes)
+            else:
+                lse, max_cos, kept = _forward_torch(blocks, want_correct)
 
         # Global max of every logit (targets included), then the sums against it.
         maxes = torch.stack([torch.maximum(lse, t_logit)] + ([max_cos] if want_correct else []))
@@ -359,6 +431,9 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         ctx.margin, ctx.compute, ctx.in_dtypes = margin, compute, (x.dtype, w.dtype)
         ctx.threshold, ctx.block_bytes, ctx.backend, ctx.kept = threshold, block_bytes, backend, kept is not None
         ctx.guard_nonfinite = guard_nonfinite
+        # The gradients formed in forward (world size 1, see _forward_backward_torch):
+        # consumed by the first backward, which scales them in place.
+        ctx.pre = pre
         correct = stats[3].clone() if want_correct else torch.zeros(n, dtype=acc, device=x.device)
         ctx.mark_non_differentiable(correct)
         return per_sample.mean(), per_sample, correct
@@ -377,7 +452,10 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             weight += grad_per_sample
         # dL/dcos = scale * weight * (p - onehot), times phi'(cos) on the target.
         coef = weight * margin.scale / sum_exp
-        if ctx.backend == "triton":
+        pre, ctx.pre = ctx.pre, None
+        if pre is not None and grad_per_sample is None and grad_loss is not None:
+            dx_hat, dw = pre[0].mul_(grad_loss), pre[1].mul_(grad_loss)
+        elif ctx.backend == "triton":
             from .kernels import triton_softmax as kernels
             dx_hat, dw = kernels.grad(x_hat, w, w_inv, target_col, coef, row_max, scale=margin.scale,
                                       threshold=ctx.threshold, compute_dtype=compute)
