@@ -26,7 +26,11 @@ The math is a few stateless steps shared by both backends:
   ``block_bytes`` when given; by default 256 MiB on every device (on CUDA that is one
   block; on CPU the kept logits are walked in cache-sized blocks). Peak extra memory
   is then about two blocks (recomputing) or the kept logits plus one block, plus
-  ``O((N + S) d)``.
+  ``O((N + S) d)``. On one rank (every class local, so a sample's softmax row is
+  complete on it) the torch backend does not recompute: it walks the samples in
+  chunks whose logits over all classes fit the keep budget, and forms each chunk's
+  gradient in forward (three GEMMs a step instead of four; the gradient of ``w``,
+  ``S x d``, then lives from forward to backward).
 
 Backends: ``"torch"`` (the blocks above, the readable reference; runs anywhere) and
 ``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`: the same decomposition fused into

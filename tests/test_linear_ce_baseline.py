@@ -91,7 +91,7 @@ def test_bench_head_compares_linear_ce_with_ds_pfc(tmp_path, monkeypatch, capsys
                        "--compute", "fp32", "--impl", "linear_ce", "--lce-options", "none,b4", "--threads", "1",
                        "--out", str(out)]) == 0
     table = capsys.readouterr().out
-    for name in ("ds_pfc/torch/cos", "linear_ce/none", "linear_ce/b4", "state MiB", "step MiB"):
+    for name in ("ds_pfc/torch/cos", "linear_ce/none", "linear_ce/b4", "cpu ms", "state MiB", "step MiB"):
         assert name in table
     doc = json.loads(out.read_text())
     results = {(r["impl"], r.get("lce")): r for r in doc["results"]}
@@ -107,5 +107,5 @@ def test_bench_head_compares_linear_ce_with_ds_pfc(tmp_path, monkeypatch, capsys
     summary = doc["summary"]
     for variant in ("none", "b4"):
         key = f"linear_ce/{variant}_vs_ds_pfc/cos_at_C=300"
-        assert summary[f"time_{key}"] > 0
+        assert summary[f"time_{key}"] > 0 and summary[f"cpu_time_{key}"] > 0
         assert summary[f"loss_rel_diff_{key}"] < 1e-4

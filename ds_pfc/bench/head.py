@@ -23,7 +23,9 @@ Implementations (each case in its own subprocess):
   ``N = 2048, d = 256, C = 200k``, float32.
 
 ``ds_pfc`` runs with ``--backends`` (``torch``; on CUDA also ``triton``, the fused
-kernels). Memory per case: ``state MiB`` is what stays resident after the timed steps
+kernels). ``cpu ms``: the process's CPU time per step (median), which on a machine
+shared with other work is steadier than the wall time (with ``--threads 1`` it is the
+step's own compute). Memory per case: ``state MiB`` is what stays resident after the timed steps
 (weights, optimizer state) above the process before the head was built; ``step MiB``
 is the peak during a step above the memory held just before it (median over the
 timed steps): allocated memory on CUDA, the resident set on CPU (its high-water mark
@@ -205,7 +207,7 @@ def run_case(case: dict) -> dict:
     t0 = time.perf_counter()
     head = make_head(case, num_classes)
     build_s = time.perf_counter() - t0
-    fwd, bwd, upd, total, step_mem, peak_mem = [], [], [], [], [], 0
+    fwd, bwd, upd, total, cpu, step_mem, peak_mem = [], [], [], [], [], [], 0
     budget = case.get("budget_s")
     gen = torch.Generator().manual_seed(1)
     for it in range(case["warmup"] + case["steps"]):
@@ -215,6 +217,7 @@ def run_case(case: dict) -> dict:
         # Resetting the window forgets the peak so far: keep the process's own.
         peak_mem = max(peak_mem, window_peak_bytes(device) or 0)
         windowed = reset_peak_memory(device)
+        cpu0 = time.process_time()
         with Timer(device) as t_f:
             loss = head(x, y)
         with Timer(device) as t_b:
@@ -224,6 +227,7 @@ def run_case(case: dict) -> dict:
         if it >= case["warmup"]:
             fwd.append(t_f.seconds), bwd.append(t_b.seconds), upd.append(t_u.seconds)
             total.append(t_f.seconds + t_b.seconds + t_u.seconds)
+            cpu.append(time.process_time() - cpu0)
             if windowed and before is not None:
                 step_mem.append(window_peak_bytes(device) - before)
         del x, y, loss
@@ -237,7 +241,7 @@ def run_case(case: dict) -> dict:
         counter, loss = _counted_step(head, batch, dim, num_classes, gen, device)
     active = max(math.floor(rate * num_classes + 1e-9), 1)
     return {**case, "active": active, "build_s": build_s, "loss": loss.item() if counted else None,
-            "step": summarize(total), "ops": counter.ops if counted else None,
+            "step": summarize(total), "step_cpu": summarize(cpu), "ops": counter.ops if counted else None,
             "syncs": counter.syncs if counted else None, "sync_ops": counter.sync_ops if counted else None,
             "forward": summarize(fwd), "backward": summarize(bwd), "update": summarize(upd),
             "peak_bytes": max(peak_mem, peak_memory_bytes(device)), "base_bytes": base_mem,
@@ -488,7 +492,7 @@ def main(argv=None) -> int:
     for res in results:
         if "step" not in res:
             rows.append([name(res), f"{res['classes']:,}", res["sample_rate"], "-", res["compute"],
-                         res.get("skip") or res.get("error", "?")[:40], "", "", "", "", "", "", "", "", "", "", ""])
+                         res.get("skip") or res.get("error", "?")[:40], "", "", "", "", "", "", "", "", "", "", "", ""])
             continue
         mine = counterpart(res)
         speedup = (f"{res['step']['median'] / mine['step']['median']:.1f}x"
@@ -496,6 +500,7 @@ def main(argv=None) -> int:
         gflops = res["floor"]["flops"] / res["step"]["median"] / 1e9
         rows.append([name(res), f"{res['classes']:,}", res["sample_rate"], f"{res['active']:,}", res["compute"],
                      f"{res['step']['median'] * 1e3:.0f} [{res['step']['min'] * 1e3:.0f}-{res['step']['max'] * 1e3:.0f}]",
+                     f"{res['step_cpu']['median'] * 1e3:.0f}" if "step_cpu" in res else "-",
                      f"{res['forward']['median'] * 1e3:.0f}", f"{res['backward']['median'] * 1e3:.0f}",
                      f"{res['update']['median'] * 1e3:.0f}",
                      mib(res.get("state_bytes")), mib((res.get("step_peak_bytes") or {}).get("median")),
@@ -503,7 +508,7 @@ def main(argv=None) -> int:
                      f"{res['x_floor']:.2f}", res.get("ops") or "-", "-" if res.get("syncs") is None else res["syncs"],
                      speedup])
     print()
-    print(format_table(["impl", "C", "r", "|S|", "gemm", "step ms [min-max]", "fwd", "bwd", "update",
+    print(format_table(["impl", "C", "r", "|S|", "gemm", "step ms [min-max]", "cpu ms", "fwd", "bwd", "update",
                         "state MiB", "step MiB", "peak MiB", "GFLOP/s", "x floor", "ops", "syncs", "ds_pfc speedup"], rows))
     summary = {}
     mid = classes[len(classes) // 2] if len(classes) > 1 else classes[0]
@@ -518,6 +523,7 @@ def main(argv=None) -> int:
         if cos and other:
             key = f"linear_ce/{variant}_vs_ds_pfc/cos_at_C={min(classes)}"
             summary[f"time_{key}"] = other["step"]["median"] / cos["step"]["median"]
+            summary[f"cpu_time_{key}"] = other["step_cpu"]["median"] / cos["step_cpu"]["median"]
             if other.get("step_peak_bytes") and cos.get("step_peak_bytes"):
                 summary[f"step_memory_{key}"] = other["step_peak_bytes"]["median"] / cos["step_peak_bytes"]["median"]
             # Same initial centers, data and optimizer: the same loss after the same steps.
