@@ -198,9 +198,13 @@ class _Blocks:
         for j in range(0, self.s, self.step):
             yield j, min(self.s, j + self.step)
 
+    w_hat_all = None     # all normalised centers, when a caller formed them once for several walks
+
     def w_hat(self, j, k):
         """Normalised centers of classes ``[j, k)`` (their ``(k - j) K`` rows)."""
         j, k = j * self.k, k * self.k
+        if self.w_hat_all is not None:
+            return self.w_hat_all[j:k]
         return self.w[j:k].to(self.acc) * self.w_inv[j:k, None]
 
     def cosines(self, j, k, w_hat):
@@ -323,12 +327,18 @@ def _project_dw(blocks: _Blocks, dw_hat_sum, w_dtype):
 
 def _sample_chunks(n: int, s: int, itemsize: int, keep_bytes: int):
     """Row ranges of the samples whose ``[S, rows]`` logits fit in ``keep_bytes``
-    together (balanced), or None when not even one sample's fit."""
-    rows = keep_bytes // max(1, s * itemsize)
-    if rows < 1:
+    together (balanced, rows a multiple of 16 where the budget allows: a logit row of
+    64-byte multiples keeps the GEMMs that write and read it at full speed), or None
+    when not even one sample's fit."""
+    most = int(min(n, keep_bytes // max(1, s * itemsize)))
+    if most < 1:
         return None
-    count = -(-n // rows)
+    count = -(-n // most)
+    if count == 1:
+        return [(0, n)]
     rows = -(-n // count)
+    if most >= 16:
+        rows = min(most // 16 * 16, -(-rows // 16) * 16)
     return [(a, min(n, a + rows)) for a in range(0, n, rows)]
 
 
@@ -337,28 +347,63 @@ def _forward_backward_torch(blocks: _Blocks, chunks, t_logit, want_correct, w_dt
     is complete once its logits over all classes are known: the logits of ``chunks``
     of samples are kept one chunk at a time (``keep_bytes``), and their gradient for
     a mean loss with ``dL/dloss = 1`` goes through both GEMMs at once. Every logit is
-    computed once (three GEMMs per step, not four), and nothing of size ``N x S``
-    outlives a chunk. Returns ``lse [N]``, ``max_cos`` (or None) and the gradients
-    ``(dx_hat [N, d], dw [S, d])``, which backward scales by ``dL/dloss``."""
-    n, acc = blocks.n, blocks.acc
+    computed and exponentiated once (three GEMMs per step, not four), and nothing of
+    size ``N x S`` outlives a chunk. Returns ``lse [N]``, ``max_cos`` (or None) and the
+    gradients ``(dx_hat [N, d], dw [S, d])``, which backward scales by ``dL/dloss``.
+
+    Per block, while it is in cache: GEMM, exclusion, scale, then ``exp(z - m)`` in
+    place against the running max ``m`` of its samples' logits (the target's
+    included). Once the chunk's true max is known, each block's share is corrected by
+    a per-sample factor ``exp(m_block - m)`` that goes into the GEMMs' ``N``-side
+    operands (``x_hat`` rows for ``dw``, the ``dx`` rows), so the kept values are not
+    touched again."""
+    n, acc, compute = blocks.n, blocks.acc, blocks.compute
     lse = torch.empty(n, dtype=acc, device=t_logit.device)
     max_cos = torch.empty(n, dtype=acc, device=t_logit.device) if want_correct else None
-    dx_hat = torch.empty(n, blocks.xc.shape[1], dtype=acc, device=t_logit.device)
+    dx_hat = torch.zeros(n, blocks.xc.shape[1], dtype=acc, device=t_logit.device)
     dw_hat = torch.zeros(blocks.w.shape, dtype=acc, device=t_logit.device)
+    # Every chunk walks all classes twice: normalise the centers once (S x d more memory).
+    w_hat_all = blocks.w.to(acc) * blocks.w_inv[:, None] if len(chunks) > 1 else None
     for a, b in chunks:
         part = _Blocks(blocks.x_hat[a:b], blocks.w, blocks.w_inv, blocks.target_col[a:b], blocks.threshold,
-                       blocks.scale, blocks.compute, acc, block_bytes, keep_bytes=float("inf"))
-        lse_c, max_c, kept = _forward_torch(part, want_correct)
-        # The statistics the forward forms for these rows (the all-reduces are no-ops).
-        row_max = torch.maximum(lse_c, t_logit[a:b])
-        sum_exp = torch.exp(lse_c - row_max) + torch.exp(t_logit[a:b] - row_max)
-        coef = blocks.scale / n / sum_exp
-        dx_hat[a:b] = _backward_torch(part, kept, coef, row_max, w_dtype, dw_hat_sum=dw_hat)[0]
-        lse[a:b] = lse_c
+                       blocks.scale, compute, acc, block_bytes, keep_bytes=float("inf"))
+        part.w_hat_all = w_hat_all
+        max_c = torch.full((b - a,), float("-inf"), dtype=acc, device=lse.device) if want_correct else None
+        running = t_logit[a:b].clone()         # max so far of each sample's logits, -inf while none
+        shifts, sums = [], []
+        for j, k in part:
+            z = part.logits(j, k, part.cosines(j, k, part.w_hat(j, k)), max_c)
+            if k > j:
+                torch.maximum(running, z.amax(dim=0), out=running)
+            shifts.append(running.clone())
+            sums.append(z.sub_(running.nan_to_num(neginf=0.0)).exp_().sum(dim=0))    # -inf -> 0
+        m = running.nan_to_num(neginf=0.0)
+        shifts = torch.stack(shifts)
+        # exp(m_block - m) per block and sample; 0 where nothing was finite yet (its values are all 0).
+        factor = torch.where(torch.isfinite(shifts), torch.exp(shifts.nan_to_num(neginf=0.0) - m), 0.0)
+        sum_neg = (torch.stack(sums) * factor).sum(dim=0)
+        lse[a:b] = m + torch.log(sum_neg)
+        # The forward's statistics for these rows, against this chunk's max (shift-free).
+        coef = blocks.scale / n / (sum_neg + torch.exp(t_logit[a:b] - m))
+        kept = part.buffer
+        dx_c = dx_hat[a:b]
+        for i, (j, k) in enumerate(part):
+            f = (coef * factor[i])[:, None]
+            e, w_hat = kept[j:k], part.w_hat(j, k)
+            if compute == acc:
+                dw_hat[j:k].addmm_(e, part.xc * f)
+                dx_c.addcmul_(torch.mm(e.t(), w_hat), f)
+            else:
+                ec = e.to(compute)
+                dw_hat[j:k].add_(_mm(ec, (part.x_hat * f).to(compute), acc))
+                dx_c.addcmul_(_mm(ec.t(), w_hat.to(compute), acc), f)
         if want_correct:
             max_cos[a:b] = max_c
         del part, kept
-    return lse, max_cos, (dx_hat, _project_dw(blocks, dw_hat, w_dtype))
+    blocks.w_hat_all = w_hat_all
+    dw = _project_dw(blocks, dw_hat, w_dtype)
+    blocks.w_hat_all = None
+    return lse, max_cos, (dx_hat, dw)
 
 
 # --------------------------------------------------------------------- autograd
@@ -438,6 +483,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         # The gradients formed in forward (world size 1, see _forward_backward_torch):
         # consumed by the first backward, which scales them in place.
         ctx.pre = pre
+        ctx.set_materialize_grads(False)     # an unused output's gradient arrives as None, not zeros
         correct = stats[3].clone() if want_correct else torch.zeros(n, dtype=acc, device=x.device)
         ctx.mark_non_differentiable(correct)
         return per_sample.mean(), per_sample, correct
