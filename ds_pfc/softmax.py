@@ -27,10 +27,11 @@ The math is a few stateless steps shared by both backends:
   block; on CPU the kept logits are walked in cache-sized blocks). Peak extra memory
   is then about two blocks (recomputing) or the kept logits plus one block, plus
   ``O((N + S) d)``. On one rank (every class local, so a sample's softmax row is
-  complete on it) the torch backend does not recompute: it walks the samples in
-  chunks whose logits over all classes fit the keep budget, and forms each chunk's
-  gradient in forward (three GEMMs a step instead of four; the gradient of ``w``,
-  ``S x d``, then lives from forward to backward).
+  complete on it), when the keep budget spans several class blocks (the CPU
+  default), the torch backend does not recompute: it walks the samples in chunks
+  whose logits over all classes fit the keep budget, and forms each chunk's gradient
+  in forward (three GEMMs a step instead of four; the gradient of ``w`` and the
+  normalised centers, ``S x d`` each, are then held during the forward).
 
 Backends: ``"torch"`` (the blocks above, the readable reference; runs anywhere) and
 ``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`: the same decomposition fused into
@@ -410,7 +411,7 @@ def _forward_backward_torch(blocks: _Blocks, chunks, t_logit, want_correct, w_dt
 class _MarginSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, target_col, margin, threshold, group, compute_dtype, want_correct, block_bytes,
-                keep_bytes, backend, validate, guard_nonfinite, update_state, sub_centers):
+                keep_bytes, backend, validate, guard_nonfinite, update_state, sub_centers, want_grad):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         compute = acc if compute_dtype is None else compute_dtype
         n = x.shape[0]
@@ -436,8 +437,11 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             blocks = _Blocks(x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes,
                              plan.neg_above, plan.neg_t, sub_centers)
             chunks = None
-            if not blocks.keep and sub_centers == 1 and plan.neg_above is None and any(ctx.needs_input_grad[:2]) \
-                    and world_size(group) == 1:
+            # Only where the keep budget spans several class blocks (the CPU default:
+            # cache-sized blocks): with one block per chunk the chunks' bookkeeping would
+            # only add launches (the GPU-sized default).
+            if not blocks.keep and keep_bytes > block_bytes and sub_centers == 1 and plan.neg_above is None \
+                    and want_grad and world_size(group) == 1:
                 chunks = _sample_chunks(n, blocks.s, x_hat.element_size(), keep_bytes)
             if chunks is not None:
                 lse, max_cos, pre = _forward_backward_torch(blocks, chunks, t_logit, want_correct, w.dtype,
@@ -535,7 +539,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             dx = dx + x_hat * torch.where(owned, g_norm, torch.zeros_like(g_norm))[:, None]
         if ctx.guard_nonfinite:     # an overflow in dw reaches the embeddings, hence the overflow check
             dx = dx + torch.where(torch.isfinite(dw).all(), 0.0, float("nan")).to(dx.dtype)
-        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None, None, None
+        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def margin_softmax_cross_entropy(
@@ -589,5 +593,6 @@ def margin_softmax_cross_entropy(
     block_bytes = default_block_bytes(x.device) if block_bytes is None else block_bytes
     loss, per_sample, correct = _MarginSoftmaxCE.apply(
         x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct, block_bytes, keep_bytes,
-        backend, bool(validate), bool(guard_nonfinite), bool(update_state), int(sub_centers))
+        backend, bool(validate), bool(guard_nonfinite), bool(update_state), int(sub_centers),
+        torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
     return SoftmaxResult(loss, per_sample, correct)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ds_pfc import softmax
 from ds_pfc.bench import head as bench
 
 pytestmark = pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"),
@@ -45,13 +46,16 @@ def _centers(head):
 
 @pytest.mark.parametrize("case", [
     _case("ds_pfc", backend="torch", margin="cos"),
-    # Logits larger than the kept budget: ds_pfc's rows in chunks of samples.
-    _case("ds_pfc", backend="torch", margin="cos", block_bytes=4 * C * 5),
+    # Logits larger than the kept budget: ds_pfc's rows in chunks of 16 samples.
+    _case("ds_pfc", backend="torch", margin="cos", keep_bytes=4 * C * 20),
     _case("linear_ce", lce="none"),
     _case("linear_ce", lce="auto"),
     _case("linear_ce", lce="b8"),
-], ids=lambda c: "/".join(str(c[k]) for k in ("impl", "margin", "lce", "block_bytes") if k in c))
-def test_baseline_and_ds_pfc_give_the_float64_loss_gradient_and_step(case):
+], ids=lambda c: "/".join(str(c[k]) for k in ("impl", "margin", "lce", "keep_bytes") if k in c))
+def test_baseline_and_ds_pfc_give_the_float64_loss_gradient_and_step(case, monkeypatch):
+    if "keep_bytes" in case:
+        monkeypatch.setattr(softmax, "KEEP_BYTES", case.pop("keep_bytes"))
+        monkeypatch.setattr(softmax, "CPU_BLOCK_BYTES", 4 * N * 16)     # several class blocks per chunk
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(N, D, generator=gen)
     y = torch.randint(0, C, (N,), generator=gen)
