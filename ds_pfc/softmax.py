@@ -400,7 +400,7 @@ def _forward_backward_torch(blocks: _Blocks, chunks, t_logit, want_correct, w_dt
                 dx_c.addcmul_(_mm(ec.t(), w_hat.to(compute), acc), f)
         if want_correct:
             max_cos[a:b] = max_c
-        del part, kept
+        del part, kept, z, e        # views of the kept logits: free them before the next chunk's
     blocks.w_hat_all = w_hat_all
     dw = _project_dw(blocks, dw_hat, w_dtype)
     blocks.w_hat_all = None
