@@ -26,7 +26,12 @@ The math is a few stateless steps shared by both backends:
   ``block_bytes`` when given; by default 256 MiB on every device (on CUDA that is one
   block; on CPU the kept logits are walked in cache-sized blocks). Peak extra memory
   is then about two blocks (recomputing) or the kept logits plus one block, plus
-  ``O((N + S) d)``.
+  ``O((N + S) d)``. On one rank (every class local, so a sample's softmax row is
+  complete on it), when the keep budget spans several class blocks (the CPU
+  default), the torch backend does not recompute: it walks the samples in chunks
+  whose logits over all classes fit the keep budget, and forms each chunk's gradient
+  in forward (three GEMMs a step instead of four; the gradient of ``w`` and the
+  normalised centers, ``S x d`` each, are then held during the forward).
 
 Backends: ``"torch"`` (the blocks above, the readable reference; runs anywhere) and
 ``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`: a forward statistics kernel with nothing of
@@ -49,7 +54,7 @@ from typing import NamedTuple
 
 import torch
 
-from .collectives import all_reduce_
+from .collectives import all_reduce_, world_size
 from .margins import Margin
 
 __all__ = ["margin_softmax_cross_entropy", "SoftmaxResult", "default_block_bytes", "check_block_bytes",
@@ -205,6 +210,7 @@ class _Blocks:
         # With K sub-centers per class, w has S*K rows; a block is a range of classes
         # and a class's cosine is the max over its rows (backward recomputes it).
         self.k = sub_centers
+        self.x_hat, self.target_col = x_hat, target_col
         self.n, self.s = x_hat.shape[0], w.shape[0] // sub_centers
         if sub_centers > 1:
             keep_bytes = 0
@@ -232,9 +238,13 @@ class _Blocks:
         for j in range(0, self.s, self.step):
             yield j, min(self.s, j + self.step)
 
+    w_hat_all = None     # all normalised centers, when a caller formed them once for several walks
+
     def w_hat(self, j, k):
         """Normalised centers of classes ``[j, k)`` (their ``(k - j) K`` rows)."""
         j, k = j * self.k, k * self.k
+        if self.w_hat_all is not None:
+            return self.w_hat_all[j:k]
         return self.w[j:k].to(self.acc) * self.w_inv[j:k, None]
 
     def cosines(self, j, k, w_hat):
@@ -296,14 +306,16 @@ def _forward_torch(blocks: _Blocks, want_correct: bool):
     return lse, max_cos, kept
 
 
-def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
+def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype, dw_hat_sum=None):
     """``(dx_hat [N, d], dw [S K, d])`` of the non-target logits: ``G = coef * exp(z -
     row_max)`` per block (recomputed unless ``kept``; times the negative transform's
     derivative), through both GEMMs, and ``dw`` projected through the normalisation of
-    ``w``. With sub-centers each class's ``G`` goes to the row that gave its cosine."""
+    ``w``. With sub-centers each class's ``G`` goes to the row that gave its cosine.
+    With ``dw_hat_sum [S, d]`` (in ``acc``) the gradient of ``w_hat`` is added into it,
+    unprojected, and ``dw`` is None (:func:`_project_dw` projects the sum once)."""
     n, acc, kk = blocks.n, blocks.acc, blocks.k
     dx_hat = torch.zeros(n, blocks.xc.shape[1], dtype=acc, device=coef.device)
-    dw = torch.empty(blocks.w.shape, dtype=w_dtype, device=coef.device)
+    dw = None if dw_hat_sum is not None else torch.empty(blocks.w.shape, dtype=w_dtype, device=coef.device)
     direct = blocks.compute == acc == w_dtype     # GEMMs straight into dx_hat and dw
     c_max = None
     for j, k in blocks:
@@ -318,6 +330,15 @@ def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
         if kk > 1:
             spread = torch.zeros(k - j, kk, n, dtype=g.dtype, device=g.device)
             g = spread.scatter_(1, blocks.pick[:, None, :], g[:, None, :]).view((k - j) * kk, n)
+        if dw_hat_sum is not None:
+            if blocks.compute == acc:
+                dw_hat_sum[rj:rk].addmm_(g, blocks.xc)
+                dx_hat.addmm_(g.t(), w_hat)
+            else:
+                gc = g.to(blocks.compute)
+                dw_hat_sum[rj:rk].add_(_mm(gc, blocks.xc, acc))
+                dx_hat.add_(_mm(gc.t(), w_hat.to(blocks.compute), acc))
+            continue
         if direct:
             dw_hat = torch.mm(g, blocks.xc, out=dw[rj:rk])
             dx_hat.addmm_(g.t(), w_hat)
@@ -333,19 +354,112 @@ def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype):
             gc = g.to(blocks.compute)
             dw_hat = _mm(gc, blocks.xc, acc)
             dx_hat.add_(_mm(gc.t(), w_hat.to(blocks.compute), acc))
-        # Through the normalisation: tangent projection, then divide by the norm.
-        radial = (w_hat * dw_hat).sum(1, keepdim=True)
-        dw_hat.addcmul_(w_hat, radial, value=-1.0).mul_(blocks.w_inv[rj:rk, None])
+        _project_rows(dw_hat, w_hat, blocks.w_inv[rj:rk])
         if not direct:
             dw[rj:rk] = dw_hat
     return dx_hat, dw
+
+
+def _project_rows(dw_hat, w_hat, w_inv):
+    """In place: ``dw_hat`` through the normalisation of ``w`` (tangent projection,
+    then divide by the norm)."""
+    radial = (w_hat * dw_hat).sum(1, keepdim=True)
+    return dw_hat.addcmul_(w_hat, radial, value=-1.0).mul_(w_inv[:, None])
+
+
+def _project_dw(blocks: _Blocks, dw_hat_sum, w_dtype):
+    """``dw`` from the summed gradient of ``w_hat``, block by block, in place."""
+    for j, k in blocks:
+        _project_rows(dw_hat_sum[j:k], blocks.w_hat(j, k), blocks.w_inv[j:k])
+    return dw_hat_sum.to(w_dtype)
+
+
+def _sample_chunks(n: int, s: int, itemsize: int, keep_bytes: int):
+    """Row ranges of the samples whose ``[S, rows]`` logits fit in ``keep_bytes``
+    together (balanced, rows a multiple of 16 where the budget allows: a logit row of
+    64-byte multiples keeps the GEMMs that write and read it at full speed), or None
+    when not even one sample's fit."""
+    most = int(min(n, keep_bytes // max(1, s * itemsize)))
+    if most < 1:
+        return None
+    count = -(-n // most)
+    if count == 1:
+        return [(0, n)]
+    rows = -(-n // count)
+    if most >= 16:
+        rows = min(most // 16 * 16, -(-rows // 16) * 16)
+    return [(a, min(n, a + rows)) for a in range(0, n, rows)]
+
+
+def _forward_backward_torch(blocks: _Blocks, chunks, t_logit, want_correct, w_dtype, block_bytes):
+    """One rank holds every class (world size 1), so a chunk of samples' softmax rows
+    is complete once its logits over all classes are known: the logits of ``chunks``
+    of samples are kept one chunk at a time (``keep_bytes``), and their gradient for
+    a mean loss with ``dL/dloss = 1`` goes through both GEMMs at once. Every logit is
+    computed and exponentiated once (three GEMMs per step, not four), and nothing of
+    size ``N x S`` outlives a chunk. Returns ``lse [N]``, ``max_cos`` (or None) and the
+    gradients ``(dx_hat [N, d], dw [S, d])``, which backward scales by ``dL/dloss``.
+
+    Per block, while it is in cache: GEMM, exclusion, scale, then ``exp(z - m)`` in
+    place against the running max ``m`` of its samples' logits (the target's
+    included). Once the chunk's true max is known, each block's share is corrected by
+    a per-sample factor ``exp(m_block - m)`` that goes into the GEMMs' ``N``-side
+    operands (``x_hat`` rows for ``dw``, the ``dx`` rows), so the kept values are not
+    touched again."""
+    n, acc, compute = blocks.n, blocks.acc, blocks.compute
+    lse = torch.empty(n, dtype=acc, device=t_logit.device)
+    max_cos = torch.empty(n, dtype=acc, device=t_logit.device) if want_correct else None
+    dx_hat = torch.zeros(n, blocks.xc.shape[1], dtype=acc, device=t_logit.device)
+    dw_hat = torch.zeros(blocks.w.shape, dtype=acc, device=t_logit.device)
+    # Every chunk walks all classes twice: normalise the centers once (S x d more memory).
+    w_hat_all = blocks.w.to(acc) * blocks.w_inv[:, None] if len(chunks) > 1 else None
+    for a, b in chunks:
+        part = _Blocks(blocks.x_hat[a:b], blocks.w, blocks.w_inv, blocks.target_col[a:b], blocks.threshold,
+                       blocks.scale, compute, acc, block_bytes, keep_bytes=float("inf"))
+        part.w_hat_all = w_hat_all
+        max_c = torch.full((b - a,), float("-inf"), dtype=acc, device=lse.device) if want_correct else None
+        running = t_logit[a:b].clone()         # max so far of each sample's logits, -inf while none
+        shifts, sums = [], []
+        for j, k in part:
+            z = part.logits(j, k, part.cosines(j, k, part.w_hat(j, k)), max_c)
+            if k > j:
+                torch.maximum(running, z.amax(dim=0), out=running)
+            shifts.append(running.clone())
+            sums.append(z.sub_(running.nan_to_num(neginf=0.0)).exp_().sum(dim=0))    # -inf -> 0
+        m = running.nan_to_num(neginf=0.0)
+        shifts = torch.stack(shifts)
+        # exp(m_block - m) per block and sample; 0 where nothing was finite yet (its values are all 0).
+        factor = torch.where(torch.isfinite(shifts), torch.exp(shifts.nan_to_num(neginf=0.0) - m), 0.0)
+        sum_neg = (torch.stack(sums) * factor).sum(dim=0)
+        lse[a:b] = m + torch.log(sum_neg)
+        # The forward's statistics for these rows, against this chunk's max (shift-free).
+        coef = blocks.scale / n / (sum_neg + torch.exp(t_logit[a:b] - m))
+        kept = part.buffer
+        dx_c = dx_hat[a:b]
+        for i, (j, k) in enumerate(part):
+            f = (coef * factor[i])[:, None]
+            e, w_hat = kept[j:k], part.w_hat(j, k)
+            if compute == acc:
+                dw_hat[j:k].addmm_(e, part.xc * f)
+                dx_c.addcmul_(torch.mm(e.t(), w_hat), f)
+            else:
+                ec = e.to(compute)
+                dw_hat[j:k].add_(_mm(ec, (part.x_hat * f).to(compute), acc))
+                dx_c.addcmul_(_mm(ec.t(), w_hat.to(compute), acc), f)
+        if want_correct:
+            max_cos[a:b] = max_c
+        del part, kept, z, e        # views of the kept logits: free them before the next chunk's
+    blocks.w_hat_all = w_hat_all
+    dw = _project_dw(blocks, dw_hat, w_dtype)
+    blocks.w_hat_all = None
+    return lse, max_cos, (dx_hat, dw)
 
 
 # --------------------------------------------------------------------- autograd
 class _MarginSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, target_col, margin, threshold, group, compute_dtype, want_correct, block_bytes,
-                keep_bytes, backend, validate, guard_nonfinite, update_state, sub_centers):
+                keep_bytes, backend, validate, guard_nonfinite, update_state, sub_centers, want_grad):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         compute = default_compute_dtype(x.device, acc) if compute_dtype is None else compute_dtype
         n = x.shape[0]
@@ -368,7 +482,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         plan = margin.plan(cos_all, x_norm[:, 0], update=update_state)
         t_logit = torch.where(owned, plan.target, torch.full_like(cos_t, float("-inf")))
 
-        kept, blocks = None, None
+        kept, blocks, pre = None, None, None
         if backend == "triton":
             m, l, max_cos = kernels.lse_stats(x_hat, w, w_inv, target_col, scale=scale, threshold=threshold,
                                               compute_dtype=compute, want_max_cos=want_correct, w_hat=w_hat_c)
@@ -376,7 +490,18 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         else:
             blocks = _Blocks(x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes,
                              plan.neg_above, plan.neg_t, sub_centers)
-            lse, max_cos, kept = _forward_torch(blocks, want_correct)
+            chunks = None
+            # Only where the keep budget spans several class blocks (the CPU default:
+            # cache-sized blocks): with one block per chunk the chunks' bookkeeping would
+            # only add launches (the GPU-sized default).
+            if not blocks.keep and keep_bytes > block_bytes and sub_centers == 1 and plan.neg_above is None \
+                    and want_grad and world_size(group) == 1:
+                chunks = _sample_chunks(n, blocks.s, x_hat.element_size(), keep_bytes)
+            if chunks is not None:
+                lse, max_cos, pre = _forward_backward_torch(blocks, chunks, t_logit, want_correct, w.dtype,
+                                                            block_bytes)
+            else:
+                lse, max_cos, kept = _forward_torch(blocks, want_correct)
 
         # Global max of every logit (targets included), then the sums against it.
         maxes = torch.stack([torch.maximum(lse, t_logit)] + ([max_cos] if want_correct else []))
@@ -414,6 +539,10 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         ctx.margin, ctx.compute, ctx.in_dtypes = margin, compute, (x.dtype, w.dtype)
         ctx.threshold, ctx.block_bytes, ctx.backend, ctx.kept = threshold, block_bytes, backend, kept is not None
         ctx.guard_nonfinite = guard_nonfinite
+        # The gradients formed in forward (world size 1, see _forward_backward_torch):
+        # consumed by the first backward, which scales them in place.
+        ctx.pre = pre
+        ctx.set_materialize_grads(False)     # an unused output's gradient arrives as None, not zeros
         correct = stats[3].clone() if want_correct else torch.zeros(n, dtype=acc, device=x.device)
         ctx.mark_non_differentiable(correct)
         return per_sample.mean(), per_sample, correct
@@ -433,7 +562,10 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             weight += grad_per_sample
         # dL/dcos = scale * weight * (p - onehot), times phi'(cos) on the target.
         coef = weight * margin.scale / sum_exp
-        if ctx.backend == "triton":
+        pre, ctx.pre = ctx.pre, None
+        if pre is not None and grad_per_sample is None and grad_loss is not None:
+            dx_hat, dw = pre[0].mul_(grad_loss), pre[1].mul_(grad_loss)
+        elif ctx.backend == "triton":
             from .kernels import triton_softmax as kernels
             dx_hat, dw = kernels.grad(x_hat, w, w_inv, target_col, coef, row_max, scale=margin.scale,
                                       threshold=ctx.threshold, compute_dtype=compute, w_hat=w_hat_c,
@@ -464,7 +596,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             dx = dx + x_hat * torch.where(owned, g_norm, torch.zeros_like(g_norm))[:, None]
         if ctx.guard_nonfinite:     # an overflow in dw reaches the embeddings, hence the overflow check
             dx = dx + torch.where(torch.isfinite(dw).all(), 0.0, float("nan")).to(dx.dtype)
-        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None, None, None
+        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def margin_softmax_cross_entropy(
@@ -518,5 +650,6 @@ def margin_softmax_cross_entropy(
     block_bytes = default_block_bytes(x.device) if block_bytes is None else block_bytes
     loss, per_sample, correct = _MarginSoftmaxCE.apply(
         x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct, block_bytes, keep_bytes,
-        backend, bool(validate), bool(guard_nonfinite), bool(update_state), int(sub_centers))
+        backend, bool(validate), bool(guard_nonfinite), bool(update_state), int(sub_centers),
+        torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
     return SoftmaxResult(loss, per_sample, correct)

@@ -18,7 +18,8 @@ import time
 import torch
 
 __all__ = ["machine_info", "versions", "sync", "Timer", "summarize", "run_case_subprocess",
-           "write_json", "peak_memory_bytes", "format_table"]
+           "write_json", "peak_memory_bytes", "current_memory_bytes", "reset_peak_memory",
+           "window_peak_bytes", "format_table"]
 
 
 def machine_info() -> dict:
@@ -84,6 +85,47 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def current_memory_bytes(device: torch.device) -> int | None:
+    """Memory held now: allocated device memory (CUDA) or this process's resident set
+    (CPU, from ``/proc/self/status``; None where that is not available)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _proc_status_bytes("VmRSS")
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak window for :func:`window_peak_bytes`; False where the peak
+    cannot be reset (a CPU without a writable ``/proc/self/clear_refs``)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")        # resets the resident set's high-water mark (VmHWM)
+    except OSError:
+        return False
+    return True
+
+
+def window_peak_bytes(device: torch.device) -> int | None:
+    """Peak since the last :func:`reset_peak_memory`: allocated device memory (CUDA)
+    or the resident set's high-water mark (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _proc_status_bytes("VmHWM")
 
 
 def run_case_subprocess(module: str, case: dict, timeout: float | None = None) -> dict:
