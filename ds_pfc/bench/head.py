@@ -402,8 +402,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--impl", default="ds_pfc,dense,dense_plain,linear_ce",
                    help="which implementations to run (linear_ce: F.linear_cross_entropy at r = 1, the smallest C)")
-    p.add_argument("--lce-options", default="none,auto,b256",
-                   help="linear_ce variants: none (options=None), auto (LinearCrossEntropyOptions()), b<rows>")
+    p.add_argument("--lce-options", default=None,
+                   help="linear_ce variants: none (options=None), auto (LinearCrossEntropyOptions()), b<rows> "
+                        "(default: none,auto,b256 on CUDA; none,b256 elsewhere, where auto falls back to 2-row "
+                        "chunks at float32 and takes minutes a step)")
     p.add_argument("--vs-linear-ce", action="store_true",
                    help="preset: ds_pfc/cos against linear_ce at r = 1, N = 2048, d = 256, C = 200k, fp32")
     p.add_argument("--threads", type=int, default=None, help="torch threads per case (default: torch's)")
@@ -430,6 +432,8 @@ def main(argv=None) -> int:
         from ..softmax import _triton_available
         args.backends = "torch,triton" if device.type == "cuda" and _triton_available() else "torch"
     backends = tuple(args.backends.split(","))
+    if args.lce_options is None:
+        args.lce_options = "none,auto,b256" if torch.device(args.device).type == "cuda" else "none,b256"
     lce_variants = tuple(args.lce_options.split(",")) if "linear_ce" in impls else ()
     # ds_pfc/cos is linear_ce's counterpart: it runs whenever linear_ce does.
     cases = [c for c in default_cases(classes, args.sample_rate, args.extra_rate, args.device, args.compute,
