@@ -46,7 +46,9 @@ CPU thread (measured, best of 5 on a shared 2-core VM): ~30 ms at ``C_q = 1M, r 
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import torch
 
@@ -105,6 +107,17 @@ def _mix_(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
+def _keys_kernel_usable(device: torch.device) -> bool:
+    """The one-pass Triton kernel for the keys: on CUDA when triton imports, and on a CPU
+    while a GPU step is counted in Triton's interpreter (ds_pfc.bench.model)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device.type == "cuda":
+        return True
+    from .kernels import _target
+    return device.type == "cpu" and _target.active() and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def class_keys(num_local: int, seed: int, step, rank: int, device=None, spare: int = 0) -> torch.Tensor:
     """int64 keys ``[num_local + spare]`` in ``[0, 2**62)`` of step ``step``: key ``i`` is
     the top 62 bits of output ``j = step * num_local + i`` of the splitmix64 generator
@@ -114,6 +127,16 @@ def class_keys(num_local: int, seed: int, step, rank: int, device=None, spare: i
     ``step``: an int, or a 0-d integer tensor (no host sync: a CUDA graph can capture
     it and a replay reads the step the device holds then)."""
     base = _chain(seed, rank)
+    if _keys_kernel_usable(torch.device(device) if device is not None else torch.device("cpu")):
+        # One pass (ds_pfc.kernels.triton_keys), the same bits as the torch ops below.
+        from .kernels.triton_keys import class_keys_
+        out = torch.empty(num_local + spare, dtype=torch.int64, device=device)
+        if isinstance(step, torch.Tensor):
+            step_t = step.to(device=device, dtype=torch.int64).reshape(())
+        else:
+            step_t = torch.full((), _signed(int(step)), dtype=torch.int64, device=device)
+        return class_keys_(out, step_t, num_local, _signed(base + _GAMMA), _signed(_GAMMA), _signed(_MUL1),
+                           _signed(_MUL2))
     z = torch.arange(num_local + spare, dtype=torch.int64, device=device)
     if isinstance(step, torch.Tensor):
         z += step.to(device=device, dtype=torch.int64) * num_local

@@ -12,8 +12,10 @@ References used here, all independent of ``ds_pfc.sampling``:
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
+import os
 from fractions import Fraction
 
 import pytest
@@ -338,3 +340,23 @@ def test_head_active_set_ignores_foreign_labels():
     check_active(active, torch.tensor([3, 900]), 1021, "0.05")
     assert torch.equal(active, sample_active(torch.tensor([3, 900]), 1021, 0.05, seed=4, step=2, rank=0))
     assert PartialFC(13, 3, sample_rate=1.0).active_set(local[local < 13]) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the key kernel runs on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1, "
+                           "set by conftest.py when there is no GPU)")
+@pytest.mark.parametrize("num_local,seed,step,rank,spare", [
+    (1, 0, 0, 0, 1), (1000, 7, 3, 1, 1), (4097, 2 ** 40 + 5, 2 ** 33 + 11, 6, 0), (37, 123, 2 ** 62, 3, 1)])
+def test_key_kernel_matches_the_torch_keys_bit_for_bit(num_local, seed, step, rank, spare):
+    """The one-pass Triton kernel (used on CUDA and when a GPU step is counted) writes exactly the
+    keys of the int64 torch ops, for an int step and a device-tensor step."""
+    from ds_pfc.kernels._target import gpu_tiles
+    from ds_pfc.sampling import class_keys
+    expected = class_keys(num_local, seed, step, rank, "cpu", spare=spare)     # torch ops
+    import ds_pfc.kernels.triton_keys  # noqa: F401  (imported before counting, so its launches are seen)
+    with gpu_tiles(sms=132), OpCounter() as counter:                           # the kernel
+        got_int = class_keys(num_local, seed, step, rank, "cpu", spare=spare)
+        got_t = class_keys(num_local, seed, torch.tensor(step, dtype=torch.int64), rank, "cpu", spare=spare)
+    assert counter.by_op["triton:_keys_kernel"] == 2
+    assert torch.equal(got_int, expected) and torch.equal(got_t, expected)
+    assert int(expected.min()) >= 0 and int(expected.max()) < 2 ** 62
