@@ -496,6 +496,11 @@ def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str
             "block_rows": rows}
 
 
+# Kernels whose outputs steer the step's control flow or indices (the sampler's keys pick the
+# active set): the grid recorder still runs them. They are cheap.
+_RUN_WHEN_RECORDING = {"_keys_kernel"}
+
+
 class _GridRecorder:
     """Within it, interpreted Triton launches only record their grid (padded to 3-D)."""
 
@@ -506,6 +511,8 @@ class _GridRecorder:
 
         def run(fn, *args, grid, warmup, **kwargs):
             if not warmup:
+                if fn.__name__ in _RUN_WHEN_RECORDING:      # its output decides indices: compute it
+                    recorder._run(fn, *args, grid=grid, warmup=warmup, **kwargs)
                 if callable(grid):
                     grid = grid(dict(zip(fn.arg_names, args), **kwargs))
                 grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
