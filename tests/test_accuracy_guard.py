@@ -10,8 +10,8 @@ rounding alone (see ds_pfc.bench.accuracy). This test trains the ``guard`` confi
 (200 identities x 10 images at 32 x 32, 148 steps) for seeds 0-5, two processes at
 a time, and fails when their mean accuracy falls, or their mean final loss moves,
 by more than ``3 sigma sqrt(1/6 + 1/n)`` from the record of ``n`` seeds with
-spread ``sigma`` (ds_pfc.bench.accuracy.guard_verdict). About two minutes on 2 idle
-cores.
+spread ``sigma`` (ds_pfc.bench.accuracy.guard_verdict). A run takes about 20 s on an
+idle core, so the test about 70 s on 2 idle cores (5 minutes on a heavily shared one).
 
 Re-record after an intended change of training behaviour:
 ``python launch/bench.py accuracy --config guard --seeds 0-9 --label main --out
