@@ -1,7 +1,7 @@
-"""Benchmarks: ``python launch/bench.py {head,bank} [options]`` (``--help`` per benchmark)."""
+"""Benchmarks: ``python launch/bench.py {head,bank,accuracy} [options]`` (``--help`` per benchmark)."""
 import sys
 
-BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank"}
+BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accuracy": "ds_pfc.bench.accuracy"}
 
 
 def main() -> int:
