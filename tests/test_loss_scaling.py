@@ -122,10 +122,12 @@ def _autocast_overflow(stage):
 
 
 def _detached_head_overflow():
-    """A head on detached embeddings computing in fp16 overflows while the backbone's
-    own loss does not: the heads skip alone and the loss scale comes down."""
+    """A head on detached embeddings whose gradient overflows while the backbone's own loss
+    does not: the heads skip alone and the loss scale comes down. (fp16 products alone no longer
+    overflow: G is rounded relative to its largest coefficient and scaled back in float32; a
+    logit scale of 1e35 under the 2**16 loss scale overflows float32 itself.)"""
     from ds_pfc.deepspeed_plugin import loss_scale
-    engine, head, w0, _ = _engine(0, "fp16", head_scale=64.0, compute_dtype=torch.float16,
+    engine, head, w0, _ = _engine(0, "fp16", head_scale=1e35, compute_dtype=torch.float16,
                                   initial_scale_power=16)
     c0 = head.centers().clone()
     g = torch.Generator().manual_seed(1)
@@ -210,8 +212,10 @@ def test_head_overflow_alone_skips_heads_and_lowers_the_scale(results):
 
 
 def test_guard_makes_the_embedding_gradient_nan_when_the_centers_overflow():
-    """Many samples of one class, fp16 logits: the class's center gradient (a sum over
-    the batch) overflows while each embedding's (a sum over 4 classes) does not."""
+    """Many samples of one class, a loss scaled to 1e37: the class's center gradient (a sum
+    over the batch) overflows float32 while each embedding's (a sum over 4 classes) does not.
+    (With fp16 products G is rounded relative to its largest coefficient, so a merely
+    fp16-sized loss scale overflows nothing.)"""
     from ds_pfc import CosFace
     from ds_pfc.softmax import margin_softmax_cross_entropy
     torch.manual_seed(0)
@@ -222,6 +226,6 @@ def test_guard_makes_the_embedding_gradient_nan_when_the_centers_overflow():
         x.grad = w.grad = None
         out = margin_softmax_cross_entropy(x, w, target, CosFace(64.0, 0.4), compute_dtype=torch.float16,
                                            guard_nonfinite=guard)
-        (out.loss * 2000.0).backward()
+        (out.loss * 1e37).backward()
         assert not torch.isfinite(w.grad).all()
         assert bool(torch.isfinite(x.grad).all()) is (not guard)
