@@ -104,10 +104,7 @@ def class_blocks(backend: str, n: int, s: int, compute_dtype: torch.dtype, block
         return 0
     if backend == "triton":
         from .kernels import triton_softmax as kernels
-        item = torch.empty((), dtype=compute_dtype).element_size()
-        a = kernels.tile_config("g", compute_dtype, interpret=False)[0]
-        b = kernels.tile_config("dw", compute_dtype, interpret=False)[0]
-        step = kernels._block_classes(n, s, item, block_bytes, max(a, b))
+        step = kernels.block_classes(n, s, compute_dtype, block_bytes, interpret=False)
     else:
         step = max(1, min(s, block_bytes // max(1, n * 4)))
     return -(-s // step)

@@ -188,25 +188,6 @@ def _dot_operand(t, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _cos_tile(a_ptr, b_ptr, a_rows, a_ok, b_rows, b_ok, d,
-              BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """float32 ``[BLOCK_A, BLOCK_B]`` of row dot products of two contiguous ``[*, d]`` matrices
-    in the compute dtype, with a K-loop over ``d`` (padding and ragged rows contribute 0)."""
-    acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
-    a_off = a_rows.to(tl.int64)[:, None] * d
-    b_off = b_rows.to(tl.int64)[:, None] * d
-    for k0 in range(0, d, BLOCK_K):
-        dims = k0 + tl.arange(0, BLOCK_K)
-        dim_ok = dims < d
-        a = tl.load(a_ptr + a_off + dims[None, :], mask=a_ok[:, None] & dim_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + b_off + dims[None, :], mask=b_ok[:, None] & dim_ok[None, :], other=0.0)
-        acc = tl.dot(_dot_operand(a, UPCAST), tl.trans(_dot_operand(b, UPCAST)), acc,
-                     input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
 def _cos_tile2(a_ptr, b_ptr, a_rows, a_ok, b_rows, b_ok, b2_rows, b2_ok, d,
                BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -591,11 +572,14 @@ def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
     return m, l, max_cos
 
 
-def _block_classes(n: int, s: int, itemsize: int, block_bytes: int | None, tile: int) -> int:
-    """Classes per backward block: G of ``[block, N]`` within ``block_bytes`` (None: all of
-    ``S``), a multiple of the class tile, at least one tile."""
+def block_classes(n: int, s: int, compute_dtype: torch.dtype, block_bytes: int | None,
+                  interpret: bool | None = None) -> int:
+    """Classes per backward block: G of ``[block, N]`` in the compute dtype within ``block_bytes``
+    (None: all of ``S``), a whole number of the G and dW kernels' class tiles, at least one."""
     if block_bytes is None:
         return s
+    tile = max(tile_config(k, compute_dtype, interpret)[0] for k in ("g", "dw"))
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
     per = block_bytes // max(1, n * itemsize)
     return max(tile, per // tile * tile)
 
@@ -641,8 +625,7 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
     consts = _consts(compute_dtype)
     tg = tile_config("g", compute_dtype)
     tw = tile_config("dw", compute_dtype)
-    itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    step = _block_classes(n, s, itemsize, block_bytes, max(tg[0], tw[0]))
+    step = block_classes(n, s, compute_dtype, block_bytes)
     g_buf = torch.empty(min(step, s), n, dtype=compute_dtype, device=dev)
     rho = torch.empty(s, dtype=torch.float32, device=dev)
     dx_hat = torch.zeros(n, d, dtype=torch.float32, device=dev)
