@@ -1,4 +1,8 @@
 """ds_pfc: Partial FC heads for classifiers of millions of classes, on DeepSpeed."""
+from ._versions import check_versions as _check_versions
+
+_check_versions()     # a torch or DeepSpeed outside the tested range: an error or a warning, now
+
 from .bank import ClassBank, DeviceBank, Placement, StaleRowError, TieredBank
 from .functional import margin_cross_entropy
 from .head import PartialFC

@@ -324,7 +324,7 @@ def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, mod
         kwargs["mpu"] = mpu
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model_parameters,
                                            optimizer=optimizer, lr_scheduler=lr_scheduler, **kwargs)
-    _check_engine(engine, found)
+    _check_engine(engine, found, config)
     layout = _EngineGroups.of(engine, mpu)
     for name, entry in found.items():
         if isinstance(entry.head, HeadSpec):
@@ -408,11 +408,17 @@ class _EngineGroups:
                              f"they must be sharded over {allowed}")
 
 
-def _check_engine(engine, heads: dict) -> None:
-    """Refuse engine options under which the heads would train wrong."""
+def _check_engine(engine, heads: dict, config: dict) -> None:
+    """Refuse engine options under which the heads would train wrong, or that the
+    installed DeepSpeed ignores."""
     if not heads:
         return
     names = sorted(heads)
+    asked = config.get("gradient_allreduce_op", "mean")
+    if asked != "mean" and not hasattr(engine._config, "gradient_allreduce_op"):
+        import deepspeed
+        raise ValueError(f"gradient_allreduce_op={asked!r}: DeepSpeed {deepspeed.__version__} ignores this key (it "
+                         "reads it from 0.19.6) and averages gradients; remove it (heads need the mean)")
     if not getattr(engine, "gradient_average", True) and any(a.head.data_parallel_grad for a in heads.values()):
         raise ValueError(f"heads {names}: the engine sums gradients over the data-parallel ranks "
                          f"(gradient_allreduce_op={engine._config.gradient_allreduce_op!r}), but a head's embedding "
