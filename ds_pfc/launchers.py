@@ -179,8 +179,10 @@ _MPI_LAYERS = (
      "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
     ("impi/mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("pmix", "PMIX_RANK", None, None, None),
 )
+# PMIx servers (Open MPI 5, srun --mpi=pmix) export only the rank; it is checked against
+# the layer that gives the size, and serves alone only with WORLD_SIZE set.
+_PMIX = ("pmix", "PMIX_RANK", None, None, None)
 
 
 def _slurm_step(environ) -> bool:
@@ -211,17 +213,18 @@ def _slurm_local_size(environ) -> int | None:
 
 
 def _task_layers(environ) -> list[_Tasks]:
-    layers = []
-    for name, rank, size, local_rank, local_size in _MPI_LAYERS:
-        if rank in environ:
-            layers.append(_Tasks(name, _int(environ, rank), size and _int(environ, size),
-                                 local_rank and _int(environ, local_rank), local_size and _int(environ, local_size),
-                                 (rank, size, local_rank, local_size)))
+    """The layers present, the one that serves first."""
+    def mpi(name, rank, size, local_rank, local_size):
+        return _Tasks(name, _int(environ, rank), size and _int(environ, size), local_rank and _int(environ, local_rank),
+                      local_size and _int(environ, local_size), (rank, size, local_rank, local_size))
+    layers = [mpi(*layer) for layer in _MPI_LAYERS if layer[1] in environ]
     if _slurm_step(environ):
         size_name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
         layers.append(_Tasks("slurm", _int(environ, "SLURM_PROCID"), _int(environ, size_name),
                              _int(environ, "SLURM_LOCALID"), _slurm_local_size(environ),
                              ("SLURM_PROCID", size_name, "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE")))
+    if _PMIX[1] in environ:
+        layers.append(mpi(*_PMIX))
     return layers
 
 
