@@ -279,22 +279,26 @@ JOBS = ("srun-one-node", "srun-two-nodes", "openmpi", "torchrun")
 MORE_JOBS = ("deepspeed", "deepspeed-impi", "mvapich", "hydra")
 
 
-def _run_jobs(tmp, jobs):
+def _run_jobs(tmp, jobs, cmd=None, timeout=240):
     """Start both ranks of every job in ``jobs`` (name -> per-rank environments) side
-    by side; returns name -> [(exit code, stdout, stderr)] per rank."""
-    script = tmp / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    base = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "LD_LIBRARY_PATH") if k in os.environ}
+    by side, each running ``cmd`` (default: the start-up script above); returns
+    name -> [(exit code, stdout, stderr)] per rank."""
+    if cmd is None:
+        script = tmp / "rank.py"
+        script.write_text(RANK_SCRIPT)
+        cmd = [sys.executable, str(script), ROOT]
+    base = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "LD_LIBRARY_PATH", "TORCH_EXTENSIONS_DIR")
+            if k in os.environ}
     base.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    procs = {job: [subprocess.Popen([sys.executable, str(script), ROOT], env={**base, **env}, cwd=str(tmp),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for env in envs]
+    procs = {job: [subprocess.Popen(cmd, env={**base, **env}, cwd=str(tmp), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for env in envs]
              for job, envs in jobs.items()}
     outputs = {}
     try:
         for job, ranks in procs.items():
             outputs[job] = []
             for proc in ranks:
-                out, err = proc.communicate(timeout=240)
+                out, err = proc.communicate(timeout=timeout)
                 outputs[job].append((proc.returncode, out, err))
     finally:
         for ranks in procs.values():
@@ -374,3 +378,35 @@ def test_srun_with_a_wrong_world_size_is_refused_at_start(job_outputs):
         assert rc != 0
         assert "error: WORLD_SIZE=4 but slurm started this process with SLURM_STEP_NUM_TASKS=2" in err
         assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_the_training_app_under_srun_is_one_two_rank_run(tmp_path):
+    """`srun -n 2 python launch/train.py`: one run of 2 ranks (a shard per rank, the
+    losses of the stored 2-rank-equivalent golden run), not two one-rank runs
+    writing the same output directory."""
+    import copy
+
+    import torch
+    from test_train_app import GOLDEN, STEPS, TINY
+    config = copy.deepcopy(TINY)
+    config["ds_pfc"]["checkpoint"]["every_steps"] = STEPS
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "run"
+    job = _free_derived(lambda n: f"{7000 + n}.0", set()).split(".")[0]
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", str(path),
+           "--output_dir", str(out)]
+    outs = _run_jobs(tmp_path, {"srun": [srun_env(r, 2, 2, "localhost", job=job) for r in range(2)]}, cmd=cmd,
+                     timeout=600)["srun"]
+    for rc, stdout, stderr in outs:
+        assert rc == 0, f"{stdout[-2000:]}\n{stderr[-3000:]}"
+    assert "ds_pfc: 2 rank(s)" in outs[0][1]
+    with open(out / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["steps"] == STEPS
+    files = set(os.listdir(summary["checkpoint"]))
+    assert {"head-rank00000-of-00002.safetensors", "head-rank00001-of-00002.safetensors"} <= files
+    with open(GOLDEN) as f:
+        golden = json.load(f)["losses"]
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(golden), rtol=2e-3, atol=1e-3)
