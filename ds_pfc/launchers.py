@@ -342,6 +342,8 @@ def discover(environ=os.environ) -> Launch:
             if not hosts:
                 raise LaunchError("srun gave no SLURM_STEP_NODELIST to find rank 0's host in: set MASTER_ADDR")
             master_addr = hosts[0]
+        elif environ.get("AZ_BATCH_MASTER_NODE"):       # Azure ML's MPI jobs: "host:port"
+            master_addr = environ["AZ_BATCH_MASTER_NODE"].split(":")[0]
     if master_port is None and world > 1:
         if "SLURM_JOB_ID" in environ and tasks is not None and tasks.name == "slurm":
             step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID", ""))

@@ -135,6 +135,10 @@ def test_mpi_over_nodes_without_master_addr_is_refused_or_left_to_mpi4py():
         assert "MASTER_ADDR" not in out and out["RANK"] == "5"     # DeepSpeed's MPI discovery broadcasts it
 
 
+def test_azure_ml_names_rank_0s_host():
+    assert discover(dict(openmpi_env(5, 16, 8), AZ_BATCH_MASTER_NODE="10.0.0.4:6105")).master_addr == "10.0.0.4"
+
+
 def test_srun_tasks_are_ranks():
     nodes = "gpu[003-004]"
     seen = set()
