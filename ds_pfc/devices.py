@@ -7,9 +7,12 @@
 - A head whose group communicates through NCCL lives on the current CUDA device by
   default; a CPU head on an NCCL group is refused with a clear error (NCCL cannot move
   CPU tensors).
-- A launched process binds ``cuda:LOCAL_RANK`` before it touches CUDA
-  (:func:`bind_local_device`): DeepSpeed's ``init_distributed`` does not, so every
-  rank would otherwise build its head, batches and evaluation on GPU 0.
+- A launched process binds ``cuda:<local rank>`` right after ``init_distributed``
+  and before it touches CUDA (:func:`bind_local_device`): DeepSpeed binds the device
+  only inside ``deepspeed.initialize``, so every rank would otherwise build its head,
+  batches and evaluation on GPU 0. The local rank is the launcher's
+  (:func:`ds_pfc.launchers.discover`: ``LOCAL_RANK``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
+  ``SLURM_LOCALID``, ...), so an ``mpirun`` or ``srun`` task binds its own GPU too.
 - Worker threads that issue CUDA work set their device first
   (:func:`set_thread_device`), so no rank creates a context on GPU 0.
 """
@@ -67,17 +70,23 @@ def collective_device(group, device) -> torch.device:
     return torch.device(device)
 
 
-def bind_local_device(environ=os.environ) -> torch.device | None:
-    """Bind this process to ``cuda:LOCAL_RANK`` (set by ``deepspeed``/``torchrun``) when
-    CUDA is available; returns the bound device, or None (no CUDA). Call it before any
-    CUDA work and before ``deepspeed.init_distributed``."""
+def bind_local_device(environ=os.environ, local_rank: int | None = None) -> torch.device | None:
+    """Bind this process to ``cuda:<local rank>`` when CUDA is available; returns the
+    bound device, or None (no CUDA). ``local_rank`` defaults to the launcher's
+    (:func:`ds_pfc.launchers.discover` on ``environ``, checked against the
+    scheduler's variables). Call it after ``init_distributed`` and before any CUDA
+    work. A local rank without a visible GPU of its own is refused."""
     if not torch.cuda.is_available():
         return None
-    local_rank = int(environ.get("LOCAL_RANK", 0))
+    if local_rank is None:
+        from .launchers import discover
+        local_rank = discover(environ).local_rank
     count = torch.cuda.device_count()
     if not 0 <= local_rank < count:
         raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {count} visible CUDA device(s) "
-                           "(CUDA_VISIBLE_DEVICES); launch at most one process per GPU")
+                           f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): launch at most "
+                           "one process per GPU, each seeing all of the node's GPUs (a scheduler that gives each task "
+                           "only its own GPU, e.g. srun --gpus-per-task=1, needs --gpu-bind=none)")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

@@ -27,6 +27,7 @@ from .data.sampler import DistributedIdentitySampler
 from . import checkpoint_tags as tags
 from .deepspeed_plugin import PfcEngine, init_distributed, initialize, list_checkpoints
 from .devices import bind_local_device
+from . import launchers
 
 __all__ = ["Trainer", "load_config", "schedule_factor", "build_eval_sets", "evaluate"]
 
@@ -204,10 +205,14 @@ class Trainer:
 
         cfg = self.cfg
         self.dataset = build_train_set(cfg)      # bad data paths fail before any process group exists
-        # cuda:LOCAL_RANK before any CUDA work: DeepSpeed binds the device only inside
-        # deepspeed.initialize, after the head, the data and the evaluation exist.
-        bound = bind_local_device()
+        # Rank, world and local rank from the launcher (srun and mpirun set no RANK),
+        # checked against the scheduler's task count; then the process group; then
+        # cuda:<local rank> before any CUDA work (DeepSpeed binds the device only inside
+        # deepspeed.initialize, after the head, the data and the evaluation exist).
+        launch = launchers.export()
         init_distributed()
+        launchers.check_process_group(launch)
+        bound = bind_local_device(local_rank=launch.local_rank)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = bound or torch.device(get_accelerator().current_device_name())
         # The batch geometry as DeepSpeed resolves it (any two of the three batch keys,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -10,15 +9,20 @@ if ROOT not in sys.path:    # run from a checkout without installing
     sys.path.insert(0, ROOT)
 
 
-def single_process_env() -> None:
-    """Run without a launcher: present a world of one process to torch.distributed."""
-    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def launch_env():
+    """Present the launcher's world to torch.distributed: rank, world size and local
+    rank from whichever launcher started this process (torchrun, deepspeed, srun,
+    mpirun, ...; none: a world of one process on a free port), checked against the
+    scheduler's task count. Exits with ``error: ...`` when they disagree. Returns the
+    :class:`ds_pfc.launchers.Launch`."""
+    from ds_pfc.launchers import LaunchError, export
+    try:
+        return export()
+    except LaunchError as err:
+        sys.exit(f"error: {err}")
+
+
+single_process_env = launch_env     # the former name
 
 
 def leave_process_groups() -> None:

@@ -65,14 +65,14 @@ def main(argv=None) -> list[float]:
     p.add_argument("--attributes", type=int, default=5)
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = p.parse_args(argv)
-    _common.single_process_env()
+    _common.launch_env()
 
     from ds_pfc import CosFace
     from ds_pfc.deepspeed_plugin import attach, head_spec, init_distributed, initialize
     from ds_pfc.devices import bind_local_device
 
-    bind_local_device()
     init_distributed()
+    bind_local_device()                       # cuda:LOCAL_RANK after init, before any CUDA work
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if world % args.tp:
         raise SystemExit(f"error: --tp {args.tp} does not divide the {world} ranks")

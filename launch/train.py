@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     if args.no_resume and args.resume_from is not None:
         p.error("--no_resume and --resume_from exclude each other")
 
-    _common.single_process_env()
+    _common.launch_env()
     from ds_pfc.checkpoint_tags import CheckpointError, atomic_write
     from ds_pfc.config import ConfigError
     from ds_pfc.training import Trainer, load_config

@@ -1,7 +1,7 @@
 """Device placement rules (ds_pfc.devices), checked on CPU with a mocked torch.cuda.
 
 A CUDA tensor's device always carries an index, so ``"cuda"`` must mean the current
-device; a launched rank must bind cuda:LOCAL_RANK before it builds anything; a head on
+device; a launched rank must bind its launcher's local GPU before it builds anything; a head on
 an NCCL group must live on CUDA; worker threads must set their device; labels of any
 integer dtype cross ranks as int64.
 """
@@ -85,12 +85,19 @@ def test_bad_device_string_is_a_clear_error():
 
 
 def test_a_launched_rank_binds_its_local_gpu(fake_cuda):
-    assert devices.bind_local_device({"LOCAL_RANK": "2"}) == torch.device("cuda", 2)
+    torchrun = {"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}
+    assert devices.bind_local_device(torchrun) == torch.device("cuda", 2)
     assert fake_cuda["set"] == [2]
     assert devices.normalize_device("cuda") == torch.device("cuda", 2)
     assert devices.bind_local_device({}) == torch.device("cuda", 0)       # single process
+    # mpirun sets no LOCAL_RANK: the launcher's own local rank is bound
+    ompi = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "node0"}
+    assert devices.bind_local_device(ompi) == torch.device("cuda", 1)
+    assert devices.bind_local_device({}, local_rank=3) == torch.device("cuda", 3)
+    assert fake_cuda["set"] == [2, 0, 1, 3]
     with pytest.raises(RuntimeError, match="LOCAL_RANK=5 but this node has 4"):
-        devices.bind_local_device({"LOCAL_RANK": "5"})
+        devices.bind_local_device({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "5", "LOCAL_SIZE": "8"})
 
 
 def test_without_cuda_nothing_is_bound(monkeypatch):
@@ -118,32 +125,47 @@ def test_the_bank_worker_sets_the_bank_device_first():
         stager.close()
 
 
-def test_training_app_binds_the_gpu_before_the_process_group(monkeypatch):
-    """The app must bind cuda:LOCAL_RANK before deepspeed.init_distributed and before it
-    builds a head, data or evaluation (DeepSpeed binds only inside initialize)."""
+def test_training_app_binds_the_gpu_after_the_process_group(monkeypatch):
+    """The app must take rank and local rank from the launcher, then call
+    deepspeed.init_distributed, then bind cuda:<local rank> before it builds a head,
+    data or evaluation (DeepSpeed binds only inside initialize). Under srun (no
+    LOCAL_RANK) the bound GPU is SLURM_LOCALID's."""
+    import json
+    import os
+
     import deepspeed
 
-    from ds_pfc import training
+    from ds_pfc import launchers, training
     order = []
 
     class Stop(Exception):
         pass
+    srun = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURMD_NODENAME": "gpu08"}
+    exported, real_export = {}, launchers.export
 
-    monkeypatch.setattr(training, "bind_local_device", lambda: order.append("bind"))
+    def export(environ=None):
+        order.append("export")
+        exported.update(srun)
+        return real_export(exported)
+    monkeypatch.setattr(training.launchers, "export", export)
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kwargs: order.append("init_distributed"))
+    monkeypatch.setattr(training.launchers, "check_process_group", lambda launch: order.append("check"))
 
-    def init_distributed(**kwargs):
-        order.append("init_distributed")
+    def bind(environ=None, local_rank=None):
+        order.append(("bind", local_rank))
         raise Stop
-    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
-    import json
-    import os
+    monkeypatch.setattr(training, "bind_local_device", bind)
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                         "cpu_quickstart.json")
     with open(path) as f:
         trainer = training.Trainer(json.load(f))
     with pytest.raises(Stop):
         trainer.setup()
-    assert order == ["bind", "init_distributed"]
+    assert order == ["export", "init_distributed", "check", ("bind", 1)]
+    assert (exported["RANK"], exported["WORLD_SIZE"], exported["LOCAL_RANK"], exported["MASTER_ADDR"]) == \
+        ("3", "4", "1", "gpu07")
 
 
 def _int16_label_ranks(rank, world_size):
