@@ -372,8 +372,8 @@ class Trainer:
             return "; ".join(map(str, by_kind[kind]))
         if by_kind["fixed"]:
             others = [c for c in changes if c.kind != "fixed"]
-            raise ConfigError(f"{where} cannot be resumed by this job: it changes {listed('fixed')}, which the "
-                              "checkpoint cannot be loaded into. Use a new output directory (--output_dir, "
+            raise ConfigError(f"{where} cannot be resumed by this job, which changes {listed('fixed')}: the "
+                              "checkpoint cannot be loaded into that. Use a new output directory (--output_dir, "
                               "ds_pfc.train.output_dir) or restore these settings"
                               + (f" (other changes: {'; '.join(map(str, others))})" if others else ""))
         if by_kind["training"] and not self.allow_config_change:

@@ -322,3 +322,29 @@ def test_cli_refusals_are_one_error_line(three_steps, tmp_path):
     _refused(_cli(tmp_path, config, "--output_dir", str(tmp_path / "fresh")), "gradient_allreduce_op")
     out = _copy_run(three_steps, str(tmp_path / "run"))
     _refused(_cli(tmp_path, _changed(), "--output_dir", out), "--allow_config_change")
+
+
+def test_eval_cli_names_a_model_file_it_cannot_read(tmp_path):
+    """An arcface_torch ``.pt`` (or any non-safetensors file) and a missing model file:
+    one error line each, naming the file."""
+    bogus = tmp_path / "model.pt"
+    bogus.write_bytes(b"\x80\x02not a safetensors file")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    for model, needle in ((str(bogus), "is not a safetensors file"),
+                          (str(tmp_path / "missing.safetensors"), "model file not found")):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "eval.py"), "--model", model, "--bins",
+                               str(tmp_path / "lfw.bin")], env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        _refused(proc, needle)
+
+
+@pytest.mark.parametrize("script, args, needle", [
+    ("demo.py", ["--sample-rate", "1.5"], "--sample-rate must be in (0, 1]"),
+    ("multitask_tp.py", ["--tp", "0"], "--tp must be >= 1"),
+    ("train.py", ["--max_steps", "0"], "--max_steps must be >= 1"),
+])
+def test_cli_argument_errors_are_usage_errors(script, args, needle):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
