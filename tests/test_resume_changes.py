@@ -280,9 +280,9 @@ def _ranks_run(rank, world_size, out, micro, max_steps):
 def test_rank_changes_mid_epoch_train_each_sample_of_the_epoch_once(tmp_path):
     """2 ranks (micro 6) for 2 steps, then 3 ranks (micro 4) to the end of the epoch:
     a global batch of 12 throughout, the change mid-epoch (after 24 of its 75
-    images) and to another micro batch (the sampler's block). Over the epoch the ranks trained exactly the first 72 images of its
-    permutation, each once (the 3 left over are fewer than one global batch: an
-    epoch is whole steps). Other sizes and directions (3 -> 2, 1 -> 2, several
+    images) and to another micro batch (the sampler's block). Over the epoch the
+    ranks trained exactly the first 72 images of its permutation, each once (the 3
+    left over are fewer than one global batch: an epoch is whole steps). Other sizes and directions (3 -> 2, 1 -> 2, several
     changes): tests/test_data_pipeline.py, on the sampler alone."""
     out = str(tmp_path / "run")
     seen = []

@@ -88,7 +88,7 @@ class DistributedIdentitySampler(Sampler[int]):
     def _blocks_per_rank(self, start: int) -> int:
         rest = max(self.num_samples - start, 0)
         unit = self.world_size * self.block_size
-        return rest // unit if self.drop_last else -(-rest // unit)
+        return rest // unit if self.drop_last else math.ceil(rest / unit)
 
     @property
     def num_per_rank(self) -> int:
