@@ -277,6 +277,7 @@ def _ranks_run(rank, world_size, out, micro, max_steps):
     return {"trained": trained, "epochs": [e for e, _ in advanced]}
 
 
+@pytest.mark.slow
 def test_rank_changes_mid_epoch_train_each_sample_of_the_epoch_once(tmp_path):
     """2 ranks (micro 6) for 2 steps, then 3 ranks (micro 4) to the end of the epoch:
     a global batch of 12 throughout, the change mid-epoch (after 24 of its 75
