@@ -143,13 +143,19 @@ def load_backbone(path: str, tag: str | None = None):
     """``(backbone, config)`` from an export (``.safetensors``) or a checkpoint
     directory (its ``latest`` tag unless ``tag``); the backbone is rebuilt from the
     job config stored with it and holds the trained float32 weights, in eval mode."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     from .config import split_config
+    if not os.path.exists(path) and path.endswith(".safetensors"):
+        raise FileNotFoundError(f"model file not found: {path!r}")
     if os.path.isfile(path):
-        with safe_open(path, "pt") as f:
-            metadata = f.metadata() or {}
+        try:
+            with safe_open(path, "pt") as f:
+                metadata = f.metadata() or {}
+        except SafetensorError as err:
+            raise ValueError(f"{path} is not a safetensors file ({err}); give a ds_pfc model export "
+                             "(export/model.safetensors) or a checkpoint directory") from None
         if metadata.get("format") != EXPORT_FORMAT or "config" not in metadata:
             raise ValueError(f"{path} is not a ds_pfc model export (format {metadata.get('format')!r})")
         config = json.loads(metadata["config"])

@@ -11,6 +11,7 @@ micro-batch blocks, so the global batch of every micro step is the same for any
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from .config import ConfigError, DsPfcConfig, ScheduleConfig, split_config
 from .data.loader import MicroBatchLoader
 from .data.sampler import DistributedIdentitySampler
 from . import checkpoint_tags as tags
+from . import resume_changes
 from .deepspeed_plugin import PfcEngine, init_distributed, initialize, list_checkpoints
 from .devices import bind_local_device
 from . import launchers
@@ -168,17 +170,23 @@ class Trainer:
         log: where rank 0's progress lines go (default: stdout).
         resume_from: checkpoint tag to resume instead of the newest (see :meth:`resume`).
         allow_batch_change: resume a checkpoint trained with another global batch.
+        allow_config_change: resume a checkpoint trained with other settings that
+            change training (see :meth:`resume`); the new values take effect.
     """
 
     def __init__(self, config: dict, *, output_dir: str | None = None, max_steps: int | None = None, log=None,
-                 resume_from: str | None = None, allow_batch_change: bool = False):
+                 resume_from: str | None = None, allow_batch_change: bool = False, allow_config_change: bool = False):
         self.raw_config = config
         self.resume_from, self.allow_batch_change = resume_from, bool(allow_batch_change)
+        self.allow_config_change = bool(allow_config_change)
         self.ds_config, self.cfg = split_config(config)
+        # The command-line overrides of ds_pfc.train, saved with every checkpoint so
+        # that a resume compares the settings the run really had.
+        self.overrides = {}
         if output_dir is not None:
-            self.cfg.train.output_dir = output_dir
+            self.cfg.train.output_dir = self.overrides["output_dir"] = output_dir
         if max_steps is not None:
-            self.cfg.train.max_steps = max_steps
+            self.cfg.train.max_steps = self.overrides["max_steps"] = max_steps
         self._log = log or (lambda line: print(line, flush=True))
         self._check_ds_config()
 
@@ -192,6 +200,13 @@ class Trainer:
         if "optimizer" not in ds:
             raise ConfigError("the config must have DeepSpeed's 'optimizer' block (the backbone's optimizer; "
                               "its lr is also the heads' base learning rate)")
+        if ds.get("gradient_allreduce_op", "mean") == "sum":
+            raise ConfigError("gradient_allreduce_op: 'sum' is not supported: the Partial FC head's embedding "
+                              "gradient is that of the mean loss over the global batch, so DeepSpeed must average "
+                              "the gradients over the ranks; remove the key (or set it to 'mean')")
+        if isinstance(ds.get("checkpoint"), dict) and ds["checkpoint"].get("use_node_local_storage"):
+            raise ConfigError("checkpoint.use_node_local_storage is not supported: the checkpoints need one output "
+                              "directory that every rank reads and writes")
 
     rank = 0
 
@@ -281,12 +296,25 @@ class Trainer:
         ``latest`` is missing or lags behind one (logged, and ``latest`` moved). After
         an explicit ``resume_from`` of an older tag, the newer ones move to
         ``checkpoints/superseded/``. A damaged checkpoint stops the run with an error
-        naming the file and the newest intact tag; a global batch (micro x
-        accumulation x ranks) other than the checkpoint's stops it unless
-        ``allow_batch_change``. Restores the run history (``history``: per-step
-        losses and evaluations since step 1) saved with the checkpoint."""
+        naming the file and the newest intact tag.
+
+        Before anything is loaded (from the checkpoint's marker alone), the run's job
+        config is compared with the one the checkpoint was trained with
+        (:mod:`ds_pfc.resume_changes`); every difference is listed by dotted key.
+        Settings that change training stop the run unless ``allow_config_change``
+        (the new values then take effect: the optimizer's settings, the learning
+        rate and its schedule from the next step on, a new margin starting from its
+        initial state); what the checkpoint cannot be loaded into (the head's classes
+        or dimension, the backbone, the optimizers' types) stops it always; the rest
+        is logged. A global batch (micro x accumulation x ranks) other than the
+        checkpoint's stops it unless ``allow_batch_change``. Any other number of ranks
+        resumes at any step: the data position is kept in samples
+        (:class:`~ds_pfc.data.DistributedIdentitySampler`). Restores the run
+        history (``history``: per-step losses and evaluations since step 1) saved
+        with the checkpoint."""
         self.history = {"start_step": 0, "losses": [], "evaluations": {}}
         self._resumed_tag = None
+        self.config_changes = []
         tags.check_shared_directory(self.checkpoint_dir)
         if not self.cfg.checkpoint.resume:
             if self.resume_from is not None:
@@ -299,9 +327,15 @@ class Trainer:
             choice = tags.on_rank0(lambda: tags.choose_tag(self.checkpoint_dir, self.resume_from))
             if choice is None:
                 return False
+            # Every check that needs only the marker comes before the expensive part
+            # (the universal conversion, DeepSpeed's load, the head shards).
+            changes = self._check_config(choice.tag, choice.marker)
             self._check_batch(choice.tag, choice.marker)
+            restart = self._check_data_position(choice.tag, (choice.marker.get("metadata") or {}).get("sampler"))
+            fresh = self._optimizer_settings()
             self._convert_for_world_size(choice.tag)
-            loaded = self.engine.load_checkpoint(self.checkpoint_dir, choice.tag)
+            with self._saved_margin(changes, choice.marker):
+                loaded = self.engine.load_checkpoint(self.checkpoint_dir, choice.tag)
         except tags.CheckpointError as err:
             raise _with_resume_hint(err) from None
         tag = loaded["tag"]
@@ -315,17 +349,147 @@ class Trainer:
         elif choice.note:
             tags.on_rank0(lambda: tags.write_latest(self.checkpoint_dir, tag))
         self._resumed_tag = tag
-        self.sampler.load_state_dict(loaded["rank_state"]["sampler"])
-        if self.schedule is not None:
-            # The saved optimizer carries the learning rate the saved run's schedule set
-            # for the next step; this run's schedule (e.g. another max_steps) decides.
-            engine = self.engine.engine
-            for group, base in zip(engine.optimizer.param_groups, engine.lr_scheduler.base_lrs):
-                group["lr"] = base * self.schedule(engine.lr_scheduler.last_epoch)
+        self._restore_data_position(loaded["rank_state"]["sampler"], restart, tag)
+        self._apply_optimizer_settings(fresh)
+        if any(c.key == "ds_pfc.head.seed" for c in changes):
+            self.head.seed = self.cfg.head.seed       # the checkpoint's head carries its own
         self.history = _restored_history(loaded["client_state"].get("ds_pfc_history"), self.engine.global_steps)
         self.log(f"resumed from {os.path.join(self.checkpoint_dir, tag)} at step "
                  f"{self.engine.global_steps} (epoch {self.sampler.epoch}, saved on {loaded['world_size']} rank(s))")
         return True
+
+    def _check_config(self, tag: str, marker: dict) -> list:
+        """Compare the job config with the one saved in ``marker``; refuse, or log,
+        as :meth:`resume` says. Returns the differences."""
+        meta = marker.get("metadata") or {}
+        where = os.path.join(self.checkpoint_dir, tag)
+        saved = meta.get("config")
+        if not isinstance(saved, dict):
+            self.log(f"{where} records no job config: the settings cannot be compared")
+            return []
+        changes = resume_changes.differences(
+            resume_changes.effective_config(saved, meta.get("overrides")),
+            resume_changes.effective_config(self.raw_config, self.overrides))
+        self.config_changes = changes
+        by_kind = {kind: [c for c in changes if c.kind == kind] for kind in ("fixed", "training", "harmless", "batch")}
+
+        def listed(kind):
+            return "; ".join(map(str, by_kind[kind]))
+        if by_kind["fixed"]:
+            others = [c for c in changes if c.kind != "fixed"]
+            raise ConfigError(f"{where} cannot be resumed by this job, which changes {listed('fixed')}: the "
+                              "checkpoint cannot be loaded into that. Use a new output directory (--output_dir, "
+                              "ds_pfc.train.output_dir) or restore these settings"
+                              + (f" (other changes: {'; '.join(map(str, others))})" if others else ""))
+        if by_kind["training"] and not self.allow_config_change:
+            others = [c for c in changes if c.kind != "training"]
+            raise ConfigError(f"the job config differs from the one {where} was trained with in settings that "
+                              f"change training: {listed('training')}. Restore them, or resume with the new values "
+                              "with --allow_config_change (Trainer(allow_config_change=True)); they take effect "
+                              "from the next step" + (f" (other changes, allowed: {'; '.join(map(str, others))})"
+                                                      if others else ""))
+        if by_kind["training"]:
+            self.log(f"warning: resuming {where} with changed settings (allow_config_change), in effect from the "
+                     f"next step: {listed('training')}")
+        if by_kind["harmless"]:
+            self.log(f"resuming {where} with changed settings that do not change training: {listed('harmless')}")
+        if by_kind["batch"]:
+            self.log(f"resuming {where} with another batch split (the global batch is checked next): "
+                     f"{listed('batch')}")
+        return changes
+
+    def _check_data_position(self, tag: str, state: dict | None):
+        """Whether the saved data position can carry over (checked on rank 0's saved
+        sampler state in the marker before the load; checkpoints without it are
+        checked after the load). Returns the epoch to restart from when the data
+        changed and ``allow_config_change`` (a new epoch order), else None."""
+        if not state:
+            return None
+        probe = copy.copy(self.sampler)
+        try:
+            probe.load_state_dict(state)
+        except ValueError as err:
+            where = os.path.join(self.checkpoint_dir, tag)
+            same_order = all(state.get(k, getattr(self.sampler, k)) == getattr(self.sampler, k)
+                             for k in ("num_samples", "seed", "shuffle"))
+            if same_order or not self.allow_config_change:
+                hint = "" if same_order else (" (the training set or its order changed: resume with "
+                                              "--allow_config_change to start the next epoch in the new order)")
+                raise ConfigError(f"the data position of {where} cannot carry over: {err}{hint}") from None
+            epoch = int(state["epoch"]) + (1 if int(state.get("consumed", 0)) or int(state.get("start", 0)) else 0)
+            self.log(f"warning: the training set or its order changed since {where} ({err}); training continues "
+                     f"with epoch {epoch} from its start (allow_config_change)")
+            return epoch
+        return None
+
+    def _restore_data_position(self, state: dict, restart: int | None, tag: str) -> None:
+        if restart is None:
+            restart = self._check_data_position(tag, state)
+        self.sampler.load_state_dict(state if restart is None else {"epoch": restart, "consumed": 0})
+
+    def _optimizer_settings(self):
+        """The backbone optimizer's settings as this job's config built them, before a
+        load puts the checkpoint's back: ``(param group settings, base lrs)``."""
+        engine = self.engine.engine
+        optimizer = getattr(engine, "optimizer", None)
+        if optimizer is None:
+            return None
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        scheduler = getattr(engine, "lr_scheduler", None)
+        return groups, (list(scheduler.base_lrs) if hasattr(scheduler, "base_lrs") else None)
+
+    def _apply_optimizer_settings(self, fresh) -> None:
+        """After a load: the optimizer's settings (momentum, weight decay, betas, ...)
+        and base learning rates are this job's, and the learning rate of the next
+        step is this job's schedule at the resumed step (the checkpoint's optimizer
+        carries the ones the saved run had, e.g. another lr or max_steps)."""
+        if fresh is None:
+            return
+        engine = self.engine.engine
+        groups, base_lrs = fresh
+        param_groups = engine.optimizer.param_groups
+        if len(param_groups) != len(groups):
+            return
+        for group, settings in zip(param_groups, groups):
+            group.update({k: v for k, v in settings.items() if k != "lr"})
+        scheduler = getattr(engine, "lr_scheduler", None)
+        if self.schedule is not None and base_lrs is not None:
+            scheduler.base_lrs = list(base_lrs)
+            lrs = [base * self.schedule(scheduler.last_epoch) for base in base_lrs]
+        elif scheduler is None:
+            lrs = [settings["lr"] for settings in groups]
+        elif hasattr(scheduler, "last_batch_iteration") and hasattr(scheduler, "get_lr") \
+                and scheduler.last_batch_iteration >= 0:
+            lrs = list(scheduler.get_lr())       # DeepSpeed's schedulers: the lr of their current iteration
+        else:
+            return
+        for group, lr in zip(param_groups, lrs):
+            group["lr"] = lr
+
+    def _saved_margin(self, changes: list, marker: dict):
+        """While loading: the head holds a margin of the saved type, so that the
+        running state of a stateful margin loads into its own kind; the new margin
+        (another type) then starts from its initial state."""
+        import contextlib
+        if not any(c.key == "ds_pfc.head.margin.type" for c in changes):
+            return contextlib.nullcontext()
+        from .config import MarginConfig, from_dict
+        try:
+            saved = from_dict(MarginConfig, marker["metadata"]["config"]["ds_pfc"]["head"]["margin"],
+                              "ds_pfc.head.margin").build()
+        except (ConfigError, KeyError, TypeError):
+            return contextlib.nullcontext()
+        head = self.head
+
+        @contextlib.contextmanager
+        def swapped():
+            new = head.margin
+            head.margin = saved
+            try:
+                yield
+            finally:
+                head.margin = new
+        return swapped()
 
     def _convert_for_world_size(self, tag: str) -> None:
         """A ZeRO 1-3 checkpoint saved on another number of ranks: rank 0 converts it
@@ -359,8 +523,8 @@ class Trainer:
                   f"({saved[0]} micro x {saved[1]} accumulation x {saved[2]} rank(s)); this run's is "
                   f"{math.prod(now)} ({now[0]} x {now[1]} x {now[2]})")
         if not self.allow_batch_change:
-            raise ConfigError(f"{detail}. Keep the global batch (scale gradient_accumulation_steps with the number "
-                              "of ranks) or resume anyway with --allow_batch_change (Trainer(allow_batch_change=True))")
+            raise ConfigError(f"{detail}. {_keep_batch_hint(math.prod(saved), self.micro, self.world_size)}, or "
+                              "resume anyway with --allow_batch_change (Trainer(allow_batch_change=True))")
         self.log(f"warning: {detail}; resuming anyway (allow_batch_change)")
 
     def save(self) -> str:
@@ -378,8 +542,12 @@ class Trainer:
         if tag in (self._resumed_tag, self._saved_tag):
             tags.on_rank0(lambda: _point_latest(self.checkpoint_dir, tag))
         else:
-            metadata = {"config": self.raw_config, "micro": self.micro, "gradient_accumulation_steps": self.gas,
-                        "world_size": self.world_size, "global_batch": self.micro * self.gas * self.world_size}
+            # The job config (with the command-line overrides) and the data position,
+            # which a resume checks from the marker before it loads anything.
+            metadata = {"config": self.raw_config, "overrides": dict(self.overrides), "micro": self.micro,
+                        "gradient_accumulation_steps": self.gas, "world_size": self.world_size,
+                        "global_batch": self.micro * self.gas * self.world_size,
+                        "sampler": self.sampler.state_dict()}
             # A complete tag of this step that this run did not write belongs to a run
             # rolled back past it: this run's state replaces it.
             path = self.engine.save_checkpoint(self.checkpoint_dir, tag, replace=True, metadata=metadata,
@@ -525,6 +693,20 @@ def _batch_geometry(ds_config: dict) -> tuple[int, int]:
     except (AssertionError, ValueError) as err:
         raise ConfigError(f"DeepSpeed rejects the batch settings: {err}") from None
     return int(resolved.train_micro_batch_size_per_gpu), int(resolved.gradient_accumulation_steps)
+
+
+def _keep_batch_hint(global_batch: int, micro: int, world_size: int) -> str:
+    """How to keep ``global_batch`` on ``world_size`` ranks."""
+    if global_batch % world_size:
+        return (f"A global batch of {global_batch} does not split over {world_size} rank(s); resume on a number of "
+                "ranks that divides it")
+    per_rank = global_batch // world_size
+    if per_rank % micro == 0:
+        return (f"Keep the global batch: on {world_size} rank(s) set gradient_accumulation_steps to "
+                f"{per_rank // micro} (micro batch {micro}), or set train_batch_size to {global_batch}")
+    fits = max(m for m in range(1, min(micro, per_rank) + 1) if per_rank % m == 0)
+    return (f"Keep the global batch: on {world_size} rank(s) each rank needs {per_rank} images per step, e.g. "
+            f"train_micro_batch_size_per_gpu {fits} x gradient_accumulation_steps {per_rank // fits}")
 
 
 def _with_resume_hint(err: tags.CheckpointError) -> tags.CheckpointError:

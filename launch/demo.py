@@ -29,6 +29,13 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=30)
     args = p.parse_args(argv)
+    for name in ("classes", "held_out", "steps", "batch", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 < args.sample_rate <= 1.0:
+        p.error(f"--sample-rate must be in (0, 1], got {args.sample_rate}")
+    if not args.lr > 0.0:
+        p.error(f"--lr must be > 0, got {args.lr}")
 
     torch.manual_seed(0)
     data = SyntheticIdentities(args.classes + args.held_out)

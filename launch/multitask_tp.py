@@ -65,6 +65,11 @@ def main(argv=None) -> list[float]:
     p.add_argument("--attributes", type=int, default=5)
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = p.parse_args(argv)
+    for name in ("tp", "steps", "micro", "identities", "attributes"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0.0:
+        p.error(f"--lr must be > 0, got {args.lr}")
     _common.launch_env()
 
     from ds_pfc import CosFace

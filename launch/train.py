@@ -6,7 +6,9 @@
 The config is DeepSpeed's JSON plus a ``ds_pfc`` block (see ds_pfc/config.py and the
 README's configs table). Checkpoints, the csv monitor, the summary and the
 safetensors export go to ``ds_pfc.train.output_dir``; a rerun resumes from the
-newest complete checkpoint there (``--resume_from TAG`` picks another one).
+newest complete checkpoint there (``--resume_from TAG`` picks another one); a
+rerun with changed settings is refused, listing them, unless
+``--allow_config_change`` (or ``--allow_batch_change`` for another global batch).
 ``summary.json`` covers the whole run, across resumes: the loss of every step and
 every evaluation since step 1.
 """
@@ -48,28 +50,46 @@ def main(argv=None) -> dict:
                         "checkpoints/superseded/")
     p.add_argument("--allow_batch_change", action="store_true",
                    help="resume a checkpoint trained with another global batch (micro x accumulation x ranks)")
+    p.add_argument("--allow_config_change", action="store_true",
+                   help="resume a checkpoint trained with other settings that change training (head, margin, "
+                        "sample rate, optimizer, lr/schedule, data, seeds, ...); the new values take effect")
     args = p.parse_args(argv)
     if args.no_resume and args.resume_from is not None:
         p.error("--no_resume and --resume_from exclude each other")
+    if args.max_steps is not None and args.max_steps < 1:
+        p.error(f"--max_steps must be >= 1, got {args.max_steps}")
 
     _common.launch_env()
     from ds_pfc.checkpoint_tags import CheckpointError, atomic_write
     from ds_pfc.config import ConfigError
     from ds_pfc.training import Trainer, load_config
 
+    # What a user's input can be wrong in: the config (its values, files, data paths)
+    # and the checkpoints. Anything else is a bug and keeps its traceback.
+    user_errors = (ConfigError, CheckpointError, FileNotFoundError)
+    trainer = None
+
+    def refuse(err):
+        # every rank meets the same error; rank 0 says it
+        rank = trainer.rank if hasattr(trainer, "world_size") else int(os.environ.get("RANK", "0") or 0)
+        sys.exit(f"error: {err}" if rank == 0 else 1)
+
     try:
         config = load_config(args.deepspeed_config)
         if args.no_resume:
             config.setdefault("ds_pfc", {}).setdefault("checkpoint", {})["resume"] = False
         trainer = Trainer(config, output_dir=args.output_dir, max_steps=args.max_steps,
-                          resume_from=args.resume_from, allow_batch_change=args.allow_batch_change)
+                          resume_from=args.resume_from, allow_batch_change=args.allow_batch_change,
+                          allow_config_change=args.allow_config_change)
         trainer.setup()
-    except (ConfigError, FileNotFoundError) as err:
-        sys.exit(f"error: {err}")
+    except user_errors as err:
+        if trainer is not None:
+            trainer.close()
+        refuse(err)
     try:
         summary = trainer.run()
-    except (ConfigError, CheckpointError) as err:
-        sys.exit(f"error: {err}" if trainer.rank == 0 else 1)     # every rank raises the same error
+    except user_errors as err:
+        refuse(err)
     finally:
         trainer.close()
     if trainer.rank == 0:

@@ -97,11 +97,16 @@ def test_state_dict_round_trip_and_checks():
     assert t.state_dict() == s.state_dict() and list(t) == list(s)
     with pytest.raises(ValueError, match="seed"):
         DistributedIdentitySampler(40, rank=0, world_size=2, seed=2).load_state_dict(s.state_dict())
-    with pytest.raises(ValueError, match="world_size"):
-        DistributedIdentitySampler(40, rank=0, world_size=4, seed=1).load_state_dict(s.state_dict())
-    # world size may change at an epoch boundary
+    # another world size, mid-epoch: the 2 ranks consumed the first 10 samples of the order
+    four = DistributedIdentitySampler(40, rank=3, world_size=4, seed=1)
+    four.load_state_dict(s.state_dict())
+    assert (four.epoch, four.start, four.consumed, len(four)) == (7, 10, 0, 7)
     boundary = dict(s.state_dict(), consumed=0)
     DistributedIdentitySampler(40, rank=3, world_size=4, seed=1).load_state_dict(boundary)
+    # part of a block consumed: not a prefix of the order, so no other split
+    with pytest.raises(ValueError, match="whole number of blocks"):
+        DistributedIdentitySampler(40, rank=0, world_size=4, seed=1).load_state_dict(
+            dict(s.state_dict(), block_size=2))
     with pytest.raises(ValueError, match="consumed"):
         t.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match="consumed"):
@@ -334,14 +339,61 @@ def test_block_resume_on_another_world_size_continues_the_epoch():
     new = _ranks(n, 4, seed=9, block_size=m)
     for s in new:
         s.load_state_dict(old[0].state_dict())
-        assert s.consumed == 2 * m
+        assert (s.start, s.consumed) == (8 * m, 0)        # the 8 blocks, as a position in the order
     rest = [i for s in new for i in s]
     assert not consumed & set(rest)
     assert sorted(consumed | set(rest)) == sorted(new[0].epoch_permutation().tolist())
-    with pytest.raises(ValueError, match="world_size=3"):    # 8 blocks do not split over 3 ranks
-        DistributedIdentitySampler(n, rank=0, world_size=3, seed=9, block_size=m).load_state_dict(old[0].state_dict())
-    with pytest.raises(ValueError, match="block_size"):
-        DistributedIdentitySampler(n, rank=0, world_size=2, seed=9, block_size=2).load_state_dict(old[0].state_dict())
+
+
+def _epoch_across_changes(n, seed, drop_last, phases):
+    """Train one epoch of ``n`` samples in ``phases`` of ``(world_size, block_size,
+    micro batches per rank)`` (None: to the end of the epoch), each phase resumed from
+    rank 0's state of the one before as the app does. Returns the indices trained, in
+    order, and the last phase's samplers. Reference for the order: torch.randperm with
+    the sampler's documented generator seed."""
+    from ds_pfc.data.sampler import epoch_seed
+    seen, state, samplers = [], None, None
+    for world, block, micro_batches in phases:
+        samplers = _ranks(n, world, seed=seed, drop_last=drop_last, block_size=block)
+        for s in samplers:
+            if state is not None:
+                s.load_state_dict(state)
+            s.set_epoch(3)
+        steps = len(samplers[0]) // block if micro_batches is None else micro_batches
+        for k in range(steps):
+            for s in samplers:
+                seen.extend(list(s)[:block])
+                s.advance(block)
+        state = samplers[0].state_dict()
+    g = torch.Generator()
+    g.manual_seed(epoch_seed(seed, 3))
+    return seen, samplers, torch.randperm(n, generator=g).tolist()
+
+
+@pytest.mark.parametrize("phases", [
+    [(2, 3, 4), (3, 3, None)],              # 2 -> 3 ranks mid-epoch
+    [(3, 3, 3), (2, 3, None)],              # 3 -> 2
+    [(1, 4, 5), (2, 4, None)],              # 1 -> 2
+    [(2, 4, 3), (3, 2, 2), (5, 1, None)],   # and again, other block sizes
+    [(3, 2, 0), (2, 3, None)],              # at the epoch's start
+], ids=["2to3", "3to2", "1to2", "2to3to5", "boundary"])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_world_size_change_at_any_step_sees_each_sample_once(phases, drop_last):
+    """Exact multiset of one epoch across world-size changes: a prefix of the
+    permutation, each index once, and the unseen tail shorter than one
+    world_size x block_size of the last phase (drop_last); without drop_last the
+    tail is padded from the order's start."""
+    n = 103
+    seen, last, perm = _epoch_across_changes(n, 21, drop_last, phases)
+    unit = last[0].world_size * last[0].block_size
+    assert all(len(s) == 0 for s in last)
+    if drop_last:
+        assert n - unit < len(seen) <= n
+        assert sorted(seen) == sorted(perm[:len(seen)])      # each at most once, a prefix of the order
+        assert len(set(seen)) == len(seen)
+    else:
+        assert n <= len(seen) < n + unit
+        assert sorted(seen) == sorted(perm + perm[:len(seen) - n])
 
 
 class _TinyImages(torch.utils.data.Dataset):
