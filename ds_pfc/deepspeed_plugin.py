@@ -19,6 +19,10 @@ Gradient scale, per optimizer step of the engine:
 
 - ``engine.backward`` divides the loss by the gradient accumulation steps; the heads'
   gradients are therefore the mean over the micro batches, like the backbone's.
+  ``loss.backward()`` and ``engine.scale(loss).backward()`` (DeepSpeed accepts them at
+  ZeRO 1-3) divide the gradient of the engine's outputs instead; a head applied to
+  those outputs gets the same division on its centers' gradient
+  (:meth:`PfcEngine._center_grad_hook`).
 - Loss scaling (``fp16``, or ``torch_autocast`` with float16): :meth:`PfcEngine.backward`
   checks, by behaviour, that the gradient reaching the loss carries the scale the
   optimizer will divide by, and multiplies it in where DeepSpeed did not (its fp16
@@ -37,7 +41,10 @@ Gradient scale, per optimizer step of the engine:
 
 Refused at :func:`initialize`: a gradient all-reduce that does not average
 (``gradient_allreduce_op`` other than the mean; the backbone would get W times the
-heads' gradient). ``managed_gradient_accumulation: false`` is supported: every
+heads' gradient); sequence parallelism. Refused elsewhere: a head built inside
+``deepspeed.zero.Init`` (at construction) and a head recomputed by activation
+checkpointing (in backward). DeepSpeed internals are read through
+:mod:`ds_pfc._ds_internals`: a missing one raises, naming it and the DeepSpeed version. ``managed_gradient_accumulation: false`` is supported: every
 ``step()`` is then an optimizer boundary, for the heads as for DeepSpeed. With a
 decoupled (asynchronous) checkpoint writer, :meth:`PfcEngine.save_checkpoint` waits
 for DeepSpeed's commit before it writes the completion marker.
@@ -315,14 +322,15 @@ def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, mod
     ``config`` is DeepSpeed's config dict (without the ``ds_pfc`` block). ``mpu``: a
     Megatron-style model-parallel unit (``get_data_parallel_group``,
     ``get_tensor_model_parallel_group``, ...), passed on to DeepSpeed. The process
-    groups come from one place: ``mpu`` when given, else DeepSpeed's own
-    (``deepspeed.utils.groups``, where AutoTP puts its groups). Heads declared with
+    groups come from one place: ``mpu`` when given, else the engine's (a pipeline's
+    grid; ``deepspeed.utils.groups``, where AutoTP puts its groups). Heads declared with
     :func:`head_spec` are built here from them; every head's groups are then
-    compared by membership with the engine's data-parallel (sequence-data-parallel
-    under sequence parallelism) and tensor-parallel groups, and a mismatch is refused
+    compared by membership with the engine's data-parallel
+    and tensor-parallel groups, and a mismatch is refused
     naming the head and both rank lists. With a ``PipelineModule`` only last-stage
-    ranks hold heads (:meth:`PfcEngine.train_batch`). Build heads outside
-    ``deepspeed.zero.Init``: ZeRO-3 would partition a shard created inside it.
+    ranks hold heads (:meth:`PfcEngine.train_batch`); their tensor-parallel group is the
+    pipeline grid's tensor-slicing group. Sequence parallelism is refused. Build heads
+    outside ``deepspeed.zero.Init`` (a head built inside it is refused).
     Returns a :class:`PfcEngine`."""
     import deepspeed
 
