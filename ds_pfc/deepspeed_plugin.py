@@ -44,10 +44,11 @@ Refused at :func:`initialize`: a gradient all-reduce that does not average
 heads' gradient); sequence parallelism. Refused elsewhere: a head built inside
 ``deepspeed.zero.Init`` (at construction) and a head recomputed by activation
 checkpointing (in backward). DeepSpeed internals are read through
-:mod:`ds_pfc._ds_internals`: a missing one raises, naming it and the DeepSpeed version. ``managed_gradient_accumulation: false`` is supported: every
-``step()`` is then an optimizer boundary, for the heads as for DeepSpeed. With a
-decoupled (asynchronous) checkpoint writer, :meth:`PfcEngine.save_checkpoint` waits
-for DeepSpeed's commit before it writes the completion marker.
+:mod:`ds_pfc._ds_internals`: a missing one raises, naming it and the DeepSpeed
+version. ``managed_gradient_accumulation: false`` is supported: every ``step()`` is
+then an optimizer boundary, for the heads as for DeepSpeed. With a decoupled
+(asynchronous) checkpoint writer, :meth:`PfcEngine.save_checkpoint` waits for
+DeepSpeed's commit before it writes the completion marker.
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ from .head import PartialFC
 
 __all__ = ["attach", "attached_heads", "head_spec", "HeadSpec", "init_distributed", "initialize", "PfcEngine",
            "loss_scale",
-           "DeepSpeedInternalsError", "COMPLETE_MARKER", "CheckpointError", "CheckpointIncompleteError", "list_checkpoints", "remove_checkpoint"]
+           "DeepSpeedInternalsError", "COMPLETE_MARKER", "CheckpointError", "CheckpointIncompleteError",
+           "list_checkpoints", "remove_checkpoint"]
 
 COMPLETE_MARKER = tags.COMPLETE_MARKER
 _REGISTRY = "_ds_pfc_heads"
