@@ -326,7 +326,6 @@ class PartialFC(nn.Module):
             error = None
         except (TypeError, ValueError) as err:
             error = err
-        # Every rank joins the checks' collective even with bad input, so none is left waiting.
         training = self.training and torch.is_grad_enabled()
         if training and _in_backward():
             # Every rank recomputes, so every rank raises here, before any collective.
@@ -335,6 +334,7 @@ class PartialFC(nn.Module):
                 "around the head: torch.utils.checkpoint or deepspeed.checkpointing): the recomputation would "
                 "sample another active class set and update stateful margins twice. Checkpoint the backbone "
                 "blocks, not the head")
+        # Every rank joins the checks' collective even with bad input, so none is left waiting.
         sizes = self._batch_sizes(embeddings, labels, error, "embeddings/labels")
         x, y = self._gather(embeddings, labels, sizes)
         local = self.partition.to_local(y, self.rank)
