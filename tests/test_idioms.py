@@ -414,16 +414,27 @@ def _two_ranks(rank, world_size, port):
     deepspeed.init_distributed(dist_backend="gloo")
     out = {"sp": _error(lambda: initialize(model=torch.nn.Linear(D_IN, D), config=_config(0, "fp32", gas=1),
                                            mpu=_SequenceParallelMpu(), heads={"identity": head_spec(C, D)}))}
-    # One pipeline stage, tensor parallel 2 (the grid's 'model' axis), data parallel 1.
+    # One pipeline stage, tensor parallel 2 (the grid's 'model' axis), data parallel 1:
+    # both ranks hold the same (replicated) layer and see the same batch.
     topology = PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=1)
     torch.manual_seed(0)
-    model = PipelineModule(layers=[torch.nn.Linear(D_IN, D)], topology=topology,
-                           loss_fn=lambda out, y: out.float().pow(2).mean())
+    layer = torch.nn.Linear(D_IN, D)
+    w0, b0 = layer.weight.detach().clone(), layer.bias.detach().clone()
+    model = PipelineModule(layers=[layer], topology=topology, loss_fn=lambda emb, y: model.model(emb.float(), y))
+    from ds_pfc import CosFace
+    from ds_pfc.deepspeed_plugin import attach
+    attach(model, "model", head_spec(C, D, sample_rate=1.0, margin=CosFace(SCALE, MARGIN), optimizer="sgd",
+                                     momentum=0.0, weight_decay=0.0))
     config = {**_config(0, "fp32", gas=1), "train_batch_size": N}
-    engine = initialize(model=model, config=config,
-                        heads={"model": head_spec(C, D), "data": head_spec(C, D, shard="data")})
+    engine = initialize(model=model, config=config, heads={"data": head_spec(C, D, shard="data")})
     out["pp"] = {name: (h.world_size, sorted(group_ranks(h.group)), sorted(group_ranks(h.batch_group)),
                         (h.class_start, h.class_end)) for name, h in engine.heads.items()}
+    head = engine.heads["model"]
+    c0 = head.centers().clone()
+    x, y = _micro_batches()[0]
+    engine.train_batch(iter([(x, y)]))
+    out["pp-step"] = {"w0": w0, "b0": b0, "c0": c0, "backbone": layer.weight.detach() - w0,
+                      "head": head.centers() - c0}
     return out
 
 
@@ -443,3 +454,19 @@ def test_pipeline_tensor_parallel_group_comes_from_the_grid(two_ranks):
         assert out["pp"]["model"][:3] == (2, [0, 1], [rank]), out["pp"]
         assert out["pp"]["data"][:3] == (1, [rank], [rank]), out["pp"]
     assert [out["pp"]["model"][3] for out in two_ranks] == [(0, 5), (5, 10)]
+
+
+def test_pipeline_tensor_parallel_head_trains_like_float64(two_ranks):
+    """One train_batch; reference: the full classifier in float64 on the one batch both
+    tensor-parallel peers see."""
+    steps = [out["pp-step"] for out in two_ranks]
+    c0 = torch.cat([s["c0"] for s in steps])
+    w = steps[0]["w0"].double().clone().requires_grad_(True)
+    b = steps[0]["b0"].double().clone().requires_grad_(True)
+    c = c0.double().clone().requires_grad_(True)
+    x, y = _micro_batches()[0]
+    cos = F.normalize(x.double() @ w.T + b) @ F.normalize(c).T
+    F.cross_entropy(SCALE * (cos - MARGIN * F.one_hot(y, C)), y).backward()
+    assert _rel(torch.cat([s["head"] for s in steps]), -LR * c.grad) < 1e-4
+    for s in steps:
+        assert _rel(s["backbone"], -LR * w.grad) < 1e-4
