@@ -8,7 +8,7 @@ attribute, what it is needed for, and the installed DeepSpeed version.
 """
 from __future__ import annotations
 
-__all__ = ["DeepSpeedInternalsError", "deepspeed_version", "internal", "require_internal"]
+__all__ = ["DeepSpeedInternalsError", "deepspeed_version", "internal", "none_is_missing", "require_internal"]
 
 _MISSING = object()
 
