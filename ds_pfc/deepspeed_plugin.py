@@ -19,6 +19,10 @@ Gradient scale, per optimizer step of the engine:
 
 - ``engine.backward`` divides the loss by the gradient accumulation steps; the heads'
   gradients are therefore the mean over the micro batches, like the backbone's.
+  ``loss.backward()`` and ``engine.scale(loss).backward()`` (DeepSpeed accepts them at
+  ZeRO 1-3) divide the gradient of the engine's outputs instead; a head applied to
+  those outputs gets the same division on its centers' gradient
+  (:meth:`PfcEngine._center_grad_hook`).
 - Loss scaling (``fp16``, or ``torch_autocast`` with float16): :meth:`PfcEngine.backward`
   checks, by behaviour, that the gradient reaching the loss carries the scale the
   optimizer will divide by, and multiplies it in where DeepSpeed did not (its fp16
@@ -37,10 +41,14 @@ Gradient scale, per optimizer step of the engine:
 
 Refused at :func:`initialize`: a gradient all-reduce that does not average
 (``gradient_allreduce_op`` other than the mean; the backbone would get W times the
-heads' gradient). ``managed_gradient_accumulation: false`` is supported: every
-``step()`` is then an optimizer boundary, for the heads as for DeepSpeed. With a
-decoupled (asynchronous) checkpoint writer, :meth:`PfcEngine.save_checkpoint` waits
-for DeepSpeed's commit before it writes the completion marker.
+heads' gradient); sequence parallelism. Refused elsewhere: a head built inside
+``deepspeed.zero.Init`` (at construction) and a head recomputed by activation
+checkpointing (in backward). DeepSpeed internals are read through
+:mod:`ds_pfc._ds_internals`: a missing one raises, naming it and the DeepSpeed
+version. ``managed_gradient_accumulation: false`` is supported: every ``step()`` is
+then an optimizer boundary, for the heads as for DeepSpeed. With a decoupled
+(asynchronous) checkpoint writer, :meth:`PfcEngine.save_checkpoint` waits for
+DeepSpeed's commit before it writes the completion marker.
 """
 from __future__ import annotations
 
@@ -61,13 +69,16 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import checkpoint_tags as tags
 from . import universal
+from ._ds_internals import (DeepSpeedInternalsError, deepspeed_version, internal, none_is_missing,
+                            require_internal)
 from .checkpoint_tags import CheckpointError, CheckpointIncompleteError
 from .devices import collective_device
 from .head import PartialFC
 
 __all__ = ["attach", "attached_heads", "head_spec", "HeadSpec", "init_distributed", "initialize", "PfcEngine",
            "loss_scale",
-           "COMPLETE_MARKER", "CheckpointError", "CheckpointIncompleteError", "list_checkpoints", "remove_checkpoint"]
+           "DeepSpeedInternalsError", "COMPLETE_MARKER", "CheckpointError", "CheckpointIncompleteError",
+           "list_checkpoints", "remove_checkpoint"]
 
 COMPLETE_MARKER = tags.COMPLETE_MARKER
 _REGISTRY = "_ds_pfc_heads"
@@ -161,9 +172,20 @@ def attached_heads(module: nn.Module) -> dict[str, _Attached]:
 
 def _grad_scaler(engine):
     """The torch ``GradScaler`` DeepSpeed uses for float16 autocast (ZeRO 0: the
-    engine's; ZeRO 1-3: the optimizer's), or None."""
-    return getattr(engine, "torch_autocast_z0_gradscaler", None) or \
-        getattr(getattr(engine, "optimizer", None), "torch_autocast_gradscaler", None)
+    engine's; ZeRO 1-3: the optimizer's), or None without float16 autocast. With it
+    and no scaler where this DeepSpeed keeps it, raises (the heads' gradients would
+    stay multiplied by the scale)."""
+    why = "to unscale the heads' gradients under float16 torch_autocast"
+    enabled = internal(engine, "torch_autocast_enabled", owner="engine", why=why)
+    if not enabled() or internal(engine, "torch_autocast_dtype", owner="engine", why=why)() != torch.float16:
+        return None
+    if engine.zero_optimization_stage() == 0:
+        scaler = internal(engine, "torch_autocast_z0_gradscaler", owner="engine", why=why)
+        return none_is_missing(scaler, "engine", "torch_autocast_z0_gradscaler", why)
+    optimizer = engine.optimizer
+    owner = f"optimizer ({type(optimizer).__name__})"
+    scaler = internal(optimizer, "torch_autocast_gradscaler", owner=owner, why=why)
+    return none_is_missing(scaler, owner, "torch_autocast_gradscaler", why)
 
 
 def loss_scale(engine) -> float:
@@ -180,8 +202,9 @@ def loss_scale(engine) -> float:
             value = value.item()
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-    raise RuntimeError(f"fp16 is enabled but the loss scale of {type(engine.optimizer).__name__} cannot be read; "
-                       "the heads' gradients could not be unscaled")
+    raise DeepSpeedInternalsError(f"fp16 is enabled but the loss scale of {type(engine.optimizer).__name__} "
+                                  "cannot be read (neither cur_scale nor loss_scale) in the installed DeepSpeed "
+                                  f"{deepspeed_version()}; the heads' gradients could not be unscaled")
 
 
 def _uses_loss_scaling(engine) -> bool:
@@ -195,23 +218,24 @@ def _lower_loss_scale(engine) -> None:
     if scaler is not None:
         scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
         return
-    update = getattr(engine.optimizer, "_update_scale", None)   # DeepSpeed's fp16 and ZeRO optimizers
-    if update is not None:
-        update(True)
+    # DeepSpeed's fp16 and ZeRO optimizers
+    internal(engine.optimizer, "_update_scale", owner=f"optimizer ({type(engine.optimizer).__name__})",
+             why="to lower the loss scale after a head gradient overflowed")(True)
 
 
 class _LossScaleProbe(torch.autograd.Function):
     """forward: identity on the loss; backward: hands the incoming gradient to
-    ``engine._scaled_grad`` (which may multiply the missing loss scale in)."""
+    ``engine._scaled_grad`` with the loss scale and the divisor DeepSpeed applied to
+    the loss (which may multiply the missing loss scale in)."""
 
     @staticmethod
-    def forward(ctx, loss, engine):
-        ctx.engine = engine
+    def forward(ctx, loss, engine, scale, divisor):
+        ctx.engine, ctx.scale, ctx.divisor = engine, scale, divisor
         return loss.view_as(loss)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.engine._scaled_grad(grad), None
+        return ctx.engine._scaled_grad(grad, ctx.scale, ctx.divisor), None, None, None
 
 
 def _checked_heads(model: nn.Module, heads: dict | None) -> dict[str, _Attached]:
@@ -300,14 +324,15 @@ def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, mod
     ``config`` is DeepSpeed's config dict (without the ``ds_pfc`` block). ``mpu``: a
     Megatron-style model-parallel unit (``get_data_parallel_group``,
     ``get_tensor_model_parallel_group``, ...), passed on to DeepSpeed. The process
-    groups come from one place: ``mpu`` when given, else DeepSpeed's own
-    (``deepspeed.utils.groups``, where AutoTP puts its groups). Heads declared with
+    groups come from one place: ``mpu`` when given, else the engine's (a pipeline's
+    grid; ``deepspeed.utils.groups``, where AutoTP puts its groups). Heads declared with
     :func:`head_spec` are built here from them; every head's groups are then
-    compared by membership with the engine's data-parallel (sequence-data-parallel
-    under sequence parallelism) and tensor-parallel groups, and a mismatch is refused
+    compared by membership with the engine's data-parallel
+    and tensor-parallel groups, and a mismatch is refused
     naming the head and both rank lists. With a ``PipelineModule`` only last-stage
-    ranks hold heads (:meth:`PfcEngine.train_batch`). Build heads outside
-    ``deepspeed.zero.Init``: ZeRO-3 would partition a shard created inside it.
+    ranks hold heads (:meth:`PfcEngine.train_batch`); their tensor-parallel group is the
+    pipeline grid's tensor-slicing group. Sequence parallelism is refused. Build heads
+    outside ``deepspeed.zero.Init`` (a head built inside it is refused).
     Returns a :class:`PfcEngine`."""
     import deepspeed
 
@@ -352,16 +377,8 @@ class _EngineGroups:
     @classmethod
     def of(cls, engine, mpu) -> "_EngineGroups":
         from .collectives import group_ranks
-        dp = getattr(engine, "data_parallel_group", None)
-        seq = getattr(engine, "seq_data_parallel_group", None)
-        if seq is not None and getattr(engine, "sequence_parallel_size", 1) > 1:
-            dp = seq
-        tp = None
-        if mpu is not None and hasattr(mpu, "get_tensor_model_parallel_group"):
-            tp = mpu.get_tensor_model_parallel_group()
-        else:
-            from deepspeed.utils import groups
-            tp = getattr(groups, "_TENSOR_MODEL_PARALLEL_GROUP", None)
+        dp = internal(engine, "data_parallel_group", owner="engine", why="to build and check the heads' groups")
+        tp = _tensor_parallel_group(engine, mpu)
         dp_ranks = sorted(group_ranks(dp))
         tp_ranks = sorted(group_ranks(tp)) if tp is not None else [torch.distributed.get_rank()
                                                                    if torch.distributed.is_initialized() else 0]
@@ -408,6 +425,24 @@ class _EngineGroups:
                              f"they must be sharded over {allowed}")
 
 
+def _tensor_parallel_group(engine, mpu):
+    """The engine's tensor-parallel group, or None without tensor parallelism: the
+    caller's ``mpu`` (Megatron's ``get_tensor_model_parallel_group``), else the engine's
+    own ``mpu`` (a pipeline's grid, whose tensor-slicing group is
+    ``get_slice_parallel_group``; DeepSpeed's groups module under AutoTP), else
+    DeepSpeed's tensor-parallel group if one was created."""
+    from deepspeed.utils import groups
+    why = "to find the tensor-parallel group the heads' classes are sharded over"
+    for unit in (mpu, internal(engine, "mpu", owner="engine", why=why)):
+        if unit is None or unit is groups:      # AutoTP's engine.mpu: its group is read below
+            continue
+        if hasattr(unit, "get_tensor_model_parallel_group"):
+            return unit.get_tensor_model_parallel_group()
+        if hasattr(unit, "get_slice_parallel_group"):       # PipelineParallelGrid
+            return unit.get_slice_parallel_group()
+    return internal(groups, "_TENSOR_MODEL_PARALLEL_GROUP", owner="deepspeed.utils.groups", why=why)
+
+
 def _check_engine(engine, heads: dict, config: dict) -> None:
     """Refuse engine options under which the heads would train wrong, or that the
     installed DeepSpeed ignores."""
@@ -419,7 +454,18 @@ def _check_engine(engine, heads: dict, config: dict) -> None:
         import deepspeed
         raise ValueError(f"gradient_allreduce_op={asked!r}: DeepSpeed {deepspeed.__version__} ignores this key (it "
                          "reads it from 0.19.6) and averages gradients; remove it (heads need the mean)")
-    if not getattr(engine, "gradient_average", True) and any(a.head.data_parallel_grad for a in heads.values()):
+    sequence_parallel = internal(engine, "sequence_parallel_size", owner="engine",
+                                 why="to refuse sequence parallelism, which the heads do not support")
+    if sequence_parallel > 1:
+        raise ValueError(f"heads {names}: sequence parallelism (sequence_parallel_size={sequence_parallel}) is not "
+                         "supported: DeepSpeed reduces the backbone's gradients over the sequence x data parallel "
+                         "ranks but divides by the data-parallel size only, so the embedding gradient a head "
+                         "returns would be wrong by a factor that depends on how the embedding is pooled over the "
+                         "sequence-parallel ranks. Train the heads without sequence parallelism "
+                         "(sequence_parallel_size 1)")
+    average = internal(engine, "gradient_average", owner="engine",
+                       why="to check that the engine averages gradients over the data-parallel ranks")
+    if not average and any(a.head.data_parallel_grad for a in heads.values()):
         raise ValueError(f"heads {names}: the engine sums gradients over the data-parallel ranks "
                          f"(gradient_allreduce_op={engine._config.gradient_allreduce_op!r}), but a head's embedding "
                          "gradient is that of the mean loss over the global batch, which DeepSpeed must average; "
@@ -449,10 +495,14 @@ class PfcEngine:
         # (None until a backward with a scale != 1 has shown it), and the scale and
         # gradient accumulation divisor of the backward in flight.
         self._ds_scales_loss: bool | None = None
-        self._probe: tuple[float, float] | None = None
         self._scaling = _uses_loss_scaling(engine)
+        # Inside engine(...) / engine.backward / train_batch: where the heads' forward
+        # runs and which backward produces their gradients (see _center_grad_hook).
+        self._forward_depth = 0
+        self._backward_depth = 0
         for head in self.heads.values():
             head.guard_nonfinite = self._scaling
+            head.center_grad_hook = self._center_grad_hook
 
     def __getattr__(self, name):
         # Only reached for names PfcEngine itself lacks: the engine answers them.
@@ -463,7 +513,33 @@ class PfcEngine:
     # -- training -------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._refuse_on_pipeline("engine(...)")
-        return self.engine(*args, **kwargs)
+        self._forward_depth += 1
+        try:
+            return self.engine(*args, **kwargs)
+        finally:
+            self._forward_depth -= 1
+
+    forward = __call__
+
+    def _center_grad_hook(self):
+        """Called by each head's training forward: a hook for its centers' gradient,
+        or None.
+
+        ``engine.backward(loss)`` divides the loss by the gradient accumulation steps
+        (GAS). ``loss.backward()`` and ``engine.scale(loss).backward()`` (ZeRO 1-3)
+        leave the loss alone: DeepSpeed divides the gradient of the engine's outputs
+        instead. A head called inside the module's forward is upstream of those
+        outputs and gets the division with the backbone; a head applied to the
+        engine's outputs (``head(engine(x), y)``) is not, so its centers' gradient is
+        divided here, when it did not come through :meth:`backward`."""
+        if self._forward_depth:
+            return None
+
+        def hook(grad):
+            if self._backward_depth:
+                return grad
+            return grad / self.engine.gradient_accumulation_steps()
+        return hook
 
     def train(self, mode: bool = True) -> "PfcEngine":
         """Training mode for the engine's module and every head."""
@@ -496,17 +572,28 @@ class PfcEngine:
         """``engine.backward(loss)``, making sure the gradient carries the loss scale
         the optimizer will divide by (see the module docstring)."""
         self._refuse_on_pipeline("engine.backward")
-        if not self._scaling:
-            return self.engine.backward(loss, **kwargs)
-        gas = self.engine.gradient_accumulation_steps() if kwargs.get("scale_wrt_gas", True) else 1
-        self._probe = (loss_scale(self.engine), float(gas))
+        self._backward_depth += 1
         try:
-            return self.engine.backward(_LossScaleProbe.apply(loss, self), **kwargs)
+            if not self._scaling:
+                return self.engine.backward(loss, **kwargs)
+            gas = self.engine.gradient_accumulation_steps() if kwargs.get("scale_wrt_gas", True) else 1
+            return self.engine.backward(_LossScaleProbe.apply(loss, self, loss_scale(self.engine), float(gas)),
+                                        **kwargs)
         finally:
-            self._probe = None
+            self._backward_depth -= 1
 
-    def _scaled_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        scale, gas = self._probe
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``engine.scale(loss)``, for ``engine.scale(loss).backward()`` (DeepSpeed's
+        ZeRO 1-3; at ZeRO 0 DeepSpeed accepts only ``engine.backward``): the loss
+        times the loss scale, through the same check as :meth:`backward` that the
+        gradient carries the scale the optimizer divides by. The heads' share of the
+        gradient accumulation division is applied to their gradients."""
+        self._refuse_on_pipeline("engine.scale")
+        if self._scaling:
+            loss = _LossScaleProbe.apply(loss, self, loss_scale(self.engine), 1.0)
+        return self.engine.scale(loss)
+
+    def _scaled_grad(self, grad: torch.Tensor, scale: float, gas: float) -> torch.Tensor:
         if scale == 1.0:
             return grad
         if self._ds_scales_loss is None:        # decided once, from what arrived (one host sync)
@@ -528,7 +615,9 @@ class PfcEngine:
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` is an optimizer step (every ``step()`` is one
         without managed gradient accumulation)."""
-        if not self.engine.managed_gradient_accumulation():
+        managed = internal(self.engine, "managed_gradient_accumulation", owner="engine",
+                           why="to know whether every step() is an optimizer boundary for the heads")
+        if not managed():
             return True
         return bool(self.engine.is_gradient_accumulation_boundary())
 
@@ -619,8 +708,12 @@ class PfcEngine:
         lr, scale = self.get_lr(), loss_scale(engine)
         for head in self.heads.values():
             head.train()            # DeepSpeed puts the module in training mode for train_batch
-        with self._probed_loss_fn(scale):
-            loss = engine.train_batch(data_iter)
+        self._backward_depth += 1           # the last stage back-propagates through engine.backward
+        try:
+            with self._probed_loss_fn(scale):
+                loss = engine.train_batch(data_iter)
+        finally:
+            self._backward_depth -= 1
         applied = bool(engine.was_step_applied())
         heads_finite = self._heads_finite_on_every_stage() if self._scaling else True
         self._step_heads(applied, heads_finite, lr, scale)
@@ -645,16 +738,16 @@ class PfcEngine:
             return
         loss_fn = module.loss_fn
 
+        gas = float(self.engine.gradient_accumulation_steps())
+
         def probed(outputs, labels):
-            return _LossScaleProbe.apply(loss_fn(outputs, labels), self)
+            return _LossScaleProbe.apply(loss_fn(outputs, labels), self, scale, gas)
 
         own = vars(module).get("loss_fn")          # None: a module loss_fn, registered in _modules
         object.__setattr__(module, "loss_fn", probed)
-        self._probe = (scale, float(self.engine.gradient_accumulation_steps()))
         try:
             yield
         finally:
-            self._probe = None
             if own is None:
                 del vars(module)["loss_fn"]
             else:
@@ -677,9 +770,10 @@ class PfcEngine:
         app calls this before evaluating and saving, so that every rank evaluates, and
         every checkpoint holds, the model the export will be (DDP, and so
         arcface_torch, broadcast them at every forward)."""
-        group = getattr(self.engine, "data_parallel_group", None)
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return
+        group = internal(self.engine, "data_parallel_group", owner="engine",
+                         why="to broadcast the module's buffers over the data-parallel group")
         if torch.distributed.get_world_size(group) == 1:
             return
         source = torch.distributed.get_global_rank(group, 0) if group is not None else 0
@@ -926,10 +1020,9 @@ def _recorded_writes(engine):
     inside the block (every engine, optimizer and ZeRO file goes through its
     ``save(state_dict, path)``)."""
     written: list[str] = []
-    writer = getattr(engine, "checkpoint_engine", None)
-    if writer is None:
-        yield written
-        return
+    why = "to fsync every file DeepSpeed writes into a checkpoint"
+    writer = internal(engine, "checkpoint_engine", owner="engine", why=why)
+    require_internal(writer, "save", owner=f"checkpoint_engine ({type(writer).__name__})", why=why)
     own = vars(writer).get("save")
     save = writer.save
 
@@ -951,15 +1044,11 @@ def _recorded_writes(engine):
 def _wait_for_commit(engine) -> None:
     """Return once DeepSpeed's files are written: a decoupled (asynchronous) writer
     commits them only at the next optimizer step, or here, on request."""
-    writer = getattr(engine, "checkpoint_engine", None)
-    if writer is None or not writer.is_decoupled():
+    why = "to write the completion marker only after DeepSpeed's checkpoint writer has committed its files"
+    writer = internal(engine, "checkpoint_engine", owner="engine", why=why)
+    if not internal(writer, "is_decoupled", owner=f"checkpoint_engine ({type(writer).__name__})", why=why)():
         return
-    commit = getattr(engine, "_commit_decoupled_checkpoint", None)
-    if commit is None:
-        raise RuntimeError(f"DeepSpeed's checkpoint writer {type(writer).__name__} commits asynchronously and this "
-                           "DeepSpeed version offers no way to wait for it; the completion marker would precede "
-                           "its files. Use the default checkpoint writer")
-    commit()
+    internal(engine, "_commit_decoupled_checkpoint", owner="engine", why=why)()
 
 
 def _fsync_written(paths: list[str], staging_dir: str, engine) -> None:

@@ -176,6 +176,7 @@ class PartialFC(nn.Module):
                 raise ValueError(f"sub_centers must be a positive int, got {sub_centers!r}")
             if sub_centers > 1 and backend == "triton":
                 raise ValueError("backend='triton' does not implement sub-centers; use backend='torch' or 'auto'")
+            _check_tensor_constructors(dtype)
             error = None
         except (TypeError, ValueError, RuntimeError) as err:   # RuntimeError: torch.device("bogus")
             error = err
@@ -200,6 +201,9 @@ class PartialFC(nn.Module):
         # Set by PfcEngine under loss scaling: a non-finite center gradient makes the
         # embedding gradient NaN, so the engine's overflow check skips the step.
         self.guard_nonfinite = False
+        # Set by PfcEngine: called by each training forward, returns a hook for the
+        # centers' gradient (or None); see PfcEngine._center_grad_hook.
+        self.center_grad_hook = None
         self.optimizer = row_optimizer
         self.partition = Partition(num_classes, self.world_size)
         self.class_start, self.class_end = self.partition.bounds(self.rank)
@@ -322,10 +326,17 @@ class PartialFC(nn.Module):
             error = None
         except (TypeError, ValueError) as err:
             error = err
+        training = self.training and torch.is_grad_enabled()
+        if training and _in_backward():
+            # Every rank recomputes, so every rank raises here, before any collective.
+            raise RuntimeError(
+                "PartialFC's training forward ran again inside a backward pass (activation checkpointing "
+                "around the head: torch.utils.checkpoint or deepspeed.checkpointing): the recomputation would "
+                "sample another active class set and update stateful margins twice. Checkpoint the backbone "
+                "blocks, not the head")
         # Every rank joins the checks' collective even with bad input, so none is left waiting.
         sizes = self._batch_sizes(embeddings, labels, error, "embeddings/labels")
         x, y = self._gather(embeddings, labels, sizes)
-        training = self.training and torch.is_grad_enabled()
         local = self.partition.to_local(y, self.rank)
         lookahead, self._lookahead = self._lookahead, None
         if training and lookahead is not None and lookahead[0] == self.sample_step and torch.equal(lookahead[1], y):
@@ -346,6 +357,9 @@ class PartialFC(nn.Module):
             centers = slot.states["weight"].detach()
         if training:
             centers.requires_grad_(True)
+            hook = self.center_grad_hook() if self.center_grad_hook is not None else None
+            if hook is not None:
+                centers.register_hook(hook)
         # With validate=True every rank's labels were checked to lie in [0, C), so each
         # has exactly one owner: the softmax's ownership check stays on the device.
         result = margin_softmax_cross_entropy(
@@ -703,6 +717,27 @@ class PartialFC(nn.Module):
         for name, t in tensors.items():
             self.bank.load(name, t.to(self.device))
         self.seed, self.sample_step, self.step_count = meta["seed"], meta["sample_step"], meta["step_count"]
+
+
+def _in_backward() -> bool:
+    """Whether this code runs inside an autograd backward pass (where activation
+    checkpointing recomputes its forwards)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _check_tensor_constructors(dtype: torch.dtype) -> None:
+    """Refuse to build a head while ``torch.zeros`` does not return the dtype it is
+    asked for: ``deepspeed.zero.Init`` casts every floating tensor created inside it
+    to the ZeRO dtype (bf16, fp16), which would put the centers' optimizer state (or,
+    with other banks, the centers) in half precision without any error."""
+    for make in (torch.zeros, torch.empty, torch.ones):
+        got = make(1, dtype=dtype, device="cpu").dtype
+        if got != dtype:
+            raise RuntimeError(f"PartialFC is being built where torch.{make.__name__}(..., dtype={dtype}) returns "
+                               f"{got} (inside deepspeed.zero.Init, which casts new floating tensors to the ZeRO "
+                               "dtype): its centers and optimizer state must stay float32. Build the head outside "
+                               "deepspeed.zero.Init (e.g. attach it after constructing the model, or declare it "
+                               "with ds_pfc.deepspeed_plugin.head_spec)")
 
 
 def _global_rank() -> int:

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from . import checkpoint as ckpt
+from ._ds_internals import internal, require_internal
 # Attributes read at call time: deepspeed_plugin may import this module while it initialises.
 from . import deepspeed_plugin as _plugin
 
@@ -762,8 +763,14 @@ def load_universal(engine, load_dir: str, tag: str, *, load_module_strict: bool 
                                        "checkpoint loads at the stage family it was saved with")
     optimizer = engine.optimizer
     own_loader = stage3 and states != set(_ADAM_STATES)
-    config = engine._config
-    was = config.load_universal_checkpoint
+    why = "to load a universal checkpoint through DeepSpeed's loader"
+    config = internal(engine, "_config", owner="engine", why=why)
+    was = internal(config, "load_universal_checkpoint", owner="engine._config", why=why)
+    if own_loader:
+        # Replacing a method DeepSpeed no longer calls would load the Adam states only.
+        require_internal(optimizer, "load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+                         owner=f"optimizer ({type(optimizer).__name__})",
+                         why="to load ZeRO 3 optimizer states other than Adam's from a universal checkpoint")
     config.load_universal_checkpoint = True
     if own_loader:
         optimizer.load_hp_checkpoint_state_from_checkpoint_dir_stage3 = types.MethodType(_load_stage3_states,
