@@ -140,6 +140,63 @@ def test_rows_of_each_new_rank_equal_the_concatenated_shards(tmp_path, src, dst,
         assert shards.meta["sub_centers"] == sub_centers and shards.meta["world_size"] == src
 
 
+_HEADS_SCRIPT = r"""
+import sys
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from ds_pfc import PartialFC
+from ds_pfc.margins import CurricularFace
+from ds_pfc.deepspeed_plugin import _load_resharded
+jobs, out = torch.load(sys.argv[1]), {}
+for key, (directory, src, dst, C, d, k, optimizer) in jobs.items():
+    for rank in range(dst):
+        dist.init_process_group("fake", rank=rank, world_size=dst, store=FakeStore())   # rank `rank` of `dst`
+        kw = dict(momentum=0.9) if optimizer == "sgd" else {}
+        head = PartialFC(C, d, optimizer=optimizer, margin=CurricularFace(), sub_centers=k, seed=0, **kw)
+        _load_resharded(head, directory, "head", src)
+        out[key, rank] = {"range": (head.class_start, head.class_end), "state": head.training_state(),
+                          "rows": {n: t for n, t in head.state_dict().items() if n not in ("meta", "margin_state")}}
+        dist.destroy_process_group()
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_heads_of_every_new_rank_load_their_rows_and_the_run_state(tmp_path):
+    """Real heads, one rank of each destination world size at a time in a fresh
+    process (a fake process group stands for the others), load through the resume
+    path: every state's rows bitwise those of the concatenated source files, and
+    the sampler seed and step, the optimizer step count and the margin's running
+    state are the checkpoint's."""
+    if importlib.util.find_spec("torch.testing._internal.distributed.fake_pg") is None:
+        pytest.skip("this torch has no fake process group to stand for the other ranks")
+    jobs = {}
+    for (src, dst), (k, optimizer) in zip(CASES, [(1, "adamw"), (2, "sgd"), (1, "sgd"), (2, "adamw")]):
+        C, d = 211, 5
+        directory = str(tmp_path / f"{src}to{dst}")
+        _write_checkpoint(directory, _states(C * k, d, seed=src + dst, optimizer=optimizer), num_classes=C,
+                          world=src, sub_centers=k, optimizer=optimizer)
+        jobs[f"{src}to{dst}"] = (directory, src, dst, C, d, k, optimizer)
+    torch.save(jobs, str(tmp_path / "jobs.pt"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _HEADS_SCRIPT, str(tmp_path / "jobs.pt"), str(tmp_path / "out.pt")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = torch.load(str(tmp_path / "out.pt"), weights_only=False)
+    for key, (directory, src, dst, C, d, k, optimizer) in jobs.items():
+        ref = _reference(directory, src)
+        for rank in range(dst):
+            out = results[key, rank]
+            lo, hi = _bounds(C, dst, rank)
+            assert out["range"] == (lo, hi)
+            assert sorted(out["rows"]) == sorted(ref), (key, rank)
+            for name, full in ref.items():
+                got = out["rows"][name]
+                assert got.dtype == full.dtype and torch.equal(got, full[lo * k:hi * k]), (key, rank, name)
+            state = out["state"]
+            assert (state["seed"], state["sample_step"], state["step_count"]) == (7, 123, 45), (key, rank)
+            assert state["margin_state"] == {"t": 0.3125} and state["world_size"] == dst
+
+
 def test_offline_reshard_matches_and_keeps_checksums(tmp_path):
     """``reshard`` (one new shard in memory at a time) writes shards that concatenate
     to the source and carry checksums that catch a changed byte."""
