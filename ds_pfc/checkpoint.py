@@ -460,7 +460,8 @@ class ShardSet:
         new CPU tensors: only the shards holding them are opened and only those rows
         read (safetensors slices, ``READ_CHUNK_BYTES`` at a time), so the memory this
         needs is the returned rows plus one chunk. With ``verify`` each shard read
-        from is first checked against its checksums (:func:`verify_shard`); pass
+        from is checked against its checksums: one read in whole from the rows read,
+        one read in part first, by a pass over the file (:func:`verify_shard`); pass
         False only when every shard of the set was verified already."""
         num_classes = self.meta["num_classes"]
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= num_classes):
@@ -471,11 +472,29 @@ class ShardSet:
         for r in self.sources(start, end):
             r_lo, r_hi = self.row_range(r)
             a, b = max(lo, r_lo), min(hi, r_hi)
-            if verify:
+            whole = (a, b) == (r_lo, r_hi)
+            if verify and not whole:
                 verify_shard(self.files[r])
             for key, dst in out.items():
                 _copy_rows(self.files[r], key, a - r_lo, b - r_lo, dst[a - lo:b - lo])
+            if verify and whole:
+                _check_rows(self.files[r], self.metas[r], {k: v[a - lo:b - lo] for k, v in out.items()})
         return out
+
+
+def _check_rows(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor of shard ``path``, as read into ``tensors``, against the CRC-32s
+    its save recorded (``meta``: its parsed metadata)."""
+    recorded = meta.get(CRC_KEY)
+    if recorded is None:
+        return
+    values = recorded.split(",")
+    if len(values) != len(meta["states"]):
+        raise ShardChecksumError(f"{path}: {len(values)} checksums recorded for {len(meta['states'])} tensors")
+    for name, want in zip(meta["states"], values):
+        data = tensors[name].reshape(-1).view(torch.uint8).numpy()
+        if f"{zlib.crc32(data):08x}" != want:
+            raise ShardChecksumError(_crc_message(path, name))
 
 
 def _copy_rows(path: str, key: str, a: int, b: int, dst: torch.Tensor) -> None:

@@ -220,8 +220,8 @@ def test_offline_reshard_matches_and_keeps_checksums(tmp_path):
 # ------------------------------------------------------------------------ b) damage in what a rank reads
 def test_damage_in_a_source_shard_is_caught_whether_or_not_its_rows_are_read(tmp_path):
     """With checksums on, a reader notices damage anywhere in a shard it reads from,
-    in the rows it reads or in others; a truncated shard is refused by the header
-    checks before any row is read."""
+    in the rows it reads or in others, and so does a merge of every shard; a
+    truncated shard is refused by the header checks before any row is read."""
     from ds_pfc import checkpoint as ckpt
     C, d = 1021, 6
     directory = str(tmp_path / "src")
@@ -236,6 +236,8 @@ def test_damage_in_a_source_shard_is_caught_whether_or_not_its_rows_are_read(tmp
         _flip(path, begin + row * row_bytes)
         with pytest.raises(ckpt.ShardChecksumError, match=_shard_name("head", 2, 4)):
             ckpt.open_shards(directory).read_rows(lo, hi)
+        with pytest.raises(ckpt.ShardChecksumError, match=_shard_name("head", 2, 4)):
+            ckpt.merge_shards(directory)            # shards read whole: checked from the rows read
         os.replace(path + ".orig", path)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 100)
