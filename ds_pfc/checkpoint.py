@@ -9,7 +9,11 @@ size, sampler state, step counter, optimizer, dtypes, format version).
 Shards never go through DeepSpeed's ``client_state`` (that is written by one rank
 only). Because ownership is contiguous (:class:`~ds_pfc.partition.Partition`),
 resharding is exact and offline: concatenate the shards in ``class_start`` order and
-re-split with ``num_local = C // W + (r < C % W)`` (:func:`reshard`).
+re-split with ``num_local = C // W + (r < C % W)`` (:func:`reshard`). A reader of
+another world size needs only the shards that overlap its classes, and of them only
+those rows: :func:`open_shards` checks a checkpoint's shards from their headers and
+:meth:`ShardSet.read_rows` reads a class range through safetensors slices, so the
+memory a reshard needs is that of the range read, never the whole head.
 
 Writes are atomic: a temporary file in the same directory, ``fsync``, ``os.replace``
 (and an ``fsync`` of the directory), so a crash leaves either the previous complete
@@ -33,7 +37,8 @@ import torch
 from .partition import Partition
 
 __all__ = ["save_head_shard", "load_head_shard", "merge_shards", "reshard", "export_classifier",
-           "shard_file_name", "SubcenterCounter", "class_rows", "FORMAT"]
+           "shard_file_name", "SubcenterCounter", "class_rows", "FORMAT", "open_shards", "ShardSet", "verify_shard",
+           "ShardChecksumError", "ShardReadError"]
 
 FORMAT = "ds_pfc.head_shard/1"
 CRC_KEY = "crc32"
@@ -125,7 +130,12 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL"}
+_ST_CODES = {code: dtype for dtype, code in _ST_DTYPES.items()}
 SAVE_CHUNK_BYTES = 64 << 20   # rows copied to host and written per step of a streamed save
+READ_CHUNK_BYTES = 8 << 20
+"""Bytes read per step of a sliced read or a checksum pass: the memory either needs
+beyond the rows it returns."""
+_MAX_HEADER_BYTES = 100 << 20
 
 
 def _atomic_stream_save(specs: dict, chunks, path: str, metadata: dict[str, str]) -> str:
@@ -173,6 +183,10 @@ class ShardChecksumError(OSError):
     """A head shard's tensor bytes do not match the CRC-32 its save recorded."""
 
 
+class ShardReadError(OSError):
+    """A head shard file is truncated or its safetensors header cannot be read."""
+
+
 def _verify_crcs(path: str, raw_meta: dict, tensors: dict[str, torch.Tensor]) -> None:
     recorded = raw_meta.get(CRC_KEY)
     if recorded is None:          # written before shards carried checksums
@@ -184,8 +198,89 @@ def _verify_crcs(path: str, raw_meta: dict, tensors: dict[str, torch.Tensor]) ->
     for name, want in zip(names, values):
         data = tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy()
         if f"{zlib.crc32(data.data):08x}" != want:
-            raise ShardChecksumError(f"{path}: the bytes of tensor {name!r} do not match the checksum its save "
-                                     "recorded (the file is damaged)")
+            raise ShardChecksumError(_crc_message(path, name))
+
+
+def _crc_message(path: str, name: str) -> str:
+    return (f"{path}: the bytes of tensor {name!r} do not match the checksum its save recorded "
+            "(the file is damaged)")
+
+
+def _read_header(path: str) -> tuple[dict, dict]:
+    """``(metadata, specs)`` of safetensors file ``path`` from its header alone:
+    ``specs[name] = (shape, dtype, begin, end)`` with the absolute byte range of the
+    tensor's data, checked to lie inside the file (:class:`ShardReadError` if not:
+    the file is truncated or its header damaged)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ShardReadError(f"{path}: {size} bytes, too short for a safetensors file (truncated)")
+        (length,) = struct.unpack("<Q", raw)
+        if length > min(size - 8, _MAX_HEADER_BYTES):
+            raise ShardReadError(f"{path}: its header claims {length} bytes but the file has {size} "
+                                 "(truncated or damaged)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as err:     # also UnicodeDecodeError
+            raise ShardReadError(f"{path}: unreadable safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise ShardReadError(f"{path}: unreadable safetensors header (not a JSON object)")
+    specs, data_start = {}, 8 + length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_CODES[entry["dtype"]]
+            shape = tuple(int(n) for n in entry["shape"])
+            begin, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ShardReadError(f"{path}: unreadable header entry for tensor {name!r} ({err!r})") from None
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if begin < 0 or end - begin != nbytes or data_start + end > size:
+            raise ShardReadError(f"{path}: tensor {name!r} ({_dtype_name(dtype)} {shape}) does not fit in the "
+                                 f"file's {size} bytes (truncated or damaged)")
+        specs[name] = (shape, dtype, data_start + begin, data_start + end)
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ShardReadError(f"{path}: unreadable safetensors metadata")
+    return metadata, specs
+
+
+def verify_shard(path: str) -> None:
+    """Check the bytes of every tensor of shard ``path`` against the CRC-32s its save
+    recorded, reading the file ``READ_CHUNK_BYTES`` at a time (the memory this needs
+    does not grow with the shard). Raises :class:`ShardReadError` (truncated,
+    unreadable header) or :class:`ShardChecksumError` (damaged bytes), naming the
+    file; a shard written before shards carried checksums has nothing to check."""
+    raw, specs = _read_header(path)
+    recorded = raw.get(CRC_KEY)
+    if recorded is None:
+        return
+    try:
+        names = json.loads(raw["states"])
+    except (KeyError, ValueError) as err:
+        raise ShardReadError(f"{path}: malformed head shard metadata ({err!r})") from None
+    values = recorded.split(",")
+    if len(values) != len(names):
+        raise ShardChecksumError(f"{path}: {len(values)} checksums recorded for {len(names)} tensors")
+    buffer = bytearray(READ_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb") as f:
+        for name, want in zip(names, values):
+            if name not in specs:
+                raise ShardChecksumError(f"{path}: holds no tensor {name!r}, which its checksums list")
+            _, _, begin, end = specs[name]
+            f.seek(begin)
+            crc, left = 0, end - begin
+            while left:
+                got = f.readinto(view[:min(left, len(buffer))])
+                if not got:
+                    raise ShardReadError(f"{path}: ends inside tensor {name!r} (truncated)")
+                crc = zlib.crc32(view[:got], crc)
+                left -= got
+            if f"{crc:08x}" != want:
+                raise ShardChecksumError(_crc_message(path, name))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -199,10 +294,17 @@ def _read_shard(path: str, *, verify: bool = True) -> tuple[dict[str, torch.Tens
     with safetensors.safe_open(path, framework="pt") as f:
         raw = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if raw.get("format") == FORMAT and verify:
+        _verify_crcs(path, raw, tensors)
+    meta = _parse_meta(path, raw, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
+    return tensors, meta
+
+
+def _parse_meta(path: str, raw: dict, specs: dict) -> dict:
+    """A shard's parsed metadata, checked against its tensors' ``(shape, dtype)``
+    (ValueError if the file is not a head shard or they disagree)."""
     if raw.get("format") != FORMAT:
         raise ValueError(f"{path}: not a ds_pfc head shard (format {raw.get('format')!r}, expected {FORMAT!r})")
-    if verify:
-        _verify_crcs(path, raw, tensors)
     try:
         meta = dict(raw)
         for key in _INT_FIELDS:
@@ -214,17 +316,17 @@ def _read_shard(path: str, *, verify: bool = True) -> tuple[dict[str, torch.Tens
         meta["dtypes"] = json.loads(raw["dtypes"])
     except (KeyError, ValueError) as err:
         raise ValueError(f"{path}: malformed head shard metadata ({err!r})") from None
-    if sorted(tensors) != sorted(meta["states"]):
-        raise ValueError(f"{path}: holds tensors {sorted(tensors)} but its metadata lists {meta['states']}")
+    if sorted(specs) != sorted(meta["states"]):
+        raise ValueError(f"{path}: holds tensors {sorted(specs)} but its metadata lists {meta['states']}")
     rows = meta["num_local"] * meta["sub_centers"]
-    for key, t in tensors.items():
-        if t.dim() == 0 or t.shape[0] != rows:
-            raise ValueError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, expected {rows} rows")
-        if _dtype_name(t.dtype) != meta["dtypes"].get(key):
-            raise ValueError(f"{path}: tensor {key!r} is {t.dtype}, metadata says {meta['dtypes'].get(key)}")
-    if tensors.get("weight") is None or tuple(tensors["weight"].shape[1:]) != (meta["embedding_size"],):
+    for key, (shape, dtype) in specs.items():
+        if len(shape) == 0 or shape[0] != rows:
+            raise ValueError(f"{path}: tensor {key!r} has shape {tuple(shape)}, expected {rows} rows")
+        if _dtype_name(dtype) != meta["dtypes"].get(key):
+            raise ValueError(f"{path}: tensor {key!r} is {dtype}, metadata says {meta['dtypes'].get(key)}")
+    if specs.get("weight") is None or tuple(specs["weight"][0][1:]) != (meta["embedding_size"],):
         raise ValueError(f"{path}: 'weight' missing or not [num_local, {meta['embedding_size']}]")
-    return tensors, meta
+    return meta
 
 
 def _metadata(meta: dict, tensors: dict) -> dict[str, str]:
@@ -320,16 +422,108 @@ def load_head_shard(head, directory: str, *, name: str = "head") -> None:
 
 
 # ---------------------------------------------------------------------- offline
-def merge_shards(directory: str, *, name: str = "head",
-                 world_size: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read every shard and return ``(tensors, meta)`` with full ``[C, ...]`` tensors.
+class ShardSet:
+    """The shards of one checkpoint of a head, checked from their headers alone
+    (:func:`open_shards`): ``files[r]`` / ``metas[r]`` are rank ``r``'s file and
+    parsed metadata, ``meta`` the fields every shard shares (``world_size`` is the
+    source world size), ``states`` the state names and ``row_shapes`` /
+    ``dtypes`` each state's trailing shape and dtype."""
 
-    Checks that exactly one world size is present (or reads only the shards of
-    ``world_size`` when given, ignoring others), that ranks ``0..W-1`` are all there,
-    that the shards agree on C, d, world size, seed, sampler/step counters, optimizer
-    and dtypes, and that their class ranges tile ``[0, C)`` contiguously in the
-    :class:`~ds_pfc.partition.Partition` layout. ``meta`` holds the common fields
-    (``world_size`` is the source world size)."""
+    def __init__(self, directory: str, name: str, files: list[str], metas: list[dict], specs: list[dict]):
+        self.directory, self.name = directory, name
+        self.files, self.metas, self._specs = list(files), list(metas), list(specs)
+        first = metas[0]
+        self.meta = {k: first[k] for k in _COMMON_FIELDS}
+        self.states = list(first["states"])
+        self.row_shapes = {k: tuple(specs[0][k][0][1:]) for k in self.states}
+        self.dtypes = {k: specs[0][k][1] for k in self.states}
+
+    @property
+    def world_size(self) -> int:
+        return len(self.files)
+
+    def row_range(self, rank: int) -> tuple[int, int]:
+        """Rows ``[lo, hi)`` of the merged tensors that shard ``rank`` holds."""
+        k = self.meta["sub_centers"]
+        start = self.metas[rank]["class_start"]
+        return start * k, (start + self.metas[rank]["num_local"]) * k
+
+    def sources(self, start: int, end: int) -> list[int]:
+        """The ranks whose shards hold rows of classes ``[start, end)``."""
+        rows = class_rows(self.meta, start, end)
+        lo, hi = rows.start, rows.stop
+        return [r for r in range(self.world_size)
+                if max(lo, self.row_range(r)[0]) < min(hi, self.row_range(r)[1])]
+
+    def read_rows(self, start: int, end: int, *, verify: bool = True) -> dict[str, torch.Tensor]:
+        """Every state's rows of classes ``[start, end)`` (``K`` rows per class), as
+        new CPU tensors: only the shards holding them are opened and only those rows
+        read (safetensors slices, ``READ_CHUNK_BYTES`` at a time), so the memory this
+        needs is the returned rows plus one chunk. With ``verify`` each shard read
+        from is checked against its checksums: one read in whole from the rows read,
+        one read in part first, by a pass over the file (:func:`verify_shard`); pass
+        False only when every shard of the set was verified already."""
+        num_classes = self.meta["num_classes"]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= num_classes):
+            raise ValueError(f"class range [{start!r}, {end!r}) is not within [0, {num_classes})")
+        rows = class_rows(self.meta, start, end)
+        lo, hi = rows.start, rows.stop
+        out = {k: torch.empty((hi - lo,) + self.row_shapes[k], dtype=self.dtypes[k]) for k in self.states}
+        for r in self.sources(start, end):
+            r_lo, r_hi = self.row_range(r)
+            a, b = max(lo, r_lo), min(hi, r_hi)
+            whole = (a, b) == (r_lo, r_hi)
+            if verify and not whole:
+                verify_shard(self.files[r])
+            for key, dst in out.items():
+                _copy_rows(self.files[r], key, a - r_lo, b - r_lo, dst[a - lo:b - lo])
+            if verify and whole:
+                _check_rows(self.files[r], self.metas[r], {k: v[a - lo:b - lo] for k, v in out.items()})
+        return out
+
+
+def _check_rows(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor of shard ``path``, as read into ``tensors``, against the CRC-32s
+    its save recorded (``meta``: its parsed metadata)."""
+    recorded = meta.get(CRC_KEY)
+    if recorded is None:
+        return
+    values = recorded.split(",")
+    if len(values) != len(meta["states"]):
+        raise ShardChecksumError(f"{path}: {len(values)} checksums recorded for {len(meta['states'])} tensors")
+    for name, want in zip(meta["states"], values):
+        data = tensors[name].reshape(-1).view(torch.uint8).numpy()
+        if f"{zlib.crc32(data):08x}" != want:
+            raise ShardChecksumError(_crc_message(path, name))
+
+
+def _copy_rows(path: str, key: str, a: int, b: int, dst: torch.Tensor) -> None:
+    """Rows ``[a, b)`` of tensor ``key`` of ``path`` into ``dst``, through
+    safetensors slices of at most ``READ_CHUNK_BYTES``. The file is opened anew for
+    each slice: safetensors maps the whole file, and the pages a slice touched count
+    as this process's memory until that mapping is closed."""
+    row_bytes = max(1, dst[:1].numel() * dst.element_size())
+    step = max(1, READ_CHUNK_BYTES // row_bytes)
+    for i in range(a, b, step):
+        j = min(b, i + step)
+        with safetensors.safe_open(path, framework="pt") as f:
+            part = f.get_slice(key)[i:j]
+            if part.dtype != dst.dtype or tuple(part.shape) != tuple(dst[i - a:j - a].shape):
+                raise ShardReadError(f"{path}: rows [{i}, {j}) of {key!r} read as {part.dtype} "
+                                     f"{tuple(part.shape)}, its header said {dst.dtype} rows of "
+                                     f"{tuple(dst.shape[1:])} (the file changed while being read)")
+            dst[i - a:j - a].copy_(part)
+            del part
+
+
+def open_shards(directory: str, *, name: str = "head", world_size: int | None = None) -> ShardSet:
+    """The shards of head ``name`` in ``directory``, checked from their headers (no
+    tensor data is read): exactly one world size present (or only the shards of
+    ``world_size`` when given, ignoring others), ranks ``0..W-1`` all there, the
+    shards agreeing on C, d, world size, seed, sampler/step counters, optimizer,
+    states and dtypes, and their class ranges tiling ``[0, C)`` contiguously in the
+    :class:`~ds_pfc.partition.Partition` layout. A truncated file or unreadable
+    header raises :class:`ShardReadError`, a mismatch ValueError, naming the file."""
     shards = _list_shards(directory, name)
     if world_size is not None:
         shards = {w: files for w, files in shards.items() if w == world_size}
@@ -346,9 +540,13 @@ def merge_shards(directory: str, *, name: str = "head",
         raise ValueError(f"{directory}: extra shard(s) for ranks {extra} outside world_size={world}")
     if missing:
         raise ValueError(f"{directory}: missing shard(s) for ranks {missing} of world_size={world}")
-    loaded = [_read_shard(files[r]) for r in range(world)]
-    first = loaded[0][1]
-    for r, (_, meta) in enumerate(loaded):
+    metas, specs = [], []
+    for r in range(world):
+        raw, spec = _read_header(files[r])
+        metas.append(_parse_meta(files[r], raw, {k: v[:2] for k, v in spec.items()}))
+        specs.append(spec)
+    first = metas[0]
+    for r, meta in enumerate(metas):
         for key in _COMMON_FIELDS:
             if meta[key] != first[key]:
                 raise ValueError(f"{files[r]}: {key}={meta[key]!r} differs from rank 0's {first[key]!r}")
@@ -357,11 +555,15 @@ def merge_shards(directory: str, *, name: str = "head",
         if meta["world_size"] != world:
             raise ValueError(f"{files[r]}: metadata says world_size={meta['world_size']} but the file name "
                              f"says {world}")
+        for key in first["states"]:
+            if specs[r][key][0][1:] != specs[0][key][0][1:]:
+                raise ValueError(f"{files[r]}: state {key!r} has rows of shape {specs[r][key][0][1:]}, rank 0's "
+                                 f"{specs[0][key][0][1:]}")
     C = first["num_classes"]
-    order = sorted(range(world), key=lambda r: (loaded[r][1]["class_start"], r))
+    order = sorted(range(world), key=lambda r: (metas[r]["class_start"], r))
     expected = 0
     for r in order:
-        start, count = loaded[r][1]["class_start"], loaded[r][1]["num_local"]
+        start, count = metas[r]["class_start"], metas[r]["num_local"]
         if start < expected:
             raise ValueError(f"{files[r]}: classes [{start}, {start + count}) overlap the previous shard, "
                              f"which ends at {expected}")
@@ -372,12 +574,22 @@ def merge_shards(directory: str, *, name: str = "head",
         raise ValueError(f"{directory}: the shards cover [0, {expected}) but num_classes={C}")
     partition = Partition(C, world)
     for r in range(world):
-        bounds = (loaded[r][1]["class_start"], loaded[r][1]["class_start"] + loaded[r][1]["num_local"])
+        bounds = (metas[r]["class_start"], metas[r]["class_start"] + metas[r]["num_local"])
         if bounds != partition.bounds(r):
             raise ValueError(f"{files[r]}: rank {r} holds classes {bounds}, expected {partition.bounds(r)}")
-    tensors = {k: torch.cat([loaded[r][0][k] for r in order]) for k in first["states"]}
-    meta = {k: first[k] for k in _COMMON_FIELDS}
-    return tensors, meta
+    return ShardSet(directory, name, [files[r] for r in range(world)], metas, specs)
+
+
+def merge_shards(directory: str, *, name: str = "head",
+                 world_size: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read every shard and return ``(tensors, meta)`` with full ``[C, ...]`` tensors.
+
+    The checks of :func:`open_shards`, then every shard verified against its
+    checksums and read into the merged tensors (no second copy). ``meta`` holds the
+    common fields (``world_size`` is the source world size). To read one class range
+    without the whole head use :func:`open_shards` and :meth:`ShardSet.read_rows`."""
+    shards = open_shards(directory, name=name, world_size=world_size)
+    return shards.read_rows(0, shards.meta["num_classes"]), dict(shards.meta)
 
 
 def class_rows(meta: dict, start: int, end: int) -> slice:
@@ -389,8 +601,11 @@ def class_rows(meta: dict, start: int, end: int) -> slice:
 def reshard(src_dir: str, dst_dir: str, world_size: int, *, name: str = "head") -> list[str]:
     """Rewrite the checkpoint in ``src_dir`` as ``world_size`` shards in ``dst_dir``.
 
-    Exact: the merged tensors are split with :class:`~ds_pfc.partition.Partition`, so
-    centers and optimizer states are bitwise those of the original run. The metadata is
+    Exact: each new shard is the rows :class:`~ds_pfc.partition.Partition` gives it,
+    read from the source shards that hold them (:meth:`ShardSet.read_rows`), so
+    centers and optimizer states are bitwise those of the original run. Every source
+    file is checked against its checksums first; one new shard is in memory at a
+    time, and each is written with its own checksums. The metadata is
     carried over except the class range, rank and world size. ``seed`` and
     ``sample_step`` are carried over too, but the sampler is keyed by rank (and draws
     from each rank's local class range), so after a world-size change the sampled
@@ -407,16 +622,30 @@ def reshard(src_dir: str, dst_dir: str, world_size: int, *, name: str = "head") 
         other = sorted(w for w in _list_shards(dst_dir, name) if w != world_size)
         if other:
             raise ValueError(f"{dst_dir} already holds {name!r} shards for world_size={other}; use an empty directory")
-    tensors, meta = merge_shards(src_dir, name=name)
+    shards = open_shards(src_dir, name=name)
+    for path in shards.files:        # each source file checked once, before anything is written
+        verify_shard(path)
+    meta = dict(shards.meta)
     partition = Partition(meta["num_classes"], world_size)
     paths = []
-    for rank in range(world_size):
+    for rank in range(world_size):     # one destination shard in memory at a time
         start, end = partition.bounds(rank)
-        part = {k: v[class_rows(meta, start, end)] for k, v in tensors.items()}
+        part = shards.read_rows(start, end, verify=False)
         shard_meta = dict(meta, class_start=start, num_local=end - start, world_size=world_size, rank=rank)
         path = os.path.join(dst_dir, shard_file_name(name, rank, world_size))
-        paths.append(_atomic_save(part, path, _metadata(shard_meta, part)))
+        specs = {k: (tuple(v.shape), v.dtype) for k, v in part.items()}
+        paths.append(_atomic_stream_save(specs, lambda key, part=part: _row_chunks(part[key]), path,
+                                         _metadata(shard_meta, {k: v[1] for k, v in specs.items()})))
+        del part
     return paths
+
+
+def _row_chunks(tensor: torch.Tensor):
+    """``tensor`` in row blocks of about ``SAVE_CHUNK_BYTES``."""
+    row_bytes = max(1, tensor[:1].numel() * tensor.element_size())
+    step = max(1, SAVE_CHUNK_BYTES // row_bytes)
+    for lo in range(0, tensor.shape[0], step):
+        yield tensor[lo:lo + step]
 
 
 def export_classifier(directory: str, out_path: str, *, name: str = "head", include_optimizer: bool = False,

@@ -46,7 +46,7 @@ __all__ = ["COMPLETE_MARKER", "LATEST", "SUPERSEDED", "CheckpointError", "Checkp
            "scan", "complete_tags", "read_latest", "write_latest", "verify_tag", "newest_intact", "choose_tag",
            "with_fallback", "commit_staged", "remove_tag", "clean_leftovers", "prune", "supersede", "engine_files",
            "atomic_write", "rank_state_name", "fsync_file", "fsync_dir", "on_rank0", "agree",
-           "check_shared_directory"]
+           "check_shared_directory", "content_files", "check_content", "verify_share"]
 
 COMPLETE_MARKER = "ds_pfc_complete.json"
 LATEST = "latest"
@@ -306,21 +306,39 @@ def verify_tag(tag_dir: str, marker: dict | None = None, *, deep: bool = True) -
     safetensors header and length), per-rank state files and DeepSpeed's files (the
     sizes the marker recorded; zip structure, with ``deep`` every CRC). Shards of
     another world size are ignored. Returns the marker; raises CheckpointError
-    naming the first bad file."""
+    naming the first bad file. Without ``deep`` it reads headers and sizes only;
+    :func:`verify_share` spreads the content checks over the ranks of a job."""
     if marker is None:
         marker = read_marker(tag_dir)
     world = int(marker["world_size"])
 
-    def present(path):
-        if not os.path.isfile(path):
-            raise CheckpointCorruptError(f"{path} is missing", path=path)
-        return path
-
     for name, shards in head_world_sizes(marker).items():
         for rank in range(shards):
-            _check_shard(present(os.path.join(tag_dir, ckpt.shard_file_name(name, rank, shards))), name, rank, shards)
+            _check_shard(_present(os.path.join(tag_dir, ckpt.shard_file_name(name, rank, shards))), name, rank,
+                         shards)
     for rank in range(world):
-        _check_torch_file(present(os.path.join(tag_dir, rank_state_name(rank, world))), deep)
+        _check_torch_file(_present(os.path.join(tag_dir, rank_state_name(rank, world))), False)
+    for rel, size in sorted(_engine_files(tag_dir, marker).items()):
+        path = _present(os.path.join(tag_dir, rel))
+        actual = os.path.getsize(path)
+        if size is not None and actual != size:
+            raise CheckpointCorruptError(f"{path} has {actual} bytes but its save wrote {size}", path=path)
+        if path.endswith(".pt"):
+            _check_torch_file(path, False)
+    if deep:
+        for path in content_files(tag_dir, marker):
+            check_content(path)
+    return marker
+
+
+def _present(path: str) -> str:
+    if not os.path.isfile(path):
+        raise CheckpointCorruptError(f"{path} is missing", path=path)
+    return path
+
+
+def _engine_files(tag_dir: str, marker: dict) -> dict:
+    """``relative path -> size saved (None: not recorded)`` of DeepSpeed's files."""
     files = marker.get("engine_files")
     if files is None:       # a marker that predates the file list
         names = [n for n in os.listdir(tag_dir) if _ENGINE_FILE.fullmatch(n)]
@@ -328,14 +346,51 @@ def verify_tag(tag_dir: str, marker: dict | None = None, *, deep: bool = True) -
             raise CheckpointCorruptError(f"{tag_dir} holds no DeepSpeed module states (*model_states.pt)",
                                          path=tag_dir)
         files = {n: None for n in names}
-    for rel, size in sorted(files.items()):
-        path = present(os.path.join(tag_dir, rel))
-        actual = os.path.getsize(path)
-        if size is not None and actual != size:
-            raise CheckpointCorruptError(f"{path} has {actual} bytes but its save wrote {size}", path=path)
-        if path.endswith(".pt"):
-            _check_torch_file(path, deep)
-    return marker
+    return files
+
+
+def content_files(tag_dir: str, marker: dict, *, shard_heads=()) -> list[str]:
+    """The files of the checkpoint whose bytes carry checksums to check, sorted: every
+    ``torch.save`` file (per-rank states, DeepSpeed's ``.pt`` files: zip member CRCs)
+    and the shards of the heads named in ``shard_heads`` (CRC-32 per tensor; a
+    reader of a whole shard checks it as it loads it, so a load lists only the heads
+    whose shards are read in slices)."""
+    world = int(marker["world_size"])
+    paths = [os.path.join(tag_dir, rank_state_name(rank, world)) for rank in range(world)]
+    paths += [os.path.join(tag_dir, rel) for rel in _engine_files(tag_dir, marker) if rel.endswith(".pt")]
+    shards = head_world_sizes(marker)
+    for name in shard_heads:
+        paths += [os.path.join(tag_dir, ckpt.shard_file_name(name, rank, shards[name])) for rank in range(shards[name])]
+    return sorted(paths)
+
+
+def check_content(path: str) -> None:
+    """Check the bytes of one checkpoint file against the checksums it carries (a head
+    shard: :func:`ds_pfc.checkpoint.verify_shard`; a ``torch.save`` file: every zip
+    member's CRC); CheckpointCorruptError naming the file if they differ or it cannot
+    be read."""
+    if not path.endswith(".safetensors"):
+        _check_torch_file(_present(path), True)
+        return
+    try:
+        ckpt.verify_shard(_present(path))
+    except OSError as err:        # ShardChecksumError, ShardReadError, I/O errors
+        message = str(err) if path in str(err) else f"{path}: {err}"
+        raise CheckpointCorruptError(f"{message}", path=path) from None
+
+
+def verify_share(tag_dir: str, marker: dict, *, rank: int, world_size: int, shard_heads=()) -> list[str]:
+    """This rank's share of the content checks of a load: file ``i`` of
+    :func:`content_files` for every ``i`` with ``i % world_size == rank``, so that
+    the ranks together check every file once and none reads more than its share.
+    Returns the files checked; raises CheckpointError naming the first bad one (the
+    caller agrees on the outcome over the ranks)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    mine = content_files(tag_dir, marker, shard_heads=shard_heads)[rank::world_size]
+    for path in mine:
+        check_content(path)
+    return mine
 
 
 def engine_files(staging_dir: str, head_shards: dict[str, int], world_size: int) -> dict[str, int]:
@@ -609,17 +664,18 @@ def on_rank0(fn, *, group=None):
     return value
 
 
-def agree(error: BaseException | None, *, group=None) -> None:
+def agree(error: BaseException | None, *, group=None, same: bool = False) -> None:
     """Every rank passes the exception its part of a collective step raised (or
     None); if any rank failed, every rank raises: its own exception, else the
-    lowest failing rank's (a collective: one all-gather)."""
+    lowest failing rank's (with ``same``: the lowest failing rank's on every rank,
+    so all report one file). A collective: one all-gather."""
     if not _distributed(group):
         if error is not None:
             raise error
         return
     errors = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, None if error is None else _picklable(error), group=group)
-    if error is not None:
+    if error is not None and not same:
         raise error
     failed = next(err for err in errors if err is not None) if any(e is not None for e in errors) else None
     if failed is not None:

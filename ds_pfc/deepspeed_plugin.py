@@ -906,19 +906,24 @@ class PfcEngine:
         one ``load_dir/latest`` names, or the newest complete tag when ``latest`` is
         missing or lags behind it (:func:`ds_pfc.checkpoint_tags.choose_tag`).
 
-        Rank 0 first checks every file of the tag (present, sizes as saved, readable
-        structure, checksums of the ``torch.save`` files); a missing, truncated or
+        Rank 0 first checks that every file of the tag is there with the size its save
+        wrote and a readable structure (headers only); then the ranks check the files'
+        contents against their checksums, each its share
+        (:func:`~ds_pfc.checkpoint_tags.verify_share`: the ``torch.save`` files and
+        the shards read in slices; a shard read whole is checked by its reader), and
+        agree on the outcome before anything is loaded. A missing, truncated or
         corrupt file, a ``latest`` that names no complete tag or an unreadable marker
-        raises :class:`~ds_pfc.checkpoint_tags.CheckpointError` on every rank, naming
-        the file and the newest intact tag to load instead.
+        raises the same :class:`~ds_pfc.checkpoint_tags.CheckpointError` on every
+        rank, naming the file and the newest intact tag to load instead.
 
         Returns ``{"tag", "client_state", "rank_state", "world_size", "metadata",
         "note"}`` (``note``: why the tag is not the one ``latest`` names, or None) or
         None when there is no checkpoint. ``rank_state`` is this rank's own when the
         world size is unchanged, else rank 0's (sampler positions are global); RNG
         states are restored only at the same world size. Heads saved at another world
-        size are resharded in memory (every rank reads every shard: for very large
-        heads reshard offline with ``launch/export.py reshard``)."""
+        size are resharded as they load: each rank reads only the rows of its own
+        classes, from the one or few shards that hold them (safetensors slices), so
+        its memory is about that of its own shard, never the whole head."""
         layouts = self._head_layouts()
 
         def choose():
@@ -932,8 +937,8 @@ class PfcEngine:
                             f"its universal conversion {name} on {self.world_size}")
                     choice = tags.Choice(name, tags.read_marker(os.path.join(load_dir, name)),
                                          f"{choice.note}; {note}" if choice.note else note)
-                try:
-                    tags.verify_tag(os.path.join(load_dir, choice.tag), choice.marker)
+                try:     # headers and sizes only: the ranks share the content checks below
+                    tags.verify_tag(os.path.join(load_dir, choice.tag), choice.marker, deep=False)
                 except tags.CheckpointError as err:
                     raise tags.with_fallback(err, load_dir, exclude=(choice.tag,)) from None
             return choice
@@ -945,9 +950,12 @@ class PfcEngine:
         if sorted(marker["heads"]) != sorted(layouts):
             raise ValueError(f"{tag_dir} holds heads {marker['heads']} but this model has {sorted(layouts)}")
         saved_world = int(marker["world_size"])
+        head_shards = tags.head_world_sizes(marker)
+        _verify_contents(self, load_dir, choice.tag, marker,
+                         sorted(n for n, k in head_shards.items() if k != layouts[n]["world_size"]))
         error = state = client_state = None
         try:
-            client_state, state = _load_files(self, load_dir, choice.tag, saved_world, tags.head_world_sizes(marker),
+            client_state, state = _load_files(self, load_dir, choice.tag, saved_world, head_shards,
                                               universal_tag=bool(marker.get("universal")))
         except Exception as err:
             error = tags.with_fallback(err, load_dir, exclude=(choice.tag,)) \
@@ -972,11 +980,33 @@ def _layout_record(layouts: dict) -> dict:
             for name, lay in sorted(layouts.items())}
 
 
+def _verify_contents(engine: PfcEngine, load_dir: str, tag: str, marker: dict, sliced_heads: list[str]) -> None:
+    """The content checks of a load, spread over the ranks (each checks its share of
+    the ``torch.save`` files and of the shards of ``sliced_heads``, the heads whose
+    shards are read in slices: every file is checked by one rank), then agreed: a
+    damaged file raises the same CheckpointError, naming it and the tag to fall back
+    to, on every rank (a collective)."""
+    error = None
+    try:
+        tags.verify_share(os.path.join(load_dir, tag), marker, rank=engine.rank, world_size=engine.world_size,
+                          shard_heads=sliced_heads)
+    except Exception as err:
+        error = err
+        if isinstance(err, tags.CheckpointError):
+            try:
+                error = tags.with_fallback(err, load_dir, exclude=(tag,))
+            except Exception:     # no hint rather than a rank missing from the agreement
+                pass
+    tags.agree(error, same=True)
+
+
 def _load_files(engine: PfcEngine, load_dir: str, tag: str, saved_world: int, head_shards: dict[str, int], *,
                 universal_tag: bool = False) -> tuple[dict, dict]:
     """This rank's part of a load: DeepSpeed's files, the head shards, the per-rank
     state. Damaged files raise CheckpointCorruptError naming them; mismatches
-    between checkpoint and model (classes, dimensions) raise ValueError."""
+    between checkpoint and model (classes, dimensions) raise ValueError. The
+    shards of heads saved at another world size are read unverified: every rank
+    checked its share of them first (:func:`_verify_contents`)."""
     tag_dir = os.path.join(load_dir, tag)
     try:
         if universal_tag:
@@ -997,7 +1027,7 @@ def _load_files(engine: PfcEngine, load_dir: str, tag: str, saved_world: int, he
             if saved_shards == head.world_size:
                 ckpt.load_head_shard(head, tag_dir, name=name)
             else:
-                _load_resharded(head, tag_dir, name, saved_shards)
+                _load_resharded(head, tag_dir, name, saved_shards, verify=False)
         except (ValueError, TypeError):
             raise      # the model does not match the checkpoint (classes, dimensions, optimizer)
         except Exception as err:     # safetensors' own error type, OSError
@@ -1072,14 +1102,21 @@ def list_checkpoints(save_dir: str) -> list[str]:
     return [info.name for info in tags.complete_tags(save_dir)]
 
 
-def _load_resharded(head: PartialFC, tag_dir: str, name: str, world_size: int | None = None) -> None:
-    tensors, meta = ckpt.merge_shards(tag_dir, name=name, world_size=world_size)
+def _load_resharded(head: PartialFC, tag_dir: str, name: str, world_size: int | None = None, *,
+                    verify: bool = True) -> None:
+    """Load ``head``'s classes from shards of another world size: only the shards
+    that overlap its class range are read, and of them only its rows (safetensors
+    slices), into the rows the head loads: the memory this needs is about that of
+    the head's own shard. ``verify``: check the shards read from against their
+    checksums first (False when the load checked every shard already)."""
+    shards = ckpt.open_shards(tag_dir, name=name, world_size=world_size)
+    meta = shards.meta
     for key in ("num_classes", "embedding_size", "sub_centers"):
         if meta[key] != getattr(head, key):
             raise ValueError(f"{tag_dir}: head {name!r} has {key}={meta[key]} but the model's has "
                              f"{getattr(head, key)}")
     lo, hi = head.class_start, head.class_end
-    state = {k: v[ckpt.class_rows(meta, lo, hi)].clone() for k, v in tensors.items()}
+    state = shards.read_rows(lo, hi, verify=verify)
     state["meta"] = torch.tensor([head.num_classes, head.embedding_size, lo, hi - lo, head.world_size,
                                   meta["seed"], meta["sample_step"], meta["step_count"], head.sub_centers],
                                  dtype=torch.int64)
