@@ -39,11 +39,24 @@ __all__ = ["Slot", "SlotBank", "Stager", "merge_slots"]
 
 
 class Slot:
-    """Rows ``rows`` (sorted local ids) of every state, on the compute device."""
+    """Rows ``rows`` (sorted local ids) of every state, on the compute device.
 
-    def __init__(self, rows: torch.Tensor, states: dict[str, torch.Tensor], runtime: Runtime | None = None):
+    The host needs the row ids too (version checks, host and NVMe gathers, the
+    overlap split): they are copied to the host asynchronously on the compute stream
+    and ``rows_cpu`` waits for that copy at its first use, or are passed in as
+    ``rows_cpu`` where the host knows them already.
+    """
+
+    def __init__(self, rows: torch.Tensor, states: dict[str, torch.Tensor], runtime: Runtime | None = None,
+                 rows_cpu: torch.Tensor | None = None):
         self.rows = rows
-        self.rows_cpu = rows.to("cpu")
+        self._rows_event = None
+        if rows_cpu is not None:
+            self._rows_cpu = rows_cpu
+        elif runtime is None:
+            self._rows_cpu = rows.to("cpu")
+        else:
+            self._rows_cpu, self._rows_event = runtime.to_host(rows)
         self.states = states
         self.runtime = runtime
         self._futures: list[Future] = []
@@ -53,6 +66,15 @@ class Slot:
         # Events of side-stream work that reads this slot (overlap patches, write-backs):
         # its buffers may be reused only after them.
         self.readers: list = []
+
+    @property
+    def rows_cpu(self) -> torch.Tensor:
+        """``rows`` on the host (blocks until their copy has landed)."""
+        event = self._rows_event
+        if event is not None:
+            self.runtime.synchronize(event)
+            self._rows_event = None
+        return self._rows_cpu
 
     def wait(self) -> "Slot":
         """The ready gate: block until the cold fetch and the overlap patch finished."""
@@ -109,7 +131,9 @@ def merge_slots(slots: list[Slot]) -> tuple[Slot, torch.Tensor]:
     first = torch.empty(rows.numel(), dtype=torch.long, device=rows.device)
     first.scatter_(0, inverse, torch.arange(all_rows.numel(), device=rows.device))
     states = {name: torch.cat([s.states[name] for s in slots]).index_select(0, first) for name in slots[0].states}
-    return Slot(rows, states, slots[0].runtime), inverse
+    # The union on the host from the slots' host rows (equal to ``rows``): no copy back.
+    rows_cpu = torch.unique(torch.cat([s.rows_cpu for s in slots]))
+    return Slot(rows, states, slots[0].runtime, rows_cpu=rows_cpu), inverse
 
 
 class Stager:
@@ -124,6 +148,14 @@ class Stager:
     them, and a slot's buffers return to the pool with the events of their last
     readers (the compute stream's and the side streams'); the pool hands a buffer
     out only once those completed.
+
+    Compute-stream order: a new slot's buffers come from the compute stream's
+    allocator (their memory may still be read by compute work queued before, for the
+    tensor that held it), and device-tier tables are written on the compute stream
+    (initial values, ``load``). The fetch stream waits on an event recorded on the
+    compute stream after these before it touches them (:meth:`_order_after_compute`,
+    once per new slot and after every such write), whether or not the host happened
+    to synchronize with the compute stream in between.
     """
 
     def __init__(self, bank: TieredBank):
@@ -136,10 +168,13 @@ class Stager:
         self.runtime = runtime_for(self.device)
         self._fetch_stream = self.runtime.new_stream("fetch")
         self._write_stream = self.runtime.new_stream("write")
-        for name in bank.state_names():
-            store = bank.store(name)
-            if store.tier == "device":
-                self.runtime.keep_alive(store.data, self._fetch_stream)
+        device_tables = [bank.store(n).data for n in bank.state_names() if bank.store(n).tier == "device"]
+        for data in device_tables:
+            self.runtime.keep_alive(data, self._fetch_stream)
+        # The tables were filled on the compute stream (initial values); later
+        # compute-stream writes (load) are reported by the bank through this hook.
+        self._device_tables_written(device_tables)
+        bank.on_device_write = self._device_tables_written
         self._next: tuple[object, Slot] | None = None
         self._writebacks: list[Future] = []
         self._failure: BaseException | None = None   # a failed write-back, sticky
@@ -149,6 +184,20 @@ class Stager:
         # Test hook: copy overlapping rows at prefetch time, *before* the optimizer
         # step. This is the ordering bug the pipeline exists to avoid.
         self.patch_before_step = False
+
+    # ---------------------------------------------------------------- ordering
+    def _order_after_compute(self) -> None:
+        """Make the fetch stream's later work wait for the compute stream's work so
+        far. Called on the host thread that owns the compute stream."""
+        rt = self.runtime
+        rt.wait(self._fetch_stream, rt.record(rt.compute()))
+
+    def _device_tables_written(self, tables: list[torch.Tensor]) -> None:
+        """Device-tier ``tables`` were just written on the compute stream: the fetch
+        stream, which reads and writes them, is ordered after that."""
+        if tables:
+            self.runtime.on_compute(writes=tables)
+            self._order_after_compute()
 
     # ---------------------------------------------------------------- reads
     def _fetch(self, slot: Slot, positions: torch.Tensor | None, rows_cpu: torch.Tensor) -> None:
@@ -178,7 +227,7 @@ class Stager:
         buf = self._stage_buffers.get(name)
         if buf is None or buf.shape[0] < num:
             buf = self.runtime.empty((num,) + store.row_shape, store.dtype, "cpu", users=(self._fetch_stream,),
-                                     pin=torch.cuda.is_available())
+                                     pin=True)
             self._stage_buffers[name] = buf
         return buf[:num]
 
@@ -202,6 +251,9 @@ class Stager:
                                                 self.device, users=users) for name in self.bank.state_names()}
         slot = Slot(rows, {name: t[:num] for name, t in buffers.items()}, self.runtime)
         slot.buffers = buffers if pooled else None
+        # Fresh buffers belong to the compute stream's order, and a pooled buffer's last
+        # compute-stream readers are covered too: the fetch stream writes them after.
+        self._order_after_compute()
         return slot
 
     def release(self, slot: Slot, events: list | None = None) -> None:
@@ -334,7 +386,7 @@ class Stager:
             for name in host_names:
                 store, values = self.bank.store(name), updated.states[name]
                 host[name] = rt.empty(values.shape, store.dtype, "cpu", users=(self._write_stream,),
-                                      pin=torch.cuda.is_available())
+                                      pin=True)
                 rt.run(self._write_stream, _copy_out, host[name], values, reads=(values,), writes=(host[name],))
             copied = rt.record(self._write_stream)
             updated.readers.append(copied)
@@ -387,6 +439,8 @@ class Stager:
                 self.drain()
         finally:
             self._io.shutdown(wait=True)
+            if getattr(self.bank, "on_device_write", None) == self._device_tables_written:
+                self.bank.on_device_write = None
             self.runtime.close()
 
 
