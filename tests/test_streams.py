@@ -12,6 +12,8 @@ matches the device bank bitwise.
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -149,15 +151,22 @@ def test_w3_device_rows_written_on_another_stream_are_caught(monkeypatch):
     real_after_step = Stager.after_step
 
     def after_step(self, updated):
+        rt = self.runtime
         for name in self.bank.state_names():
             if self.bank.store(name).tier == "device":
-                self.runtime.keep_alive(self.bank.store(name).data, self._write_stream)
-        fetch = self._fetch_stream
-        self._fetch_stream = self._write_stream
+                rt.keep_alive(self.bank.store(name).data, self._write_stream)
+        real_run = rt.run
+
+        def run(stream, fn, *args, **kwargs):     # only this thread's scatters; the I/O worker's fetches pass
+            if fn is slots_module._scatter_rows:
+                stream = self._write_stream
+                rt.wait(stream, rt.record(rt.compute()))
+            return real_run(stream, fn, *args, **kwargs)
+        rt.run = run
         try:
             real_after_step(self, updated)
         finally:
-            self._fetch_stream = fetch
+            del rt.run
 
     def write_back(self, rows_cpu, device_names, landed, host, copied):
         for name in device_names:           # counted at enqueue: the data has not landed
@@ -372,6 +381,25 @@ def test_w4_device_tables_loaded_on_compute_are_ordered(monkeypatch):
     head.load_centers(centers)
     with pytest.raises(StreamError, match="<stream fetch> reads a buffer .* compute stream wrote"):
         _train(head, _batches(STEPS))
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_only_the_io_worker_waits_for_the_row_ids(accum, monkeypatch):
+    """The row ids reach the host by an asynchronous copy; the host thread never
+    waits for it (in prefetch it would stall until the device caught up with the
+    backward): the I/O worker does, before it splits and fetches."""
+    waits = []
+    real = Slot.rows_cpu
+
+    def rows_cpu(self):
+        if self._rows_event is not None:
+            waits.append(threading.current_thread() is threading.main_thread())
+        return real.fget(self)
+    monkeypatch.setattr(Slot, "rows_cpu", property(rows_cpu))
+    ref = _reference(accum)
+    got = _train(_tiered("host"), _batches(STEPS), accum, delays={"compute": 1e-3})
+    assert got[0] == ref[0] and torch.equal(got[1], ref[1])
+    assert len(waits) >= STEPS - 1 and not any(waits), f"waits on the host thread: {waits}"
 
 
 @pytest.mark.cuda

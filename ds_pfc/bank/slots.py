@@ -6,8 +6,9 @@ device; the forward reads its centers, the row optimizer updates it in place, an
 is then written back. With lookahead labels the next step's slot B is built while
 step t runs on slot A:
 
-1. ``prefetch`` (during step t): ``S(t+1)`` is known. Cold rows ``S(t+1) \\ S(t)``
-   are fetched into B at once by the I/O worker (on GPU: on a side stream).
+1. ``prefetch`` (during step t): ``S(t+1)`` is known on the device. The I/O worker
+   waits for its copy to the host (the host thread does not), splits it, and fetches
+   the cold rows ``S(t+1) \\ S(t)`` into B at once (on GPU: on a side stream).
 2. ``after_step`` (optimizer step t done): the overlapping rows ``S(t) ∩ S(t+1)`` are
    copied from A into B, never earlier (before the step they would be stale); then A
    is written back asynchronously. Every write is counted as *issued* at once and
@@ -62,6 +63,7 @@ class Slot:
         self._futures: list[Future] = []
         self._event = None           # recorded on the fetch stream once the overlap patch is queued
         self.overlap = None          # (positions in this slot, their rows), on the CPU: filled after the step
+        self._split = None           # a prefetched slot: set once the I/O worker split cold and overlap rows
         self.buffers = None          # the pooled full-capacity tensors behind ``states``
         # Events of side-stream work that reads this slot (overlap patches, write-backs):
         # its buffers may be reused only after them.
@@ -75,6 +77,11 @@ class Slot:
             self.runtime.synchronize(event)
             self._rows_event = None
         return self._rows_cpu
+
+    def wait_split(self) -> None:
+        """(prefetched slots) Block until ``overlap`` is known."""
+        if self._split is not None:
+            self._split.wait()
 
     def wait(self) -> "Slot":
         """The ready gate: block until the cold fetch and the overlap patch finished."""
@@ -200,10 +207,13 @@ class Stager:
             self._order_after_compute()
 
     # ---------------------------------------------------------------- reads
-    def _fetch(self, slot: Slot, positions: torch.Tensor | None, rows_cpu: torch.Tensor) -> None:
+    def _fetch(self, slot: Slot, positions: torch.Tensor | None, rows_cpu: torch.Tensor | None) -> None:
         """(I/O worker) read ``rows_cpu`` of every state into ``slot`` at ``positions``
-        (CPU; None: all of it), checking versions first."""
+        (CPU; None: all of it, then ``rows_cpu`` None: the slot's rows), checking
+        versions first."""
         rt = self.runtime
+        if rows_cpu is None:
+            rows_cpu = slot.rows_cpu        # waits for the copy of the ids, here on the worker
         for name, dst in slot.states.items():
             store = self.bank.store(name)
             self.bank.check_versions(name, rows_cpu)
@@ -279,31 +289,48 @@ class Stager:
         self.raise_failed()
         slot = self._empty_slot(rows, pooled)
         self.bank.count_traffic(staged_in=rows.numel() * self._row_bytes())
-        self._io.submit(self._fetch, slot, None, slot.rows_cpu).result()
+        self._io.submit(self._fetch, slot, None, None).result()
         return slot
 
     def prefetch(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
         """Start building the slot for the forward identified by ``key`` while the
-        ``live`` slots (staged, not yet stepped) are still in use."""
+        ``live`` slots (staged, not yet stepped) are still in use. Returns without
+        waiting for the device."""
         self.raise_failed()
         self.discard()                      # a second lookahead replaces the first
         slot = self._empty_slot(rows)
-        live_rows = torch.cat([s.rows_cpu for s in live]) if live else torch.empty(0, dtype=torch.long)
-        in_live = torch.isin(slot.rows_cpu, live_rows)
-        cold = torch.nonzero(~in_live).squeeze(1)
-        overlap = torch.nonzero(in_live).squeeze(1)
-        if cold.numel():
-            # Traffic is counted when a transfer is issued, so each step's report is
-            # deterministic however fast the worker is.
-            self.bank.count_traffic(staged_in=cold.numel() * self._row_bytes())
-            slot._futures.append(self._io.submit(self._fetch, slot, cold, slot.rows_cpu[cold]))
-        if overlap.numel():
-            slot.overlap = (overlap, slot.rows_cpu[overlap])
-            if self.patch_before_step:
+        # The split into cold and overlapping rows needs the row ids on the host: the
+        # I/O worker waits for their copy, and the host goes on queueing this step's
+        # work meanwhile. ``after_step`` and ``take`` wait for the split, not the fetch.
+        slot._split = threading.Event()
+        slot._futures.append(self._io.submit(self._split_and_fetch, slot, list(live)))
+        if self.patch_before_step:
+            slot.wait_split()
+            if slot.overlap is not None:
                 self._patch(slot, live)
                 # Completed now, so that it reads the pre-step values on every runtime.
                 self.runtime.synchronize(slot._event)
         self._next = (key, slot)
+
+    def _split_and_fetch(self, slot: Slot, live: list[Slot]) -> None:
+        """(I/O worker) split a prefetched slot's rows into cold ones, fetched now,
+        and ones the ``live`` slots hold, copied from them after the step."""
+        try:
+            rows_cpu = slot.rows_cpu
+            live_rows = torch.cat([s.rows_cpu for s in live]) if live else torch.empty(0, dtype=torch.long)
+            in_live = torch.isin(rows_cpu, live_rows)
+            cold = torch.nonzero(~in_live).squeeze(1)
+            overlap = torch.nonzero(in_live).squeeze(1)
+            if overlap.numel():
+                slot.overlap = (overlap, rows_cpu[overlap])
+            # Traffic is counted when a transfer is issued, before the split is
+            # published: the step that waits for it reports it, however fast the worker.
+            if cold.numel():
+                self.bank.count_traffic(staged_in=cold.numel() * self._row_bytes())
+        finally:
+            slot._split.set()
+        if cold.numel():
+            self._fetch(slot, cold, rows_cpu[cold])
 
     def take(self, rows: torch.Tensor, key, live: list[Slot]) -> Slot | None:
         """The prefetched slot for ``key`` once ready, or None if there is none."""
@@ -316,6 +343,7 @@ class Stager:
             slot.wait()                     # drop it, but surface its errors
             self.release(slot)
             return None
+        slot.wait_split()
         if slot.overlap is not None:        # no step since prefetch: live values are current
             self._patch(slot, live)
         return slot.wait()
@@ -361,8 +389,10 @@ class Stager:
         for t in updated.states.values():
             rt.keep_alive(t, self._fetch_stream)
             rt.keep_alive(t, self._write_stream)
-        if self._next is not None and self._next[1].overlap is not None:
-            self._patch(self._next[1], [updated])
+        if self._next is not None:
+            self._next[1].wait_split()
+            if self._next[1].overlap is not None:
+                self._patch(self._next[1], [updated])
         rows_cpu = updated.rows_cpu
         for name in updated.states:
             self.bank.note_issued(name, rows_cpu)
