@@ -6,8 +6,9 @@ device; the forward reads its centers, the row optimizer updates it in place, an
 is then written back. With lookahead labels the next step's slot B is built while
 step t runs on slot A:
 
-1. ``prefetch`` (during step t): ``S(t+1)`` is known. Cold rows ``S(t+1) \\ S(t)``
-   are fetched into B at once by the I/O worker (on GPU: on a side stream).
+1. ``prefetch`` (during step t): ``S(t+1)`` is known on the device. The I/O worker
+   waits for its copy to the host (the host thread does not), splits it, and fetches
+   the cold rows ``S(t+1) \\ S(t)`` into B at once (on GPU: on a side stream).
 2. ``after_step`` (optimizer step t done): the overlapping rows ``S(t) ∩ S(t+1)`` are
    copied from A into B, never earlier (before the step they would be stale); then A
    is written back asynchronously. Every write is counted as *issued* at once and
@@ -39,20 +40,48 @@ __all__ = ["Slot", "SlotBank", "Stager", "merge_slots"]
 
 
 class Slot:
-    """Rows ``rows`` (sorted local ids) of every state, on the compute device."""
+    """Rows ``rows`` (sorted local ids) of every state, on the compute device.
 
-    def __init__(self, rows: torch.Tensor, states: dict[str, torch.Tensor], runtime: Runtime | None = None):
+    The host needs the row ids too (version checks, host and NVMe gathers, the
+    overlap split): they are copied to the host asynchronously on the compute stream
+    and ``rows_cpu`` waits for that copy at its first use, or are passed in as
+    ``rows_cpu`` where the host knows them already.
+    """
+
+    def __init__(self, rows: torch.Tensor, states: dict[str, torch.Tensor], runtime: Runtime | None = None,
+                 rows_cpu: torch.Tensor | None = None):
         self.rows = rows
-        self.rows_cpu = rows.to("cpu")
+        self._rows_event = None
+        if rows_cpu is not None:
+            self._rows_cpu = rows_cpu
+        elif runtime is None:
+            self._rows_cpu = rows.to("cpu")
+        else:
+            self._rows_cpu, self._rows_event = runtime.to_host(rows)
         self.states = states
         self.runtime = runtime
         self._futures: list[Future] = []
         self._event = None           # recorded on the fetch stream once the overlap patch is queued
         self.overlap = None          # (positions in this slot, their rows), on the CPU: filled after the step
+        self._split = None           # a prefetched slot: set once the I/O worker split cold and overlap rows
         self.buffers = None          # the pooled full-capacity tensors behind ``states``
         # Events of side-stream work that reads this slot (overlap patches, write-backs):
         # its buffers may be reused only after them.
         self.readers: list = []
+
+    @property
+    def rows_cpu(self) -> torch.Tensor:
+        """``rows`` on the host (blocks until their copy has landed)."""
+        event = self._rows_event
+        if event is not None:
+            self.runtime.synchronize(event)
+            self._rows_event = None
+        return self._rows_cpu
+
+    def wait_split(self) -> None:
+        """(prefetched slots) Block until ``overlap`` is known."""
+        if self._split is not None:
+            self._split.wait()
 
     def wait(self) -> "Slot":
         """The ready gate: block until the cold fetch and the overlap patch finished."""
@@ -109,7 +138,9 @@ def merge_slots(slots: list[Slot]) -> tuple[Slot, torch.Tensor]:
     first = torch.empty(rows.numel(), dtype=torch.long, device=rows.device)
     first.scatter_(0, inverse, torch.arange(all_rows.numel(), device=rows.device))
     states = {name: torch.cat([s.states[name] for s in slots]).index_select(0, first) for name in slots[0].states}
-    return Slot(rows, states, slots[0].runtime), inverse
+    # The union on the host from the slots' host rows (equal to ``rows``): no copy back.
+    rows_cpu = torch.unique(torch.cat([s.rows_cpu for s in slots]))
+    return Slot(rows, states, slots[0].runtime, rows_cpu=rows_cpu), inverse
 
 
 class Stager:
@@ -124,6 +155,14 @@ class Stager:
     them, and a slot's buffers return to the pool with the events of their last
     readers (the compute stream's and the side streams'); the pool hands a buffer
     out only once those completed.
+
+    Compute-stream order: a new slot's buffers come from the compute stream's
+    allocator (their memory may still be read by compute work queued before, for the
+    tensor that held it), and device-tier tables are written on the compute stream
+    (initial values, ``load``). The fetch stream waits on an event recorded on the
+    compute stream after these before it touches them (:meth:`_order_after_compute`,
+    once per new slot and after every such write), whether or not the host happened
+    to synchronize with the compute stream in between.
     """
 
     def __init__(self, bank: TieredBank):
@@ -136,10 +175,13 @@ class Stager:
         self.runtime = runtime_for(self.device)
         self._fetch_stream = self.runtime.new_stream("fetch")
         self._write_stream = self.runtime.new_stream("write")
-        for name in bank.state_names():
-            store = bank.store(name)
-            if store.tier == "device":
-                self.runtime.keep_alive(store.data, self._fetch_stream)
+        device_tables = [bank.store(n).data for n in bank.state_names() if bank.store(n).tier == "device"]
+        for data in device_tables:
+            self.runtime.keep_alive(data, self._fetch_stream)
+        # The tables were filled on the compute stream (initial values); later
+        # compute-stream writes (load) are reported by the bank through this hook.
+        self._device_tables_written(device_tables)
+        bank.on_device_write = self._device_tables_written
         self._next: tuple[object, Slot] | None = None
         self._writebacks: list[Future] = []
         self._failure: BaseException | None = None   # a failed write-back, sticky
@@ -150,11 +192,28 @@ class Stager:
         # step. This is the ordering bug the pipeline exists to avoid.
         self.patch_before_step = False
 
-    # ---------------------------------------------------------------- reads
-    def _fetch(self, slot: Slot, positions: torch.Tensor | None, rows_cpu: torch.Tensor) -> None:
-        """(I/O worker) read ``rows_cpu`` of every state into ``slot`` at ``positions``
-        (CPU; None: all of it), checking versions first."""
+    # ---------------------------------------------------------------- ordering
+    def _order_after_compute(self) -> None:
+        """Make the fetch stream's later work wait for the compute stream's work so
+        far. Called on the host thread that owns the compute stream."""
         rt = self.runtime
+        rt.wait(self._fetch_stream, rt.record(rt.compute()))
+
+    def _device_tables_written(self, tables: list[torch.Tensor]) -> None:
+        """Device-tier ``tables`` were just written on the compute stream: the fetch
+        stream, which reads and writes them, is ordered after that."""
+        if tables:
+            self.runtime.on_compute(writes=tables)
+            self._order_after_compute()
+
+    # ---------------------------------------------------------------- reads
+    def _fetch(self, slot: Slot, positions: torch.Tensor | None, rows_cpu: torch.Tensor | None) -> None:
+        """(I/O worker) read ``rows_cpu`` of every state into ``slot`` at ``positions``
+        (CPU; None: all of it, then ``rows_cpu`` None: the slot's rows), checking
+        versions first."""
+        rt = self.runtime
+        if rows_cpu is None:
+            rows_cpu = slot.rows_cpu        # waits for the copy of the ids, here on the worker
         for name, dst in slot.states.items():
             store = self.bank.store(name)
             self.bank.check_versions(name, rows_cpu)
@@ -178,7 +237,7 @@ class Stager:
         buf = self._stage_buffers.get(name)
         if buf is None or buf.shape[0] < num:
             buf = self.runtime.empty((num,) + store.row_shape, store.dtype, "cpu", users=(self._fetch_stream,),
-                                     pin=torch.cuda.is_available())
+                                     pin=True)
             self._stage_buffers[name] = buf
         return buf[:num]
 
@@ -202,6 +261,9 @@ class Stager:
                                                 self.device, users=users) for name in self.bank.state_names()}
         slot = Slot(rows, {name: t[:num] for name, t in buffers.items()}, self.runtime)
         slot.buffers = buffers if pooled else None
+        # Fresh buffers belong to the compute stream's order, and a pooled buffer's last
+        # compute-stream readers are covered too: the fetch stream writes them after.
+        self._order_after_compute()
         return slot
 
     def release(self, slot: Slot, events: list | None = None) -> None:
@@ -227,31 +289,48 @@ class Stager:
         self.raise_failed()
         slot = self._empty_slot(rows, pooled)
         self.bank.count_traffic(staged_in=rows.numel() * self._row_bytes())
-        self._io.submit(self._fetch, slot, None, slot.rows_cpu).result()
+        self._io.submit(self._fetch, slot, None, None).result()
         return slot
 
     def prefetch(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
         """Start building the slot for the forward identified by ``key`` while the
-        ``live`` slots (staged, not yet stepped) are still in use."""
+        ``live`` slots (staged, not yet stepped) are still in use. Returns without
+        waiting for the device."""
         self.raise_failed()
         self.discard()                      # a second lookahead replaces the first
         slot = self._empty_slot(rows)
-        live_rows = torch.cat([s.rows_cpu for s in live]) if live else torch.empty(0, dtype=torch.long)
-        in_live = torch.isin(slot.rows_cpu, live_rows)
-        cold = torch.nonzero(~in_live).squeeze(1)
-        overlap = torch.nonzero(in_live).squeeze(1)
-        if cold.numel():
-            # Traffic is counted when a transfer is issued, so each step's report is
-            # deterministic however fast the worker is.
-            self.bank.count_traffic(staged_in=cold.numel() * self._row_bytes())
-            slot._futures.append(self._io.submit(self._fetch, slot, cold, slot.rows_cpu[cold]))
-        if overlap.numel():
-            slot.overlap = (overlap, slot.rows_cpu[overlap])
-            if self.patch_before_step:
+        # The split into cold and overlapping rows needs the row ids on the host: the
+        # I/O worker waits for their copy, and the host goes on queueing this step's
+        # work meanwhile. ``after_step`` and ``take`` wait for the split, not the fetch.
+        slot._split = threading.Event()
+        slot._futures.append(self._io.submit(self._split_and_fetch, slot, list(live)))
+        if self.patch_before_step:
+            slot.wait_split()
+            if slot.overlap is not None:
                 self._patch(slot, live)
                 # Completed now, so that it reads the pre-step values on every runtime.
                 self.runtime.synchronize(slot._event)
         self._next = (key, slot)
+
+    def _split_and_fetch(self, slot: Slot, live: list[Slot]) -> None:
+        """(I/O worker) split a prefetched slot's rows into cold ones, fetched now,
+        and ones the ``live`` slots hold, copied from them after the step."""
+        try:
+            rows_cpu = slot.rows_cpu
+            live_rows = torch.cat([s.rows_cpu for s in live]) if live else torch.empty(0, dtype=torch.long)
+            in_live = torch.isin(rows_cpu, live_rows)
+            cold = torch.nonzero(~in_live).squeeze(1)
+            overlap = torch.nonzero(in_live).squeeze(1)
+            if overlap.numel():
+                slot.overlap = (overlap, rows_cpu[overlap])
+            # Traffic is counted when a transfer is issued, before the split is
+            # published: the step that waits for it reports it, however fast the worker.
+            if cold.numel():
+                self.bank.count_traffic(staged_in=cold.numel() * self._row_bytes())
+        finally:
+            slot._split.set()
+        if cold.numel():
+            self._fetch(slot, cold, rows_cpu[cold])
 
     def take(self, rows: torch.Tensor, key, live: list[Slot]) -> Slot | None:
         """The prefetched slot for ``key`` once ready, or None if there is none."""
@@ -264,6 +343,7 @@ class Stager:
             slot.wait()                     # drop it, but surface its errors
             self.release(slot)
             return None
+        slot.wait_split()
         if slot.overlap is not None:        # no step since prefetch: live values are current
             self._patch(slot, live)
         return slot.wait()
@@ -309,8 +389,10 @@ class Stager:
         for t in updated.states.values():
             rt.keep_alive(t, self._fetch_stream)
             rt.keep_alive(t, self._write_stream)
-        if self._next is not None and self._next[1].overlap is not None:
-            self._patch(self._next[1], [updated])
+        if self._next is not None:
+            self._next[1].wait_split()
+            if self._next[1].overlap is not None:
+                self._patch(self._next[1], [updated])
         rows_cpu = updated.rows_cpu
         for name in updated.states:
             self.bank.note_issued(name, rows_cpu)
@@ -334,7 +416,7 @@ class Stager:
             for name in host_names:
                 store, values = self.bank.store(name), updated.states[name]
                 host[name] = rt.empty(values.shape, store.dtype, "cpu", users=(self._write_stream,),
-                                      pin=torch.cuda.is_available())
+                                      pin=True)
                 rt.run(self._write_stream, _copy_out, host[name], values, reads=(values,), writes=(host[name],))
             copied = rt.record(self._write_stream)
             updated.readers.append(copied)
@@ -387,6 +469,8 @@ class Stager:
                 self.drain()
         finally:
             self._io.shutdown(wait=True)
+            if getattr(self.bank, "on_device_write", None) == self._device_tables_written:
+                self.bank.on_device_write = None
             self.runtime.close()
 
 

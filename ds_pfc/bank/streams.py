@@ -11,6 +11,17 @@ another reads goes through a :class:`Runtime`:
 * ``empty(..., users=)`` allocates a buffer other streams may use (CUDA:
   ``record_stream`` for each of them, so the allocator cannot hand it out while
   their work is queued); ``keep_alive`` does the same for an existing tensor.
+  A device buffer is allocated on the compute stream: its memory may still be in
+  use by compute work queued before it (the caching allocator reuses a block as soon
+  as the host freed it), so a side stream touches it only after waiting on an event
+  recorded on the compute stream after the allocation. ``pin=True`` asks for a
+  page-locked host buffer, filled by the host or a side stream, never by compute.
+* ``on_compute(reads=, writes=)`` states that the work just enqueued on the compute
+  stream reads or writes these buffers (e.g. a device table loaded by the caller):
+  a side stream must likewise wait for an event recorded after it.
+* ``to_host(tensor)`` copies a compute-stream tensor into host memory without
+  blocking and returns ``(host, event)``: ``host`` holds the values once ``event``
+  has completed (``synchronize`` it before reading them).
 * ``retire(buffers, events)`` states that ``buffers`` go back to a pool and are free
   once ``events`` (their last readers) completed; ``reusable`` says whether they are.
 
@@ -19,8 +30,10 @@ Three implementations: :class:`CudaRuntime` (torch.cuda streams and events),
 ``DS_PFC_DEBUG_STREAMS=1``, :class:`EmulatedRuntime`: CPU streams that complete
 their work late and out of order on a worker thread, poison retired buffers and
 raise :class:`StreamError` on a buffer reused while a consumer is pending, a buffer
-used by a stream that does not own it, or two unordered accesses from different
-streams. CUDA ordering bugs that a CPU run would never show then fail on the CPU.
+used by a stream that does not own it, two unordered accesses from different
+streams, or a side stream touching a buffer the compute stream allocated or wrote
+with no event ordering it after that. CUDA ordering bugs that a CPU run would never
+show then fail on the CPU.
 """
 from __future__ import annotations
 
@@ -95,6 +108,15 @@ class Runtime:
     def keep_alive(self, tensor: torch.Tensor, stream) -> None:
         raise NotImplementedError
 
+    def on_compute(self, reads: Iterable[torch.Tensor] = (), writes: Iterable[torch.Tensor] = ()) -> None:
+        """The caller's work just enqueued on the compute stream reads/writes these
+        buffers. Nothing to do on a real device: the emulator checks it."""
+
+    def to_host(self, tensor: torch.Tensor):
+        """``(host copy, event)``: the copy is enqueued on the compute stream and
+        holds ``tensor``'s values once ``event`` completed."""
+        raise NotImplementedError
+
     def retire(self, buffers: Iterable[torch.Tensor], events: list) -> list:
         """``buffers`` return to a pool; their last readers end at ``events``.
         Returns the events after which the pool may hand them out."""
@@ -140,6 +162,9 @@ class CpuRuntime(Runtime):
     def keep_alive(self, tensor, stream):
         pass
 
+    def to_host(self, tensor):
+        return tensor.to("cpu"), None
+
 
 class CudaRuntime(Runtime):
     """torch.cuda streams and events on one device."""
@@ -179,6 +204,13 @@ class CudaRuntime(Runtime):
             self.keep_alive(t, stream)
         return t
 
+    def to_host(self, tensor):
+        if not tensor.is_cuda:
+            return tensor.to("cpu"), None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)       # on the current (compute) stream
+        return host, self.record(self.compute())
+
     def keep_alive(self, tensor, stream):
         # Pinned host memory needs nothing: the caching host allocator records an
         # event for every asynchronous copy out of or into it.
@@ -191,14 +223,18 @@ class _Stream:
     def __init__(self, name: str):
         self.name = name
         self.ops: collections.deque = collections.deque()
+        # The compute-stream position that the work queued here from now on is ordered
+        # after (through waits on compute events, or on events of streams that waited).
+        self.horizon = 0
 
     def __repr__(self):
         return f"<stream {self.name}>"
 
 
 class _Event:
-    def __init__(self, stream: _Stream):
+    def __init__(self, stream: _Stream, horizon: int = 0):
         self.stream = stream
+        self.horizon = horizon      # the compute-stream position its completion implies
         self.done = threading.Event()
 
     def __repr__(self):
@@ -211,8 +247,9 @@ class EmulatedRuntime(Runtime):
     Each stream is a FIFO of operations; one worker thread repeatedly picks a stream
     at random (seeded) among those whose head can run, sleeps up to ``max_delay``
     seconds and runs that head. Waits are honoured, nothing else orders two streams.
-    The compute stream carries no work (the host ran it already) but its events
-    complete late, as a GPU runs behind the host. Checks, raised as
+    The compute stream carries no work (the host ran it already; only the copies of
+    ``to_host`` run on it, late) but its events complete late, as a GPU runs behind
+    the host. Checks, raised as
     :class:`StreamError` (at once, or at the next call into the runtime):
 
     * a buffer used by a stream it was neither allocated for nor kept alive on
@@ -220,7 +257,15 @@ class EmulatedRuntime(Runtime):
     * a write to a buffer whose recorded consumer has not completed, or a pool
       handing such a buffer out;
     * an operation touching a buffer that an earlier operation on another stream
-      still has to run on, with one of them writing (a missing wait).
+      still has to run on, with one of them writing (a missing wait);
+    * a side-stream operation touching a buffer the compute stream allocated
+      (``empty``, not pinned) or wrote (``on_compute``), or writing one it read, that
+      is not ordered after that access: neither the side stream waited on an event
+      recorded on compute after it, nor did the host synchronize (or find complete)
+      such an event before enqueueing the operation. The compute stream's accesses
+      are positions in its order (every access and every record takes the next one),
+      so this is checked when the operation is enqueued. A compute-stream access to
+      a buffer with side-stream work still pending on it is caught the same way.
 
     Retired buffers are filled with NaN (integers: their minimum) once their
     recorded consumers completed, fresh ones at allocation: a read that is not
@@ -236,6 +281,11 @@ class EmulatedRuntime(Runtime):
         self._allocator = _Stream("allocator")      # deferred poisoning
         self._streams = [self._compute, self._allocator]
         self._seq = itertools.count()
+        self._position = itertools.count(1)         # the compute stream's order
+        self._synced = 0                            # compute position the host saw complete
+        # key -> {"write": (position, what), "read": (position, what)}: the compute
+        # stream's last write (an allocation counts as one) and last read of a buffer.
+        self._compute_access: dict[int, dict[str, tuple[int, str]]] = {}
         self._owners: dict[int, set] = {}
         self._consumers: dict[int, list[_Event]] = {}
         self._inflight: dict[int, list] = collections.defaultdict(list)   # key -> [(seq, stream, writes)]
@@ -256,8 +306,10 @@ class EmulatedRuntime(Runtime):
 
     def record(self, stream):
         self._check()
-        event = _Event(stream)
-        self._enqueue(stream, ("record", event))
+        with self._cond:
+            event = _Event(stream, next(self._position) if stream is self._compute else stream.horizon)
+            stream.ops.append(("record", event))
+            self._cond.notify_all()
         return event
 
     def wait(self, stream, event):
@@ -267,17 +319,47 @@ class EmulatedRuntime(Runtime):
         if stream is self._compute:
             self.synchronize(event)     # the host is the compute stream's issuer: it blocks
         else:
-            self._enqueue(stream, ("wait", event))
+            with self._cond:
+                stream.ops.append(("wait", event))
+                stream.horizon = max(stream.horizon, event.horizon)
+                self._cond.notify_all()
 
     def synchronize(self, event):
         if event is not None:
             while not event.done.wait(0.05):
                 self._check()
+            self._saw_complete(event)
         self._check()
 
     def query(self, event):
         self._check()
-        return event is None or event.done.is_set()
+        if event is None:
+            return True
+        if event.done.is_set():
+            self._saw_complete(event)
+            return True
+        return False
+
+    def on_compute(self, reads=(), writes=()):
+        self._check()
+        with self._cond:
+            for t, w in [(t, False) for t in reads] + [(t, True) for t in writes]:
+                key = _storage_key(t)
+                for _, other, other_w in self._inflight[key]:
+                    if other is not self._compute and (w or other_w):
+                        raise StreamError(
+                            f"the compute stream {'writes' if w else 'reads'} a buffer {tuple(t.shape)} {t.dtype} "
+                            f"that a {'write' if other_w else 'read'} on {other} has not finished: no event orders "
+                            f"them (a missing wait)")
+                self._mark_compute(t, w, "wrote" if w else "read")
+
+    def to_host(self, tensor):
+        self._check()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype)
+        _poison(host)                   # garbage until the copy ran
+        seq = next(self._seq)
+        self._enqueue(self._compute, ("run", seq, host.copy_, (tensor,), [], []))
+        return host, self.record(self._compute)
 
     def run(self, stream, fn, *args, reads=(), writes=()):
         self._check()
@@ -290,6 +372,20 @@ class EmulatedRuntime(Runtime):
                     f"alive on it (record_stream): on CUDA its memory could be reused while {stream} still reads it")
         seq = next(self._seq)
         with self._cond:
+            if stream is not self._compute and stream is not self._allocator:
+                ordered = max(stream.horizon, self._synced)
+                for t, w in [(t, False) for t in reads] + [(t, True) for t in writes]:
+                    access = self._compute_access.get(_storage_key(t), {})
+                    # A read must follow the compute stream's last write; a write its last read too.
+                    conflicts = [access[k] for k in (("write", "read") if w else ("write",)) if k in access]
+                    late = [a for a in conflicts if a[0] > ordered]
+                    if late:
+                        raise StreamError(
+                            f"{stream} {'writes' if w else 'reads'} a buffer {tuple(t.shape)} {t.dtype} that the "
+                            f"compute stream {late[0][1]} with no event ordering {stream} after it: wait on an event "
+                            f"recorded on the compute stream after that (record(compute), then wait({stream.name}, "
+                            f"event)); on CUDA the compute stream's work, or the work it freed that memory after, "
+                            f"may still be running")
             for t, w in [(t, False) for t in reads] + [(t, True) for t in writes]:
                 self._inflight[_storage_key(t)].append((seq, stream, w))
         self._enqueue(stream, ("run", seq, fn, args, reads, writes))
@@ -300,6 +396,11 @@ class EmulatedRuntime(Runtime):
         key = _storage_key(t)
         self._owners[key] = {self._compute, *users}
         self._consumers.pop(key, None)      # a freed buffer's consumers are not this one's
+        with self._cond:
+            if pin:                         # page-locked host memory: no compute-stream history
+                self._compute_access.pop(key, None)
+            else:                           # allocated on the compute stream
+                self._compute_access[key] = {"write": (next(self._position), "allocated")}
         return t
 
     def keep_alive(self, tensor, stream):
@@ -345,6 +446,15 @@ class EmulatedRuntime(Runtime):
     def _check(self):
         if self._error is not None:
             raise self._error
+
+    def _saw_complete(self, event):
+        """The host knows ``event`` completed: compute work up to its position is done."""
+        with self._cond:
+            self._synced = max(self._synced, event.horizon)
+
+    def _mark_compute(self, t, wrote, what):
+        self._compute_access.setdefault(_storage_key(t), {})["write" if wrote else "read"] = \
+            (next(self._position), what)
 
     def _enqueue(self, stream, op):
         with self._cond:

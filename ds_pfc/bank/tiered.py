@@ -87,6 +87,9 @@ class TieredBank(ClassBank):
         self.bytes_in = 0
         self.bytes_out = 0
         self._traffic_lock = threading.Lock()   # the I/O worker counts too
+        # Called with the device-tier tables just written on the compute stream (write,
+        # load), so that the stager orders its side streams after those writes.
+        self.on_device_write: Callable[[list[torch.Tensor]], None] | None = None
         needs_dir = any(p.tier == "nvme" for p in [default, *self.placements.values()])
         if needs_dir and nvme_dir is None:
             raise ValueError("nvme_dir is required when a state is placed on the nvme tier")
@@ -201,6 +204,7 @@ class TieredBank(ClassBank):
         ids = self._ids(rows)
         self.note_issued(name, ids)
         self.store(name).scatter(ids, values)
+        self._device_written(name)
         self.count_traffic(out=values.numel() * torch.empty((), dtype=self.store(name).dtype).element_size())
 
     def note_issued(self, name: str, rows_cpu: torch.Tensor) -> None:
@@ -221,6 +225,12 @@ class TieredBank(ClassBank):
         self._issued[name] += 1
         _write_init(store, lambda lo, hi: tensor[lo:hi], self.num_rows)
         store.versions.copy_(self._issued[name])
+        self._device_written(name)
+
+    def _device_written(self, name: str) -> None:
+        store = self.store(name)
+        if store.tier == "device" and self.on_device_write is not None:
+            self.on_device_write([store.data])
 
     def resident_bytes(self):
         """Bytes per tier: rows held on the device, in host memory (rows, version
