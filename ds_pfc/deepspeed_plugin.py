@@ -443,13 +443,13 @@ def _tensor_parallel_group(engine, mpu):
     return internal(groups, "_TENSOR_MODEL_PARALLEL_GROUP", owner="deepspeed.utils.groups", why=why)
 
 
-def _check_engine(engine, heads: dict, config: dict) -> None:
+def _check_engine(engine, heads: dict, config: dict | None = None) -> None:
     """Refuse engine options under which the heads would train wrong, or that the
     installed DeepSpeed ignores."""
     if not heads:
         return
     names = sorted(heads)
-    asked = config.get("gradient_allreduce_op", "mean")
+    asked = (config or {}).get("gradient_allreduce_op", "mean")
     if asked != "mean" and not hasattr(engine._config, "gradient_allreduce_op"):
         import deepspeed
         raise ValueError(f"gradient_allreduce_op={asked!r}: DeepSpeed {deepspeed.__version__} ignores this key (it "
