@@ -17,15 +17,19 @@ TESTED = {
     # 2.13 is the floor because that is the oldest torch the suite runs on; the
     # ceiling admits the 2.14 series (checked with the quick suite, not in CI).
     "torch": ("2.13", "2.15"),
-    # engine.managed_gradient_accumulation() (every PfcEngine.step) exists from
-    # 0.19.4; CI runs the suite on the newest 0.19 release and a quick subset on 0.19.4.
-    "deepspeed": ("0.19.4", "0.20"),
+    # Earlier releases lack engine.managed_gradient_accumulation() (before 0.19.4,
+    # every PfcEngine.step calls it) or restore a ZeRO 1-3 universal checkpoint's
+    # weights from the wrong files (before 0.19.7: a resume on another number of ranks
+    # would start from other weights). CI runs the suite on the newest 0.19 release
+    # and a quick subset on 0.19.7.
+    "deepspeed": ("0.19.7", "0.20"),
 }
 """package -> (lowest supported, first untested): ``lowest <= version < first untested``."""
 
 _WHY = {
     "torch": "older releases are untested",
-    "deepspeed": "older releases lack engine.managed_gradient_accumulation(), which every step calls",
+    "deepspeed": "older releases lack engine.managed_gradient_accumulation(), which every step calls, or "
+                 "load a universal checkpoint's weights wrong",
 }
 
 

@@ -349,7 +349,7 @@ def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, mod
         kwargs["mpu"] = mpu
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model_parameters,
                                            optimizer=optimizer, lr_scheduler=lr_scheduler, **kwargs)
-    _check_engine(engine, found, config)
+    _check_engine(engine, found)
     layout = _EngineGroups.of(engine, mpu)
     for name, entry in found.items():
         if isinstance(entry.head, HeadSpec):
@@ -443,17 +443,11 @@ def _tensor_parallel_group(engine, mpu):
     return internal(groups, "_TENSOR_MODEL_PARALLEL_GROUP", owner="deepspeed.utils.groups", why=why)
 
 
-def _check_engine(engine, heads: dict, config: dict | None = None) -> None:
-    """Refuse engine options under which the heads would train wrong, or that the
-    installed DeepSpeed ignores."""
+def _check_engine(engine, heads: dict) -> None:
+    """Refuse engine options under which the heads would train wrong."""
     if not heads:
         return
     names = sorted(heads)
-    asked = (config or {}).get("gradient_allreduce_op", "mean")
-    if asked != "mean" and not hasattr(engine._config, "gradient_allreduce_op"):
-        import deepspeed
-        raise ValueError(f"gradient_allreduce_op={asked!r}: DeepSpeed {deepspeed.__version__} ignores this key (it "
-                         "reads it from 0.19.6) and averages gradients; remove it (heads need the mean)")
     sequence_parallel = internal(engine, "sequence_parallel_size", owner="engine",
                                  why="to refuse sequence parallelism, which the heads do not support")
     if sequence_parallel > 1:
