@@ -41,6 +41,8 @@ def _evaluation_json(results) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--deepspeed_config", default=DEFAULT_CONFIG, help="job JSON (default: the CPU quickstart)")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="accepted for DeepSpeed's usual command line; the app always trains through DeepSpeed")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     p.add_argument("--output_dir", default=None, help="overrides ds_pfc.train.output_dir")
     p.add_argument("--max_steps", type=int, default=None, help="overrides ds_pfc.train.max_steps")

@@ -346,6 +346,8 @@ def test_bad_configs_fail_with_a_clear_message(tmp_path, edit, needle):
 
 
 def test_missing_config_file(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config",
-                           str(tmp_path / "nope.json")], env=_env(), cwd=ROOT, capture_output=True, text=True)
+    # --deepspeed: DeepSpeed's usual invocation (deepspeed.add_config_arguments) is accepted
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed",
+                           "--deepspeed_config", str(tmp_path / "nope.json")], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True)
     assert proc.returncode != 0 and "config file not found" in proc.stderr and "Traceback" not in proc.stderr
