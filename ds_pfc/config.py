@@ -338,13 +338,15 @@ class BackboneConfig:
     ``head.embedding_size``."""
 
     name: str = "iresnet50"
-    """iresnet18/34/50/100, mobilefacenet, vit_t, vit_s (or r18/r50/r100/mbf)."""
+    """iresnet18/34/50/100/200, mobilefacenet(_large), vit_t/s/b/l (or r18...r200, mbf, mbf_large)."""
     width: float = 1.0
     """Channel multiplier: 1.0 is the published network; smaller for CPU runs."""
     dropout: float = 0.0
     """Dropout before the embedding layer."""
     options: dict = field(default_factory=dict)
-    """Constructor extras, e.g. ``{"drop_path_rate": 0.1}`` for the ViTs."""
+    """Constructor extras, e.g. ``{"drop_path_rate": 0.1}`` for the ViTs, or
+    ``{"checkpoint_blocks": true}`` (any backbone) to recompute each block's
+    activations in backward instead of keeping them."""
 
     def __post_init__(self):
         from .models import ALIASES, BACKBONES

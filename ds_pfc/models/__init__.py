@@ -24,20 +24,30 @@ from .vit import ViT
 __all__ = ["build_backbone", "count_macs", "count_flops", "BACKBONES", "ALIASES", "INPUT_SHAPE",
            "IResNet", "MobileFaceNet", "ViT"]
 
+# name -> (class, fixed architecture, defaults the options may override). The numbers
+# are insightface's (arcface_torch ``get_model``); vit_b and vit_l default to its
+# network and to its stochastic depth and mask ratio for them (vit_l: its WebFace42M
+# setting, the only vit_l it defines).
 _SPECS = {
-    "iresnet18": (IResNet, {"layers": (2, 2, 2, 2)}),
-    "iresnet34": (IResNet, {"layers": (3, 4, 6, 3)}),
-    "iresnet50": (IResNet, {"layers": (3, 4, 14, 3)}),
-    "iresnet100": (IResNet, {"layers": (3, 13, 30, 3)}),
-    "mobilefacenet": (MobileFaceNet, {"blocks": (1, 4, 6, 2), "scale": 2}),
-    "vit_t": (ViT, {"dim": 256, "depth": 12, "num_heads": 8}),
-    "vit_s": (ViT, {"dim": 512, "depth": 12, "num_heads": 8}),
+    "iresnet18": (IResNet, {"layers": (2, 2, 2, 2)}, {}),
+    "iresnet34": (IResNet, {"layers": (3, 4, 6, 3)}, {}),
+    "iresnet50": (IResNet, {"layers": (3, 4, 14, 3)}, {}),
+    "iresnet100": (IResNet, {"layers": (3, 13, 30, 3)}, {}),
+    "iresnet200": (IResNet, {"layers": (6, 26, 60, 6)}, {}),
+    "mobilefacenet": (MobileFaceNet, {"blocks": (1, 4, 6, 2), "scale": 2}, {}),
+    "mobilefacenet_large": (MobileFaceNet, {"blocks": (2, 8, 12, 4), "scale": 4}, {}),
+    "vit_t": (ViT, {"dim": 256, "depth": 12, "num_heads": 8}, {}),
+    "vit_s": (ViT, {"dim": 512, "depth": 12, "num_heads": 8}, {}),
+    "vit_b": (ViT, {"dim": 512, "depth": 24, "num_heads": 8},
+              {"style": "arcface", "drop_path_rate": 0.1, "mask_ratio": 0.1}),
+    "vit_l": (ViT, {"dim": 768, "depth": 24, "num_heads": 8},
+              {"style": "arcface", "drop_path_rate": 0.05, "mask_ratio": 0.05}),
 }
 BACKBONES = tuple(_SPECS)
 """Canonical backbone names."""
 
 ALIASES = {"r18": "iresnet18", "r34": "iresnet34", "r50": "iresnet50", "r100": "iresnet100",
-           "mbf": "mobilefacenet"}
+           "r200": "iresnet200", "mbf": "mobilefacenet", "mbf_large": "mobilefacenet_large"}
 """insightface's short names."""
 
 
@@ -49,9 +59,12 @@ def build_backbone(name: str, *, embedding_size: int = 512, width: float = 1.0, 
         embedding_size: output dimension (512 published).
         width: channel multiplier; 1.0 is the published size, smaller for CPU tests.
         dropout: dropout probability before the embedding FC.
-        **options: constructor-specific extras, e.g. ``drop_path_rate`` and
-            ``mask_ratio`` for the ViTs (0 by default; insightface's ViT recipes use
-            0.05-0.1).
+        **options: constructor-specific extras: ``checkpoint_blocks`` (every
+            backbone: recompute each block in backward, training only);
+            ``drop_path_rate``, ``mask_ratio`` and ``style`` for the ViTs (vit_t and
+            vit_s: 0, 0, ``"default"``; vit_b: 0.1, 0.1, ``"arcface"``; vit_l: 0.05,
+            0.05, ``"arcface"``, as insightface trains them); ``image_size`` for the
+            MobileFaceNets.
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -59,8 +72,8 @@ def build_backbone(name: str, *, embedding_size: int = 512, width: float = 1.0, 
     if canonical not in _SPECS:
         raise ValueError(f"unknown backbone {name!r}; valid names: {', '.join(BACKBONES)} "
                          f"(aliases: {', '.join(ALIASES)})")
-    cls, spec = _SPECS[canonical]
-    return cls(**spec, embedding_size=embedding_size, width=width, dropout=dropout, **options)
+    cls, spec, defaults = _SPECS[canonical]
+    return cls(**spec, embedding_size=embedding_size, width=width, dropout=dropout, **{**defaults, **options})
 
 
 def count_macs(model: nn.Module, input_size: Sequence[int] = (1, *INPUT_SHAPE)) -> int:

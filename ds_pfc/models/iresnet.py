@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .checkpointing import check_checkpoint_blocks, run_blocks
 from .norm import BatchNorm1d, BatchNorm2d
 
 __all__ = ["IResNet", "IBasicBlock", "INPUT_SHAPE"]
@@ -119,12 +120,15 @@ class IResNet(nn.Module):
         embedding_size: output dimension (512 published).
         width: channel multiplier (1.0 = 64/128/256/512 channels); for small CPU runs.
         dropout: dropout probability on the 7x7 feature map before the FC.
+        checkpoint_blocks: recompute each basic block's activations in backward instead
+            of keeping them (training only; see :mod:`ds_pfc.models.checkpointing`).
     """
 
     def __init__(self, layers: Sequence[int], *, embedding_size: int = 512, width: float = 1.0,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, checkpoint_blocks: bool = False):
         super().__init__()
         check_backbone_args(embedding_size, width, dropout)
+        self.checkpoint_blocks = check_checkpoint_blocks(checkpoint_blocks)
         layers = tuple(layers)
         if len(layers) != 4 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
             raise ValueError(f"layers must be 4 positive ints (blocks per stage), got {layers!r}")
@@ -157,6 +161,7 @@ class IResNet(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         check_images(images)
-        x = self.stages(self.stem(images))
+        blocks = (block for stage in self.stages for block in stage)
+        x = run_blocks(blocks, self.stem(images), checkpointed=self.checkpoint_blocks, training=self.training)
         x = self.dropout(self.bn(x)).flatten(1)
         return self.features(self.fc(x))

@@ -1,5 +1,6 @@
 """MobileFaceNet (Chen et al., CCBR'18, Table 1) for 112x112 faces, in the widened
-form insightface trains as ``mbf`` (block counts ``(1, 4, 6, 2)``, ``scale=2``).
+forms insightface trains as ``mbf`` (block counts ``(1, 4, 6, 2)``, ``scale=2``) and
+``mbf_large`` (``(2, 8, 12, 4)``, ``scale=4``).
 
 Written from the paper's table. With ``c`` the paper's channel count and ``t`` its
 expansion factor:
@@ -34,6 +35,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .checkpointing import check_checkpoint_blocks, run_blocks
 from .iresnet import check_backbone_args, check_images, embedding_bn, init_convs, scaled
 from .norm import BatchNorm2d
 
@@ -83,12 +85,16 @@ class MobileFaceNet(nn.Module):
         image_size: side of the square input, >= 16 (112 published). Four stride-2
             stages take it to ``ceil(image_size / 16)``, the global depthwise conv's
             kernel (7 at 112, 4 at 56): smaller faces for quick CPU studies.
+        checkpoint_blocks: recompute each layer's activations in backward instead of
+            keeping them (training only; see :mod:`ds_pfc.models.checkpointing`).
     """
 
     def __init__(self, blocks: Sequence[int] = (1, 4, 6, 2), scale: int = 2, *, embedding_size: int = 512,
-                 width: float = 1.0, dropout: float = 0.0, image_size: int = 112):
+                 width: float = 1.0, dropout: float = 0.0, image_size: int = 112,
+                 checkpoint_blocks: bool = False):
         super().__init__()
         check_backbone_args(embedding_size, width, dropout)
+        self.checkpoint_blocks = check_checkpoint_blocks(checkpoint_blocks)
         if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 16:
             raise ValueError(f"image_size must be an int >= 16, got {image_size!r}")
         self.image_size = image_size
@@ -129,6 +135,7 @@ class MobileFaceNet(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         check_images(images, image_size=self.image_size)
-        x = self.gdc(self.body(images)).flatten(1)
+        x = run_blocks(self.body, images, checkpointed=self.checkpoint_blocks, training=self.training)
+        x = self.gdc(x).flatten(1)
         return self.features(self.fc(self.dropout(x)))
 

@@ -16,12 +16,18 @@ it leaves the module in float32). The statistics are accumulated in float32 and 
 cast's gradient reaches the 16-bit parameters in their own dtype. When parameters and
 statistics share a dtype nothing is cast, so float32 runs are unchanged bit for bit.
 The state dict is that of ``nn.BatchNorm1d``/``nn.BatchNorm2d``.
+
+While a checkpointed block is recomputed for backward
+(:mod:`ds_pfc.models.checkpointing`) they normalise with the batch statistics and leave
+the running statistics alone, so a checkpointed step updates them once.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .checkpointing import recomputing
 
 __all__ = ["BatchNorm1d", "BatchNorm2d"]
 
@@ -31,6 +37,10 @@ class _StatsDtypeBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
+        if self.training and recomputing():
+            # A checkpointed block replayed for backward: the same batch-statistics
+            # normalisation as the first pass, running statistics left as they are.
+            return F.batch_norm(input, None, None, *self._affine(), True, 0.0, self.eps)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -41,11 +51,15 @@ class _StatsDtypeBatchNorm(nn.modules.batchnorm._BatchNorm):
         tracked = not self.training or self.track_running_stats
         running_mean = self.running_mean if tracked else None
         running_var = self.running_var if tracked else None
+        weight, bias = self._affine()
+        return F.batch_norm(input, running_mean, running_var, weight, bias, use_batch_stats, factor, self.eps)
+
+    def _affine(self):
         weight, bias = self.weight, self.bias
         stats_dtype = self.running_mean.dtype if self.running_mean is not None else None
         if stats_dtype is not None and weight is not None and weight.dtype != stats_dtype:
             weight, bias = weight.to(stats_dtype), bias.to(stats_dtype)
-        return F.batch_norm(input, running_mean, running_var, weight, bias, use_batch_stats, factor, self.eps)
+        return weight, bias
 
 
 class BatchNorm1d(_StatsDtypeBatchNorm, nn.BatchNorm1d):

@@ -1,5 +1,6 @@
 """Vision Transformer for 112x112 faces, as insightface's partial-FC ViTs are described:
-patch 9, 8 heads; ``vit_t`` dim 256 / depth 12, ``vit_s`` dim 512 / depth 12.
+patch 9, 8 heads, MLP ratio 4; ``vit_t`` dim 256 / depth 12, ``vit_s`` dim 512 / depth
+12, ``vit_b`` dim 512 / depth 24, ``vit_l`` dim 768 / depth 24.
 
 Written from the published description:
 
@@ -16,6 +17,18 @@ Written from the published description:
 Training-only token masking (``mask_ratio``): each sample keeps a random
 ``(1 - mask_ratio)`` of its tokens through the transformer blocks; the dropped positions
 are refilled with a learned mask token before the head, which needs all 144.
+
+``style="arcface"`` is the network exactly as arcface_torch defines its ViTs (the
+default of ``vit_b`` and ``vit_l``): ReLU6 instead of GELU in the MLP, eps 2e-5 in the
+head's two BatchNorms, and the mask tokens inserted after the final LayerNorm instead
+of before it. Either style creates its tensors in arcface_torch's order and shapes
+(``pos_embed``, ``mask_token`` when ``mask_ratio > 0``, patch embedding, per block
+``norm1``, ``norm2``, ``qkv`` (no bias), ``proj``, the two MLP layers, the final
+LayerNorm, the head), so its weights map onto arcface_torch's tensor for tensor;
+with ``style="arcface"`` the outputs are the same too.
+
+``checkpoint_blocks=True`` recomputes each transformer block in backward instead of
+keeping its activations (training only; :mod:`ds_pfc.models.checkpointing`).
 """
 from __future__ import annotations
 
@@ -23,12 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpointing import check_checkpoint_blocks, run_blocks
 from .iresnet import INPUT_SHAPE, check_backbone_args, check_images, embedding_bn, scaled
 from .norm import BatchNorm1d
 
 __all__ = ["ViT"]
 
 _PATCH = 9
+_STYLES = {"default": (nn.GELU, 1e-5, False), "arcface": (nn.ReLU6, 2e-5, True)}
+"""style -> (MLP activation, head BatchNorm eps, mask tokens inserted after the final LayerNorm)."""
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -56,12 +72,14 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block."""
 
-    def __init__(self, dim: int, num_heads: int, drop_path_rate: float = 0.0, mlp_ratio: int = 4):
+    def __init__(self, dim: int, num_heads: int, drop_path_rate: float = 0.0, mlp_ratio: int = 4,
+                 activation: type[nn.Module] = nn.GELU):
         super().__init__()
+        # Both norms first: the tensors then come in arcface_torch's order.
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+        self.attn = Attention(dim, num_heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), activation(), nn.Linear(mlp_ratio * dim, dim))
         self.drop_path_rate = drop_path_rate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,12 +99,21 @@ class ViT(nn.Module):
         dropout: dropout probability on the flattened tokens before the head's first FC.
         drop_path_rate: stochastic-depth rate of the last block (0 disables).
         mask_ratio: fraction of tokens dropped per sample in training (0 disables).
+        style: ``"default"`` or ``"arcface"`` (arcface_torch's network; see the module
+            docstring).
+        checkpoint_blocks: recompute each block's activations in backward (training only).
     """
 
     def __init__(self, dim: int = 256, depth: int = 12, num_heads: int = 8, *, embedding_size: int = 512,
-                 width: float = 1.0, dropout: float = 0.0, drop_path_rate: float = 0.0, mask_ratio: float = 0.0):
+                 width: float = 1.0, dropout: float = 0.0, drop_path_rate: float = 0.0, mask_ratio: float = 0.0,
+                 style: str = "default", checkpoint_blocks: bool = False):
         super().__init__()
         check_backbone_args(embedding_size, width, dropout)
+        if not isinstance(style, str) or style not in _STYLES:
+            raise ValueError(f"style must be one of {sorted(_STYLES)}, got {style!r}")
+        activation, head_eps, self._mask_after_norm = _STYLES[style]
+        self.style = style
+        self.checkpoint_blocks = check_checkpoint_blocks(checkpoint_blocks)
         for name, value in (("dim", dim), ("depth", depth), ("num_heads", num_heads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -103,15 +130,16 @@ class ViT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_tokens, self.dim))
         self.mask_token = nn.Parameter(torch.zeros(1, 1, self.dim)) if mask_ratio > 0 else None
         rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
-        self.blocks = nn.Sequential(*(Block(self.dim, num_heads, r) for r in rates))
+        self.blocks = nn.Sequential(*(Block(self.dim, num_heads, r, activation=activation) for r in rates))
         self.norm = nn.LayerNorm(self.dim)
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Sequential(
             nn.Linear(self.num_tokens * self.dim, self.dim, bias=False),
-            BatchNorm1d(self.dim, eps=1e-5),
+            BatchNorm1d(self.dim, eps=head_eps),
             nn.Linear(self.dim, embedding_size, bias=False),
         )
         self.features = embedding_bn(embedding_size)
+        self.features.eps = head_eps
 
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.mask_token is not None:
@@ -123,21 +151,27 @@ class ViT(nn.Module):
                     nn.init.zeros_(m.bias)
 
     def _masked_blocks(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """Run the blocks on a random subset of tokens per sample; refill the rest."""
+        """Run the blocks on a random subset of tokens per sample; refill the rest with
+        the mask token; return the tokens after the final LayerNorm."""
         B, T, D = x_BTD.shape
         num_keep = max(1, int(T * (1.0 - self.mask_ratio)))
         keep_BK = torch.rand(B, T, device=x_BTD.device).argsort(dim=1)[:, :num_keep]
         index = keep_BK.unsqueeze(-1).expand(-1, -1, D)
-        kept = self.blocks(torch.gather(x_BTD, 1, index))
-        full = self.mask_token.to(kept.dtype).expand(B, T, D)
-        return full.scatter(1, index, kept)
+        kept = self._blocks(torch.gather(x_BTD, 1, index))
+        if self._mask_after_norm:
+            kept = self.norm(kept)
+        full = self.mask_token.to(kept.dtype).expand(B, T, D).scatter(1, index, kept)
+        return full if self._mask_after_norm else self.norm(full)
+
+    def _blocks(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return run_blocks(self.blocks, x_BTD, checkpointed=self.checkpoint_blocks, training=self.training)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         check_images(images)
         x = self.patch_embed(images).flatten(2).transpose(1, 2) + self.pos_embed  # [B, 144, dim]
         if self.training and self.mask_token is not None:
-            x = self._masked_blocks(x)
+            x = self._masked_blocks(x)  # normalised
         else:
-            x = self.blocks(x)
-        x = self.dropout(self.norm(x).flatten(1))
+            x = self.norm(self._blocks(x))
+        x = self.dropout(x.flatten(1))
         return self.features(self.head(x))
