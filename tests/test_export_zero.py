@@ -251,7 +251,12 @@ def test_bf16_engine_trains_and_evaluates_every_backbone(ranks, name):
         assert 0.0 <= result["accuracy"] <= 1.0
 
 
-@pytest.mark.parametrize("name", BACKBONES)
+# The deeper variants are the same classes with more blocks (and, for vit_b / vit_l,
+# training-time token masking, which would draw different masks for the three copies).
+DEEPER = ("iresnet200", "mobilefacenet_large", "vit_b", "vit_l")
+
+
+@pytest.mark.parametrize("name", [n for n in BACKBONES if n not in DEEPER])
 def test_backbones_run_with_bf16_parameters_beside_float32_statistics(name):
     """Every shipped backbone, in DeepSpeed's bf16 state, without DeepSpeed: training
     forward and backward, then eval, against float64 and torch's all-bf16 model."""

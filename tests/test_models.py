@@ -8,7 +8,8 @@ widths, strides, kernel sizes, expansions) without a real forward pass.
 
 References:
 - insightface's README "GFLOPs" (multiply-accumulates, ptflops' convention):
-  r18 2.6, r50 6.3, r100 12.1, mbf 0.45, vit_t 1.5, vit_s 5.7;
+  r18 2.6, r50 6.3, r100 12.1, mbf 0.45, vit_t 1.5, vit_s 5.7; and its WebFace42M
+  table: r200 23.5, vit_b 11.4, vit_l 25.3;
 - ArcFace's IResNet-50 at 512-d: 43.6M parameters; IResNet-18: 24.0M;
 - MobileFaceNet paper (Chen et al. 2018, Table 2): 0.99M parameters and 221M MAdds
   for the original network (``scale=1``, 128-d embedding).
@@ -23,7 +24,7 @@ from ds_pfc.models import ALIASES, BACKBONES, MobileFaceNet, build_backbone, cou
 
 SMALL = 0.125
 PUBLISHED_GMACS = {"iresnet18": 2.6, "iresnet50": 6.3, "iresnet100": 12.1, "mobilefacenet": 0.45,
-                   "vit_t": 1.5, "vit_s": 5.7}
+                   "vit_t": 1.5, "vit_s": 5.7, "iresnet200": 23.5, "vit_b": 11.4, "vit_l": 25.3}
 PUBLISHED_MPARAMS = {"iresnet18": 24.0, "iresnet50": 43.6}
 # The only parameter that does not train: the final BN1d's scale, fixed at 1.
 FROZEN = {"features.weight"}

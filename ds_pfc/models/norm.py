@@ -37,10 +37,12 @@ class _StatsDtypeBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        if self.training and recomputing():
+        if self.training and recomputing() and self.running_mean is not None:
             # A checkpointed block replayed for backward: the same batch-statistics
-            # normalisation as the first pass, running statistics left as they are.
-            return F.batch_norm(input, None, None, *self._affine(), True, 0.0, self.eps)
+            # normalisation as the first pass (the same op, so it saves the same
+            # tensors for backward), its statistics update going to throwaway copies.
+            return F.batch_norm(input, self.running_mean.clone(), self.running_var.clone(), *self._affine(), True,
+                                0.0 if self.momentum is None else self.momentum, self.eps)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
