@@ -363,6 +363,8 @@ class BackboneConfig:
                                   **self.options)
         except TypeError as err:
             raise ConfigError(f"ds_pfc.backbone.options: {err}") from None
+        except ValueError as err:  # an option's value (the other fields are checked above)
+            raise ConfigError(f"ds_pfc.backbone: {err}") from None
 
 
 @dataclass(kw_only=True)

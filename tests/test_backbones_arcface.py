@@ -301,6 +301,11 @@ def test_config_accepts_the_new_names_and_the_option():
         BackboneConfig(name="vit_h")
     model = BackboneConfig(name="mbf_large", width=0.125, options={"checkpoint_blocks": True}).build(64)
     assert model.checkpoint_blocks is True
+    # A bad option value is a configuration error naming it (the app prints "error: ...").
+    with pytest.raises(ConfigError, match="ds_pfc.backbone: checkpoint_blocks must be true or false, got 'yes'"):
+        BackboneConfig(name="r18", options={"checkpoint_blocks": "yes"}).build(64)
+    with pytest.raises(ConfigError, match="ds_pfc.backbone: style"):
+        BackboneConfig(name="vit_l", options={"style": "timm"}).build(64)
 
 
 @pytest.mark.slow
