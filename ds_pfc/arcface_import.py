@@ -25,9 +25,11 @@ order. Two layouts are read:
   ``partial_fc.py``): plain tensors ``[C_r, d]``, weight and momentum.
 
 They become ds_pfc head shards (:mod:`ds_pfc.checkpoint`'s format) for any number of
-ranks: ``weight`` and, for :class:`~ds_pfc.optim.RowSGD` with momentum, the
-``momentum_buffer`` (torch's SGD buffer, the same quantity). A head of that world
-size loads its shard with :func:`ds_pfc.checkpoint.load_head_shard`.
+ranks: ``weight`` and the optimizer's states of it where they were saved, SGD's
+``momentum_buffer`` for :class:`~ds_pfc.optim.RowSGD` (torch's SGD buffer, the same
+quantity), or AdamW's ``exp_avg``, ``exp_avg_sq`` and step for
+:class:`~ds_pfc.optim.RowAdamW`. A head of that world size loads its shard with
+:func:`ds_pfc.checkpoint.load_head_shard`.
 """
 from __future__ import annotations
 
@@ -35,7 +37,6 @@ import json
 import os
 import re
 import warnings
-from dataclasses import dataclass
 
 import torch
 
@@ -287,24 +288,56 @@ def _job_config(config: dict | None, block: dict, embedding_size: int, num_class
 
 
 # ---------------------------------------------------------------------------- head
-@dataclass
-class ArcfaceHead:
-    """arcface_torch's classifier read from its per-rank files: ``weight [C, d]`` in
-    class-id order, ``momentum`` (SGD's buffer, same shape) or None, the source
-    ``world_size`` and the files read (``source``)."""
+_ROW_STATES = {"momentum_buffer": "RowSGD", "exp_avg": "RowAdamW", "exp_avg_sq": "RowAdamW", "step": "RowAdamW"}
+_OPTIMIZER_STATES = {"RowSGD": ("momentum_buffer",), "RowAdamW": ("exp_avg", "exp_avg_sq", "step")}
 
-    weight: torch.Tensor
-    momentum: torch.Tensor | None
-    world_size: int
-    source: str
+
+class ArcfaceHead:
+    """arcface_torch's classifier as its per-rank files hold it: ``parts[state][r]``
+    is rank ``r``'s tensor of ``state``: ``weight [C_r, d]`` and the optimizer's
+    states of it, ``momentum_buffer`` (SGD) or ``exp_avg``, ``exp_avg_sq``
+    ``[C_r, d]`` and ``step [C_r]`` (AdamW), under the names ds_pfc's row optimizer
+    (``optimizer``: ``"RowSGD"``, ``"RowAdamW"`` or None) gives them. ``world_size``
+    is the source's, ``source`` the directory read. The tensors stay as loaded
+    (memory-mapped where the file allows); :meth:`rows` reads a class range."""
+
+    def __init__(self, parts: dict[str, list], world_size: int, source: str):
+        self.parts, self.world_size, self.source = parts, world_size, source
+        self._starts = [0]
+        for part in parts["weight"]:
+            self._starts.append(self._starts[-1] + int(part.shape[0]))
+        names = [k for k in parts if k != "weight"]
+        self.optimizer = _ROW_STATES[names[0]] if names else None
 
     @property
     def num_classes(self) -> int:
-        return int(self.weight.shape[0])
+        return self._starts[-1]
 
     @property
     def embedding_size(self) -> int:
-        return int(self.weight.shape[1])
+        return int(self.parts["weight"][0].shape[1])
+
+    @property
+    def states(self) -> list[str]:
+        return list(self.parts)
+
+    def rows(self, start: int, end: int, state: str = "weight") -> torch.Tensor:
+        """Rows of classes ``[start, end)`` of ``state``: float32, ``step`` int32."""
+        if state not in self.parts:
+            raise ValueError(f"{self.source}: no {state!r} was saved (it holds {self.states})")
+        first = self.parts[state][0]
+        dtype = torch.int32 if state == "step" else torch.float32
+        out = torch.empty((end - start,) + tuple(first.shape[1:]), dtype=dtype)
+        for r, part in enumerate(self.parts[state]):
+            lo, hi = max(start, self._starts[r]), min(end, self._starts[r + 1])
+            if lo < hi:
+                out[lo - start:hi - start].copy_(part[lo - self._starts[r]:hi - self._starts[r]])
+        return out
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole classifier ``[C, d]``, float32, in class-id order."""
+        return self.rows(0, self.num_classes)
 
 
 _V2 = re.compile(r"checkpoint_gpu_(\d+)\.pt")
@@ -336,14 +369,17 @@ def _rank_files(directory: str) -> tuple[str, dict[int, str]]:
     return kind, ranks
 
 
-def _matrix(value, path: str, what: str) -> torch.Tensor:
+def _matrix(value, path: str, what: str, like: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dim() != 2 or not value.is_floating_point():
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ArcfaceImportError(f"{path}: {what} must be a floating-point [num_local, d] tensor, got {shape}")
+    if like is not None and value.shape != like.shape:
+        raise ArcfaceImportError(f"{path}: {what} is {tuple(value.shape)}, expected the weight's shape "
+                                 f"{tuple(like.shape)}")
     return value
 
 
-def _read_v2(path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _read_v2(path: str) -> dict[str, torch.Tensor]:
     obj = _load(path, "arcface_torch head checkpoint")
     if not isinstance(obj, dict) or "state_dict_softmax_fc" not in obj:
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
@@ -352,40 +388,46 @@ def _read_v2(path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     fc = obj["state_dict_softmax_fc"]
     if not isinstance(fc, dict):
         raise ArcfaceImportError(f"{path}: 'state_dict_softmax_fc' must be a state dict, got {type(fc).__name__}")
-    momentum = None
     if isinstance(fc.get("weight"), torch.Tensor) and fc["weight"].numel():
-        weight = _matrix(fc["weight"], path, "state_dict_softmax_fc['weight']")
+        out = {"weight": _matrix(fc["weight"], path, "state_dict_softmax_fc['weight']")}
         if isinstance(fc.get("weight_mom"), torch.Tensor) and fc["weight_mom"].numel():   # sampling version 1
-            momentum = _matrix(fc["weight_mom"], path, "state_dict_softmax_fc['weight_mom']")
+            out["momentum_buffer"] = _matrix(fc["weight_mom"], path, "state_dict_softmax_fc['weight_mom']",
+                                             out["weight"])
+            return out
     elif isinstance(fc.get("weight_activated"), torch.Tensor):          # version 1 at sample rate 1
-        weight = _matrix(fc["weight_activated"], path, "state_dict_softmax_fc['weight_activated']")
+        out = {"weight": _matrix(fc["weight_activated"], path, "state_dict_softmax_fc['weight_activated']")}
     else:
         raise ArcfaceImportError(f"{path}: 'state_dict_softmax_fc' has no 'weight' (it holds {sorted(fc)})")
-    if momentum is None:
-        momentum = _optimizer_momentum(obj.get("state_optimizer"), weight, path)
-    return weight, momentum
+    out.update(_optimizer_states(obj.get("state_optimizer"), out["weight"], path))
+    return out
 
 
-def _optimizer_momentum(opt, weight: torch.Tensor, path: str) -> torch.Tensor | None:
-    """SGD's momentum buffer of the head's weight: the last parameter group's one
-    parameter (arcface_torch puts the head's parameters last)."""
+def _optimizer_states(opt, weight: torch.Tensor, path: str) -> dict[str, torch.Tensor]:
+    """The optimizer's states of the head's weight, the last parameter group's one
+    parameter (arcface_torch puts the head's parameters last): SGD's
+    ``momentum_buffer``, or AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` (the
+    step, one number, becomes every row's step count)."""
     if not isinstance(opt, dict) or not opt.get("param_groups"):
-        return None
+        return {}
     params = opt["param_groups"][-1].get("params", [])
     if len(params) != 1:
         raise ArcfaceImportError(f"{path}: the optimizer's last parameter group holds {len(params)} parameters, "
                                  "expected the head's weight alone")
     state = opt.get("state", {}).get(params[0], {})
-    if "momentum_buffer" in state and state["momentum_buffer"] is not None:
-        buf = _matrix(state["momentum_buffer"], path, "the head weight's momentum_buffer")
-        if buf.shape != weight.shape:
-            raise ArcfaceImportError(f"{path}: the head weight's momentum_buffer is {tuple(buf.shape)}, its weight "
-                                     f"{tuple(weight.shape)}")
-        return buf
+    if state.get("momentum_buffer") is not None:
+        return {"momentum_buffer": _matrix(state["momentum_buffer"], path, "the head weight's momentum_buffer",
+                                           weight)}
+    if "exp_avg" in state and "exp_avg_sq" in state and "step" in state:
+        step = torch.as_tensor(state["step"])
+        if step.numel() != 1:
+            raise ArcfaceImportError(f"{path}: the head weight's AdamW step has {step.numel()} values, expected one")
+        return {"exp_avg": _matrix(state["exp_avg"], path, "the head weight's exp_avg", weight),
+                "exp_avg_sq": _matrix(state["exp_avg_sq"], path, "the head weight's exp_avg_sq", weight),
+                "step": torch.full((weight.shape[0],), int(step.item()), dtype=torch.int32)}
     if state:
-        warnings.warn(f"{path}: the head's optimizer states {sorted(state)} are not SGD momentum; "
+        warnings.warn(f"{path}: the head's optimizer states {sorted(state)} are neither SGD's nor AdamW's; "
                       "importing the weights only", stacklevel=3)
-    return None
+    return {}
 
 
 def read_head(directory: str, *, num_classes: int | None = None) -> ArcfaceHead:
@@ -393,60 +435,57 @@ def read_head(directory: str, *, num_classes: int | None = None) -> ArcfaceHead:
     ``checkpoint_gpu_{r}.pt``, or ``rank_{r}_softmax_weight.pt`` with optional
     ``rank_{r}_softmax_weight_mom.pt``), every rank's row count checked against
     arcface_torch's split of ``C`` (the sum, or ``num_classes`` when given) over
-    the ranks found. Reads every file whole (``C x d`` floats, twice with momentum)."""
+    the ranks found. The tensors are memory-mapped where torch can (files of
+    ``torch.save``'s zip format): an import holds one destination shard in memory."""
     from .partition import Partition
     kind, files = _rank_files(directory)
     world = len(files)
-    weights, moms = [], []
+    per_rank = []
     for r in range(world):
         if kind == "checkpoint_gpu":
-            w, m = _read_v2(files[r])
+            states = _read_v2(files[r])
         else:
-            w = _matrix(_load(files[r], "arcface_torch head weight"), files[r], "the softmax weight")
+            states = {"weight": _matrix(_load(files[r], "arcface_torch head weight"), files[r],
+                                        "the softmax weight")}
             mom_path = os.path.join(directory, f"rank_{r}_softmax_weight_mom.pt")
-            m = None
             if os.path.isfile(mom_path):
-                m = _matrix(_load(mom_path, "arcface_torch head momentum"), mom_path, "the softmax weight momentum")
-                if m.shape != w.shape:
-                    raise ArcfaceImportError(f"{mom_path}: {tuple(m.shape)}, expected the shape of "
-                                             f"{os.path.basename(files[r])}, {tuple(w.shape)}")
-        if weights and w.shape[1] != weights[0].shape[1]:
-            raise ArcfaceImportError(f"{files[r]}: embedding size {w.shape[1]}, rank 0's is {weights[0].shape[1]}")
-        weights.append(w)
-        moms.append(m)
-    total = sum(w.shape[0] for w in weights)
+                states["momentum_buffer"] = _matrix(_load(mom_path, "arcface_torch head momentum"), mom_path,
+                                                    "the softmax weight momentum", states["weight"])
+        if per_rank and states["weight"].shape[1] != per_rank[0]["weight"].shape[1]:
+            raise ArcfaceImportError(f"{files[r]}: embedding size {states['weight'].shape[1]}, rank 0's is "
+                                     f"{per_rank[0]['weight'].shape[1]}")
+        if per_rank and sorted(states) != sorted(per_rank[0]):
+            raise ArcfaceImportError(f"{files[r]}: holds {sorted(states)}, rank 0's file {sorted(per_rank[0])}")
+        per_rank.append(states)
+    total = sum(s["weight"].shape[0] for s in per_rank)
     C = total if num_classes is None else num_classes
     partition = Partition(C, world)
-    for r, w in enumerate(weights):
-        if w.shape[0] != partition.num_local(r):
+    for r, states in enumerate(per_rank):
+        if states["weight"].shape[0] != partition.num_local(r):
             raise ArcfaceImportError(
-                f"{files[r]}: {w.shape[0]} classes, but arcface_torch's rank {r} of {world} holds "
+                f"{files[r]}: {states['weight'].shape[0]} classes, but arcface_torch's rank {r} of {world} holds "
                 f"C // {world} + ({r} < C % {world}) = {partition.num_local(r)} of C={C} "
                 f"(the files hold {total} classes in all)")
-    have = [m is not None for m in moms]
-    if any(have) and not all(have):
-        raise ArcfaceImportError(f"{directory}: momentum is saved for ranks {[r for r in range(world) if have[r]]} "
-                                 f"only, of {world}")
-    weight = torch.cat([w.float() for w in weights])
-    momentum = torch.cat([m.float() for m in moms]) if all(have) else None
-    return ArcfaceHead(weight, momentum, world, directory)
+    return ArcfaceHead({k: [s[k] for s in per_rank] for k in per_rank[0]}, world, directory)
 
 
 def import_head(head: ArcfaceHead | str, out_dir: str, world_size: int, *, name: str = "head",
-                momentum: str = "auto", num_classes: int | None = None) -> list[str]:
+                optimizer_states: str = "auto", num_classes: int | None = None) -> list[str]:
     """Write ``head`` (an :class:`ArcfaceHead`, or a directory :func:`read_head`
     reads) as ``world_size`` ds_pfc head shards of head ``name`` in ``out_dir``, rank
-    ``r`` holding :class:`~ds_pfc.partition.Partition`'s classes. ``momentum``:
-    ``"auto"`` writes the ``momentum_buffer`` where the source has one (a head with
-    :class:`~ds_pfc.optim.RowSGD` momentum loads it), ``"zeros"`` writes zeros where
-    it has none, ``"none"`` writes the weights only (a head without optimizer state,
-    e.g. RowSGD(momentum=0)). Sampler and step counters start at 0. Returns the paths."""
+    ``r`` holding :class:`~ds_pfc.partition.Partition`'s classes, one shard in memory
+    at a time. ``optimizer_states``: ``"auto"`` writes the optimizer states saved
+    (SGD's ``momentum_buffer``, which a head with :class:`~ds_pfc.optim.RowSGD`
+    momentum loads, or AdamW's for :class:`~ds_pfc.optim.RowAdamW`);
+    ``"zero_momentum"`` the saved ones, or a zero ``momentum_buffer`` where none was
+    saved; ``"none"`` the weights only (a head without optimizer state, e.g.
+    RowSGD(momentum=0)). Sampler and step counters start at 0. Returns the paths."""
     from . import checkpoint as ckpt
     from .partition import Partition
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if momentum not in ("auto", "zeros", "none"):
-        raise ValueError(f"momentum must be 'auto', 'zeros' or 'none', got {momentum!r}")
+    if optimizer_states not in ("auto", "zero_momentum", "none"):
+        raise ValueError(f"optimizer_states must be 'auto', 'zero_momentum' or 'none', got {optimizer_states!r}")
     if isinstance(head, str):
         head = read_head(head, num_classes=num_classes)
     if os.path.isdir(out_dir):
@@ -454,35 +493,37 @@ def import_head(head: ArcfaceHead | str, out_dir: str, world_size: int, *, name:
         if other:
             raise ValueError(f"{out_dir} already holds {name!r} shards for world_size={other}; use an empty "
                              "directory")
-    states = {"weight": head.weight.float()}
-    if momentum != "none" and (head.momentum is not None or momentum == "zeros"):
-        states["momentum_buffer"] = head.momentum.float() if head.momentum is not None else \
-            torch.zeros_like(states["weight"])
+    optimizer = head.optimizer
+    if optimizer_states == "none":
+        optimizer = None
+    elif optimizer_states == "zero_momentum" and optimizer is None:
+        optimizer = "RowSGD"
+    names = ("weight",) + (_OPTIMIZER_STATES[optimizer] if optimizer else ())
     C, d = head.num_classes, head.embedding_size
     partition = Partition(C, world_size)
     paths = []
     for rank in range(world_size):
         start, end = partition.bounds(rank)
-        part = {k: v[start:end] for k, v in states.items()}
+        part = {k: head.rows(start, end, k) if k in head.parts else torch.zeros(end - start, d) for k in names}
         meta = {"num_classes": C, "embedding_size": d, "class_start": start, "num_local": end - start,
                 "world_size": world_size, "rank": rank, "seed": 0, "sample_step": 0, "step_count": 0,
-                "sub_centers": 1, "margin_state": "{}",
-                "optimizer": "RowSGD" if "momentum_buffer" in states else "weights only"}
+                "sub_centers": 1, "margin_state": "{}", "optimizer": optimizer or "weights only"}
         specs = {k: (tuple(v.shape), v.dtype) for k, v in part.items()}
         path = os.path.join(out_dir, ckpt.shard_file_name(name, rank, world_size))
         paths.append(ckpt._atomic_stream_save(specs, lambda key, part=part: ckpt._row_chunks(part[key]), path,
                                               ckpt._metadata(meta, {k: v[1] for k, v in specs.items()})))
+        del part
     return paths
 
 
 def import_arcface(out_dir: str, *, backbone: str | None = None, network: str | None = None,
                    head: str | None = None, world_size: int | None = None, config: dict | None = None,
-                   momentum: str = "auto", num_classes: int | None = None) -> dict[str, object]:
+                   optimizer_states: str = "auto", num_classes: int | None = None) -> dict[str, object]:
     """Import what is given into ``out_dir``: the backbone (``backbone`` file of
     ``network``) as ``out_dir/model.safetensors`` (with the merged head when
     ``head`` is given too), the head (``head``: the directory of the per-rank files)
-    as ``world_size`` shards ``out_dir/head-rank*-of-*.safetensors``. Returns
-    ``{"model": path or None, "head_shards": [paths]}``."""
+    as ``world_size`` shards ``out_dir/head-rank*-of-*.safetensors``
+    (:func:`import_head`). Returns ``{"model": path or None, "head_shards": [paths]}``."""
     if backbone is None and head is None:
         raise ArcfaceImportError("nothing to import: give a backbone file (with its network) and/or a head directory")
     if backbone is not None and network is None:
@@ -497,5 +538,5 @@ def import_arcface(out_dir: str, *, backbone: str | None = None, network: str | 
         out["model"] = import_backbone(backbone, network, os.path.join(out_dir, "model.safetensors"),
                                        config=config, head=read)
     if read is not None:
-        out["head_shards"] = import_head(read, out_dir, world_size, momentum=momentum)
+        out["head_shards"] = import_head(read, out_dir, world_size, optimizer_states=optimizer_states)
     return out

@@ -75,8 +75,9 @@ def main(argv=None) -> str:
                                                 "rank_{rank}_softmax_weight(_mom).pt of every rank")
     a.add_argument("--world_size", type=int, default=None, help="ranks of the ds_pfc job that will load the head")
     a.add_argument("--num_classes", type=int, default=None, help="check the head's class count")
-    a.add_argument("--momentum", choices=("auto", "zeros", "none"), default="auto",
-                   help="the head's SGD momentum: as saved (auto), zeros where none was saved, or left out")
+    a.add_argument("--optimizer_states", choices=("auto", "zero_momentum", "none"), default="auto",
+                   help="the head's optimizer states: as saved (SGD momentum or AdamW moments), or a zero SGD "
+                        "momentum where none was saved, or none")
     a.add_argument("--config", default=None, help="a ds_pfc job config (JSON) to store with the model")
     a.add_argument("--out", required=True, help="output directory (model.safetensors, head-rank*.safetensors)")
     args = p.parse_args(argv)
@@ -127,7 +128,7 @@ def _import_arcface(args):
                 except ValueError as err:
                     raise ValueError(f"--config {args.config} is not JSON ({err})") from None
         out = import_arcface(args.out, backbone=args.backbone, network=args.network, head=args.head,
-                             world_size=args.world_size, config=config, momentum=args.momentum,
+                             world_size=args.world_size, config=config, optimizer_states=args.optimizer_states,
                              num_classes=args.num_classes)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as err:
         sys.exit(f"error: {err}")

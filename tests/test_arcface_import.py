@@ -315,27 +315,31 @@ class _PFC(nn.Module):
         self.weight = nn.Parameter(torch.randn(num_local, d, generator=gen) * 0.01)
 
 
-def _write_v2(directory, seed=0):
-    """``checkpoint_gpu_{r}.pt`` of W ranks after one SGD step; returns the
-    concatenated weight and momentum."""
+def _write_v2(directory, seed=0, optimizer="sgd", steps=1):
+    """``checkpoint_gpu_{r}.pt`` of W ranks after ``steps`` optimizer steps, as
+    train_v2.py saves them; returns the concatenated weight and optimizer states."""
     gen = torch.Generator().manual_seed(seed)
-    weights, moms = [], []
+    weights, states = [], []
     for r in range(W):
         _, num_local = _arcface_split(C, W, r)
         backbone, pfc = nn.Linear(4, 3), _PFC(num_local, D, gen)
-        opt = torch.optim.SGD([{"params": backbone.parameters()}, {"params": pfc.parameters()}], lr=0.1,
-                              momentum=0.9, weight_decay=5e-4)
+        groups = [{"params": backbone.parameters()}, {"params": pfc.parameters()}]
+        opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=5e-4) if optimizer == "sgd" else \
+            torch.optim.AdamW(groups, lr=0.1, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.PolynomialLR(opt, total_iters=10)
-        for p in list(backbone.parameters()) + list(pfc.parameters()):
-            p.grad = torch.randn(p.shape, generator=gen)
-        opt.step()
-        sched.step()
+        for _ in range(steps):
+            for p in list(backbone.parameters()) + list(pfc.parameters()):
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+            sched.step()
         torch.save({"epoch": 1, "global_step": 5, "state_dict_backbone": backbone.state_dict(),
                     "state_dict_softmax_fc": pfc.state_dict(), "state_optimizer": opt.state_dict(),
                     "state_lr_scheduler": sched.state_dict()}, os.path.join(directory, f"checkpoint_gpu_{r}.pt"))
         weights.append(pfc.weight.detach().clone())
-        moms.append(opt.state[pfc.weight]["momentum_buffer"].clone())
-    return torch.cat(weights), torch.cat(moms)
+        states.append({k: v.clone() for k, v in opt.state[pfc.weight].items()})
+    if optimizer == "sgd":
+        return torch.cat(weights), torch.cat([s["momentum_buffer"] for s in states])
+    return torch.cat(weights), {k: torch.cat([s[k] for s in states]) for k in ("exp_avg", "exp_avg_sq")}
 
 
 def _check_shards(directory, world, weight, momentum):
@@ -361,7 +365,7 @@ def test_head_v2_any_world_size(tmp_path):
         paths = ai.import_head(str(src), str(out), world)
         assert len(paths) == world
         _check_shards(out, world, weight, momentum)
-    ai.import_head(str(src), str(tmp_path / "plain"), 2, momentum="none")
+    ai.import_head(str(src), str(tmp_path / "plain"), 2, optimizer_states="none")
     _check_shards(tmp_path / "plain", 2, weight, None)
     # A single-process ds_pfc head with SGD momentum loads the shard and holds the rows.
     ai.import_head(str(src), str(tmp_path / "w1"), 1)
@@ -369,6 +373,25 @@ def test_head_v2_any_world_size(tmp_path):
     ckpt.load_head_shard(head, str(tmp_path / "w1"))
     assert torch.equal(head.state_dict()["weight"], weight)
     assert torch.equal(head.state_dict()["momentum_buffer"], momentum)
+
+
+def test_head_v2_adamw(tmp_path):
+    """arcface_torch's ViT recipes train with AdamW: its moments and step go to RowAdamW."""
+    src = tmp_path / "arc"
+    src.mkdir()
+    weight, moments = _write_v2(src, optimizer="adamw", steps=2)
+    ai.import_head(str(src), str(tmp_path / "w2"), 2)
+    for r, (start, stop) in enumerate(((0, 6), (6, 11))):
+        tensors = safetensors.torch.load_file(os.path.join(tmp_path / "w2", ckpt.shard_file_name("head", r, 2)))
+        assert sorted(tensors) == ["exp_avg", "exp_avg_sq", "step", "weight"]
+        assert torch.equal(tensors["weight"], weight[start:stop])
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(tensors[k], moments[k][start:stop])
+        assert torch.equal(tensors["step"], torch.full((stop - start,), 2, dtype=torch.int32))
+    ai.import_head(str(src), str(tmp_path / "w1"), 1)
+    head = PartialFC(C, D, optimizer="adamw")
+    ckpt.load_head_shard(head, str(tmp_path / "w1"))
+    assert torch.equal(head.state_dict()["exp_avg_sq"], moments["exp_avg_sq"])
 
 
 def test_head_v1_files(tmp_path):
@@ -383,6 +406,10 @@ def test_head_v1_files(tmp_path):
         moms.append(m)
     ai.import_head(str(tmp_path), str(tmp_path / "out"), 2)
     _check_shards(tmp_path / "out", 2, torch.cat(weights), torch.cat(moms))
+    for r in range(W):                       # weights only: a zero momentum on request
+        os.remove(tmp_path / f"rank_{r}_softmax_weight_mom.pt")
+    ai.import_head(str(tmp_path), str(tmp_path / "zero"), 4, optimizer_states="zero_momentum")
+    _check_shards(tmp_path / "zero", 4, torch.cat(weights), torch.zeros(C, D))
 
 
 def test_head_errors(tmp_path):
@@ -398,11 +425,23 @@ def test_head_errors(tmp_path):
     torch.save(torch.load(tmp_path / "moved.pt", weights_only=True), src / "checkpoint_gpu_1.pt")
     blob = torch.load(src / "checkpoint_gpu_0.pt", weights_only=True)
     blob["state_dict_softmax_fc"]["weight"] = blob["state_dict_softmax_fc"]["weight"][:-1]
-    blob["state_optimizer"]["state"] = {}
+    (pid,) = blob["state_optimizer"]["param_groups"][-1]["params"]
+    state = blob["state_optimizer"]["state"][pid]
+    state["momentum_buffer"] = state["momentum_buffer"][:-1]
     torch.save(blob, src / "checkpoint_gpu_0.pt")
     with pytest.raises(ai.ArcfaceImportError, match=r"checkpoint_gpu_0\.pt: 3 classes, but arcface_torch's rank 0 "
                                                     r"of 3 holds .* = 4 of C=10"):
         ai.read_head(str(src), num_classes=10)
+    state["momentum_buffer"] = state["momentum_buffer"][:-1]       # not the weight's shape
+    torch.save(blob, src / "checkpoint_gpu_0.pt")
+    with pytest.raises(ai.ArcfaceImportError, match=r"checkpoint_gpu_0\.pt: the head weight's momentum_buffer is "
+                                                    r"\(2, 6\), expected the weight's shape \(3, 6\)"):
+        ai.read_head(str(src))
+    blob["state_optimizer"]["state"] = {}                          # rank 0 without momentum, the others with
+    torch.save(blob, src / "checkpoint_gpu_0.pt")
+    with pytest.raises(ai.ArcfaceImportError, match=r"checkpoint_gpu_1\.pt: holds \['momentum_buffer', 'weight'\], "
+                                                    r"rank 0's file \['weight'\]"):
+        ai.read_head(str(src))
     torch.save({"weight": torch.zeros(2, 2)}, src / "checkpoint_gpu_0.pt")
     with pytest.raises(ai.ArcfaceImportError, match=r"checkpoint_gpu_0\.pt: expected arcface_torch's checkpoint dict "
                                                     "with 'state_dict_softmax_fc'"):
