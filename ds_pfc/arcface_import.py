@@ -147,15 +147,15 @@ def _embedding_size(state: dict, path: str) -> int:
     return int(vectors[-1].shape[0])
 
 
-def _guess(state: dict) -> list[str]:
-    """arcface_torch networks whose tensor count and shapes ``state`` matches."""
+def _guess(state: dict, width: float = 1.0) -> list[str]:
+    """arcface_torch networks (at ``width``) whose tensor count and shapes ``state`` matches."""
     shapes = [tuple(v.shape) for v in state.values()]
     d = _embedding_size(state, "")
     found = []
     for network in NETWORKS:
         try:
             canonical, options = _resolve_network(network)
-            model = _build(canonical, options, d, device="meta")
+            model = _build(canonical, dict(options, width=width), d, device="meta")
         except (ArcfaceImportError, ValueError):
             continue
         target = model.state_dict()
@@ -166,7 +166,7 @@ def _guess(state: dict) -> list[str]:
     return found
 
 
-def _pair(state: dict, target: dict, family: str, network: str, path: str) -> dict:
+def _pair(state: dict, target: dict, family: str, network: str, path: str, width: float = 1.0) -> dict:
     """``{ds_pfc key: tensor}`` from ``state`` paired with ``target`` by position."""
     first = next(iter(state))
     if first != _FIRST_KEY[family]:
@@ -179,7 +179,7 @@ def _pair(state: dict, target: dict, family: str, network: str, path: str) -> di
         if key in source and key not in target:
             source.pop(key)
     if len(source) != len(target):
-        hint = _guess(state)
+        hint = _guess(state, width)
         raise ArcfaceImportError(
             f"{path}: {len(source)} tensors, but arcface_torch's {network} has {len(target)}"
             + (f"; the file matches {hint} (pass that network name)" if hint else
@@ -187,7 +187,7 @@ def _pair(state: dict, target: dict, family: str, network: str, path: str) -> di
     out = {}
     for (src_key, value), (dst_key, expected) in zip(source.items(), target.items()):
         if src_key.rsplit(".", 1)[-1] != dst_key.rsplit(".", 1)[-1] or tuple(value.shape) != tuple(expected.shape):
-            hint = _guess(state)
+            hint = _guess(state, width)
             raise ArcfaceImportError(
                 f"{path}: tensor {src_key!r} {tuple(value.shape)} does not match ds_pfc's {dst_key!r} "
                 f"{tuple(expected.shape)} of {network}" + (f"; the file matches {hint}" if hint else
@@ -230,7 +230,7 @@ def read_backbone(path: str, network: str, *, embedding_size: int | None = None,
     family = _family(canonical)
     if family == "vit":
         _check_vit_matches(model, canonical)
-    model.load_state_dict(_pair(state, model.state_dict(), family, network, path))
+    model.load_state_dict(_pair(state, model.state_dict(), family, network, path, width))
     block = {"name": canonical, "width": float(options.pop("width", 1.0)), "options": options}
     return model.float().eval(), block
 

@@ -262,12 +262,33 @@ def test_backbone_export_loads_for_eval(tmp_path):
         assert torch.equal(backbone(x), ref.float()(x))
 
 
+def test_backbone_export_with_job_config(tmp_path):
+    """A job config given with the import is stored with its backbone block set to the
+    imported network (what a fine-tune from the export builds)."""
+    ref = _randomize(ArcMobileFaceNet(c=(16, 32, 64, 128), num_features=24), seed=7)
+    path = _save(ref, tmp_path / "model.pt")
+    job = {"gradient_clipping": 5.0, "train_micro_batch_size_per_gpu": 8,
+           "ds_pfc": {"head": {"num_classes": 100, "embedding_size": 24}, "backbone": {"name": "iresnet50"},
+                      "evaluation": {"synthetic_pairs": 0}}}
+    out = ai.import_backbone(str(path), "mbf", str(tmp_path / "model.safetensors"), config=job, width=0.25)
+    backbone, config = load_backbone(out)
+    assert config["ds_pfc"]["backbone"] == {"name": "mobilefacenet", "width": 0.25, "options": {}}
+    assert config["ds_pfc"]["head"]["num_classes"] == 100 and config["train_micro_batch_size_per_gpu"] == 8
+    x = _images(seed=8).float()
+    with torch.no_grad():
+        assert torch.equal(backbone(x), ref.float()(x))
+    job["ds_pfc"]["head"]["embedding_size"] = 512
+    with pytest.raises(ai.ArcfaceImportError, match="embedding_size is 512, the imported backbone's is 24"):
+        ai.import_backbone(str(path), "mbf", str(tmp_path / "other.safetensors"), config=job, width=0.25)
+
+
 def test_backbone_errors(tmp_path):
     ref = _randomize(ArcIResNet((2, 2, 2, 2), base=16, num_features=24), seed=5)
     good = _save(ref, tmp_path / "model.pt")
     with pytest.raises(ai.ArcfaceImportError, match="unknown arcface_torch network 'r17'"):
         ai.read_backbone(str(good), "r17")
-    with pytest.raises(ai.ArcfaceImportError, match=r"model\.pt: .*tensors, but arcface_torch's r34 has"):
+    with pytest.raises(ai.ArcfaceImportError, match=r"model\.pt: 187 tensors, but arcface_torch's r34 has 331; "
+                                                    r"the file matches \['r18'\]"):
         ai.read_backbone(str(good), "r34", width=0.25)
     with pytest.raises(ai.ArcfaceImportError, match=r"first tensor is 'conv1.weight'.*looks like a iresnet"):
         ai.read_backbone(str(good), "mbf", width=0.25)
