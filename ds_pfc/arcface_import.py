@@ -255,11 +255,10 @@ def import_backbone(path: str, network: str, out_path: str, *, config: dict | No
     from .export import EXPORT_FORMAT
     model, block = read_backbone(path, network, embedding_size=embedding_size, width=width)
     d = _embedding_size(model.state_dict(), path)
-    num_classes = head.num_classes if head is not None else 1
     if head is not None and head.embedding_size != d:
         raise ArcfaceImportError(f"the head's embedding size {head.embedding_size} ({head.source}) differs from "
                                  f"the backbone's {d} ({path})")
-    config = _job_config(config, block, d, num_classes)
+    config = _job_config(config, block, d, head.num_classes if head is not None else None)
     tensors = {f"backbone.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
     metadata = {"format": EXPORT_FORMAT, "heads": json.dumps(["head"] if head is not None else []),
                 "global_steps": "0", "source_world_size": str(head.world_size if head is not None else 1),
@@ -271,10 +270,12 @@ def import_backbone(path: str, network: str, out_path: str, *, config: dict | No
     return ckpt._atomic_save(tensors, out_path, metadata)
 
 
-def _job_config(config: dict | None, block: dict, embedding_size: int, num_classes: int) -> dict:
+def _job_config(config: dict | None, block: dict, embedding_size: int, num_classes: int | None) -> dict:
+    """The job config stored with an export: ``config`` with its backbone block set,
+    or a minimal one (one class when no head is imported)."""
     if config is None:
         return {"gradient_clipping": 5.0,
-                "ds_pfc": {"head": {"num_classes": num_classes, "embedding_size": embedding_size},
+                "ds_pfc": {"head": {"num_classes": num_classes or 1, "embedding_size": embedding_size},
                            "backbone": block, "evaluation": {"synthetic_pairs": 0}}}
     if not isinstance(config, dict) or not isinstance(config.get("ds_pfc"), dict):
         raise ArcfaceImportError("config must be a job config with a 'ds_pfc' block")
@@ -283,6 +284,9 @@ def _job_config(config: dict | None, block: dict, embedding_size: int, num_class
     if head.get("embedding_size", 512) != embedding_size:
         raise ArcfaceImportError(f"config: ds_pfc.head.embedding_size is {head.get('embedding_size', 512)}, the "
                                  f"imported backbone's is {embedding_size}")
+    if num_classes is not None and head.get("num_classes") != num_classes:
+        raise ArcfaceImportError(f"config: ds_pfc.head.num_classes is {head.get('num_classes')!r}, the imported "
+                                 f"head has {num_classes} classes")
     config["ds_pfc"]["backbone"] = dict(config["ds_pfc"].get("backbone", {}), **block)
     return config
 

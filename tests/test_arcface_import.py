@@ -481,15 +481,22 @@ def test_cli(tmp_path):
     """A backbone and a head imported together; the export holds the merged head."""
     ref = _randomize(ArcIResNet((2, 2, 2, 2), base=64, num_features=D), seed=6)
     _save(ref, tmp_path / "model.pt")
-    _write_v2(tmp_path)
+    weight, momentum = _write_v2(tmp_path)
+    job = {"gradient_clipping": 5.0, "ds_pfc": {"head": {"num_classes": C, "embedding_size": D,
+                                                         "sample_rate": 0.5}}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
     res = _cli("--network", "r18", "--backbone", str(tmp_path / "model.pt"), "--head", str(tmp_path),
-               "--world_size", "2", "--out", str(tmp_path / "out"))
+               "--world_size", "2", "--config", str(tmp_path / "job.json"), "--out", str(tmp_path / "out"))
     assert res.returncode == 0, res.stderr
     printed = res.stdout.split()
     assert printed[0].endswith("model.safetensors") and len(printed) == 3
     tensors = safetensors.torch.load_file(printed[0])
-    assert tensors["heads.head.weight"].shape == (C, D)
-    assert sorted(json.loads(safetensors.safe_open(printed[0], "pt").metadata()["heads"])) == ["head"]
+    assert torch.equal(tensors["heads.head.weight"], weight)
+    metadata = safetensors.safe_open(printed[0], "pt").metadata()
+    assert json.loads(metadata["heads"]) == ["head"]
+    config = json.loads(metadata["config"])["ds_pfc"]
+    assert config["head"]["sample_rate"] == 0.5 and config["backbone"]["name"] == "iresnet18"
+    _check_shards(tmp_path / "out", 2, weight, momentum)
 
 
 @pytest.mark.parametrize("args,message", [
