@@ -5,6 +5,8 @@
     python launch/export.py universal --checkpoint runs/x/checkpoints [--tag T] [--out DIR] [--workers 4]
     python launch/export.py onnx --model runs/x/export/model.safetensors --out backbone.onnx
     python launch/export.py classifier --checkpoint runs/x/checkpoints [--tag T] --out head.safetensors [--dominant]
+    python launch/export.py import-arcface --network r50 --backbone work_dirs/r50/model.pt \
+        [--head work_dirs/r50 --world_size 8] --out imported/r50
 
 ``safetensors``: one file with the backbone's float32 weights (``backbone.*``) and
 each head's full classifier (``heads.<name>.weight [C, d]``, classes in id order).
@@ -18,7 +20,11 @@ batch axis (needs ``onnx``). ``classifier``: one head's merged classifier with i
 optimizer states (``weight [C K, d]`` with ``K`` sub-centers per class); with
 ``--dominant`` also each class's dominant sub-center (``dominant [C]``,
 ``weight_dominant [C, d]``), found by embedding the job's training set with the
-checkpoint's backbone (one pass, in this process).
+checkpoint's backbone (one pass, in this process). ``import-arcface``: arcface_torch's
+backbone weights as ``<out>/model.safetensors`` (an export that ``launch/eval.py
+--model`` reads; with ``--head`` it holds the merged classifier too) and its Partial
+FC head files of any number of ranks as ds_pfc head shards for ``--world_size``
+ranks (``<out>/head-rank*-of-*.safetensors``); see :mod:`ds_pfc.arcface_import`.
 """
 from __future__ import annotations
 
@@ -60,8 +66,24 @@ def main(argv=None) -> str:
     c.add_argument("--dominant", action="store_true", help="also the dominant sub-center of every class")
     c.add_argument("--batch_size", type=int, default=128)
     c.add_argument("--device", default="cpu")
+    a = sub.add_parser("import-arcface", help="arcface_torch's backbone (model.pt) and/or Partial FC head "
+                                              "(per-rank files) as a ds_pfc model export and head shards")
+    a.add_argument("--backbone", default=None, help="arcface_torch's model.pt (or a checkpoint_gpu_0.pt)")
+    a.add_argument("--network", default=None, help="its arcface_torch network name: r18 r34 r50 r100 r200 mbf "
+                                                   "mbf_large vit_t vit_s vit_b ...")
+    a.add_argument("--head", default=None, help="the directory holding checkpoint_gpu_{rank}.pt or "
+                                                "rank_{rank}_softmax_weight(_mom).pt of every rank")
+    a.add_argument("--world_size", type=int, default=None, help="ranks of the ds_pfc job that will load the head")
+    a.add_argument("--num_classes", type=int, default=None, help="check the head's class count")
+    a.add_argument("--optimizer_states", choices=("auto", "zero_momentum", "none"), default="auto",
+                   help="the head's optimizer states: as saved (SGD momentum or AdamW moments), or a zero SGD "
+                        "momentum where none was saved, or none")
+    a.add_argument("--config", default=None, help="a ds_pfc job config (JSON) to store with the model")
+    a.add_argument("--out", required=True, help="output directory (model.safetensors, head-rank*.safetensors)")
     args = p.parse_args(argv)
 
+    if args.command == "import-arcface":
+        return _import_arcface(args)
     from ds_pfc import export
     try:
         if args.command == "classifier":
@@ -90,6 +112,30 @@ def main(argv=None) -> str:
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as err:
         sys.exit(f"error: {err}")
     print(out)
+    return out
+
+
+def _import_arcface(args):
+    import json
+
+    from ds_pfc.arcface_import import import_arcface
+    try:
+        config = None
+        if args.config is not None:
+            with open(args.config) as f:
+                try:
+                    config = json.load(f)
+                except ValueError as err:
+                    raise ValueError(f"--config {args.config} is not JSON ({err})") from None
+        out = import_arcface(args.out, backbone=args.backbone, network=args.network, head=args.head,
+                             world_size=args.world_size, config=config, optimizer_states=args.optimizer_states,
+                             num_classes=args.num_classes)
+    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as err:
+        sys.exit(f"error: {err}")
+    if out["model"]:
+        print(out["model"])
+    for path in out["head_shards"]:
+        print(path)
     return out
 
 
