@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import math
 import operator
 import os
 import sys
@@ -204,6 +203,8 @@ def _read_module(path: str):
         return source, ast.parse(source, filename=path)
     except SyntaxError as err:
         raise MigrateError(f"{path}: not valid Python (line {err.lineno}: {err.msg}); {_NOT_EXECUTED}") from None
+    except (ValueError, RecursionError, MemoryError) as err:
+        raise MigrateError(f"{path}: cannot be parsed ({type(err).__name__}: {err}); {_NOT_EXECUTED}") from None
 
 
 def _assignments(path: str, known: dict, not_understood: list, *, allow_base: bool):
@@ -495,7 +496,7 @@ def convert_arcface_config(parsed: ParsedConfig, *, world_size: int | None = Non
     mapped("seed", "ds_pfc.train.seed, ds_pfc.head.seed, ds_pfc.data.seed")
     frequent = _require(v, "frequent", int, "a positive integer")
     train["log_every"] = _steps(frequent, acc)
-    mapped("frequent", f"ds_pfc.train.log_every (optimizer steps = frequent // gradient_acc)")
+    mapped("frequent", "ds_pfc.train.log_every (optimizer steps = frequent // gradient_acc)")
     output = v.get("output")
     if output is None:
         output = os.path.join("work_dirs", name)      # get_config's rule

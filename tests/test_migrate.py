@@ -385,3 +385,13 @@ def test_load_config_points_python_configs_to_the_converter(configs):
     with pytest.raises(ConfigError, match=r"arcface_torch configs are Python; convert with python -m "
                                           r"ds_pfc.migrate config .*ms1mv3_r50\.py"):
         load_config(path)
+
+
+def test_train_app_points_python_configs_to_the_converter(configs):
+    path = _write(configs, "ms1mv3_r50.py", MS1MV3_R50)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", path],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert lines == [f"error: {path}: arcface_torch configs are Python; convert with python -m ds_pfc.migrate "
+                     f"config {path}"], r.stderr
