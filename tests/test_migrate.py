@@ -362,8 +362,12 @@ def test_bad_input_one_error_line(configs, tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], r.stderr
 
 
-def test_stdout_json_and_existing_output(configs, tmp_path):
+def test_stdout_json_and_existing_output(configs, tmp_path, capsys):
     path = _write(configs, "ms1mv3_r50.py", MS1MV3_R50)
+    assert main(["config", path]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ds_pfc"]["head"]["num_classes"] == 93431      # stdout is the JSON alone
+    assert "nothing in the file was executed" in captured.err and "not mapped:" in captured.err
     out = tmp_path / "o.json"
     out.write_text("keep")
     assert main(["config", path, "-o", str(out)]) == 1 and out.read_text() == "keep"
@@ -395,3 +399,44 @@ def test_train_app_points_python_configs_to_the_converter(configs):
     lines = r.stderr.strip().splitlines()
     assert lines == [f"error: {path}: arcface_torch configs are Python; convert with python -m ds_pfc.migrate "
                      f"config {path}"], r.stderr
+
+
+TINY = """\
+from easydict import EasyDict as edict
+config = edict()
+config.margin_list = (1.0, 0.5, 0.0)
+config.network = "mbf"
+config.embedding_size = 64
+config.sample_rate = 0.5
+config.batch_size = 8
+config.lr = 0.1
+config.rec = "synthetic"
+config.num_classes = 20
+config.num_image = 320
+config.num_epoch = 1
+config.warmup_epoch = 0
+config.val_targets = []
+config.num_workers = 0
+"""
+
+
+@pytest.mark.slow
+def test_converted_config_trains(configs, tmp_path):
+    """The converted job runs in the training app (2 steps of a full-width MobileFaceNet on CPU)."""
+    path = _write(configs, "tiny.py", TINY.replace("config.embedding_size",
+                                                   f"config.output = {str(tmp_path / 'run')!r}\nconfig.embedding_size"))
+    job = convert_arcface_config(parse_arcface_config(path)).config
+    job["ds_pfc"]["evaluation"]["synthetic_pairs"] = 16          # keep the evaluation short
+    job["ds_pfc"]["data"]["synthetic"] = {"held_out_identities": 8}
+    job_path = tmp_path / "tiny.json"
+    job_path.write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config",
+                        str(job_path), "--max_steps", "2"], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ArcFace(scale=64.0, margin=0.5, straight_through=True)" in r.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and len(summary["losses"]) == 2
+    assert all(0 < loss < 1e3 for loss in summary["losses"])
+    assert (tmp_path / "run" / "export" / "model.safetensors").exists()
