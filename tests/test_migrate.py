@@ -221,7 +221,8 @@ def test_vit_adamw_with_explicit_base_import_key_by_key(configs, tmp_path):
     assert head["filter_threshold"] == 0.4 and head["sample_rate"] == 0.3
     assert head["optimizer"] == {"type": "adamw", "lr_ratio": 1.0, "betas": [0.9, 0.999], "eps": 1e-8,
                                  "weight_decay": 0.1}
-    assert pfc["backbone"] == {"name": "vit_s", "options": {"drop_path_rate": 0.05, "mask_ratio": 0.0}}
+    assert pfc["backbone"] == {"name": "vit_s", "options": {"style": "arcface", "drop_path_rate": 0.05,
+                                                           "mask_ratio": 0.0}}
     assert pfc["train"]["schedule"]["warmup_epochs"] == 4        # config.num_epoch // 10
     assert pfc["train"]["epochs"] == 40 and pfc["train"]["output_dir"] == "out/vit"
     assert pfc["train"]["log_every"] == 4                        # 50 micro batches // 12
