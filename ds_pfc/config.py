@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["MarginConfig", "OptimizerConfig", "BankConfig", "HeadConfig", "BackboneConfig", "SyntheticDataConfig",
-           "DataConfig", "ScheduleConfig", "TrainConfig", "EvaluationConfig", "CheckpointConfig", "DsPfcConfig",
+           "DataConfig", "ScheduleConfig", "InitConfig", "TrainConfig", "EvaluationConfig", "CheckpointConfig", "DsPfcConfig",
            "split_config",
            "from_dict", "DEEPSPEED_TOP_LEVEL_KEYS", "DEEPSPEED_REMOVED_KEYS", "ConfigError"]
 
@@ -529,6 +531,52 @@ class ScheduleConfig:
 
 
 @dataclass(kw_only=True)
+class InitConfig:
+    """Pretrained weights a fresh run starts from, and how the backbone trains from
+    them. The weights are read only when the run does not resume a checkpoint (a
+    resumed run has its own); the frozen steps and the learning-rate multiplier are
+    part of the schedule and apply by optimizer step, resumed or not."""
+
+    backbone: str | None = None
+    """A model export (``export/model.safetensors`` of a ds_pfc run, or the
+    ``model.safetensors`` ``launch/export.py import-arcface`` writes): its backbone
+    weights replace the random ones. ``ds_pfc.backbone`` must build the same network."""
+    head: str | None = None
+    """A directory of head shards ``head-rank*-of-*.safetensors`` for this job's number
+    of ranks (``launch/export.py import-arcface --world_size N`` writes them; a ds_pfc
+    checkpoint tag holds them too): the head starts from those centers (and optimizer
+    states). null: a fresh head."""
+    freeze_backbone_steps: int = 0
+    """The backbone's learning rate is 0 for this many optimizer steps (the head
+    trains alone), then follows the schedule."""
+    backbone_lr_scale: float = 1.0
+    """The backbone's learning rate is the schedule's times this (the heads' is not
+    scaled)."""
+
+    def __post_init__(self):
+        if self.backbone is not None and not os.path.isfile(self.backbone):
+            raise ConfigError(f"ds_pfc.train.init.backbone: no such file {self.backbone!r} (a model export, "
+                              "export/model.safetensors)")
+        if self.head is not None:
+            if not os.path.isdir(self.head):
+                raise ConfigError(f"ds_pfc.train.init.head: no such directory {self.head!r} (a directory of head "
+                                  "shards head-rank*-of-*.safetensors)")
+            if not any(re.fullmatch(r"head-rank\d{5}-of-\d{5}\.safetensors", n) for n in os.listdir(self.head)):
+                raise ConfigError(f"ds_pfc.train.init.head: {self.head} holds no head shards "
+                                  "(head-rank*-of-*.safetensors; launch/export.py import-arcface writes them)")
+        if isinstance(self.freeze_backbone_steps, bool) or not isinstance(self.freeze_backbone_steps, int) or \
+                self.freeze_backbone_steps < 0:
+            raise ConfigError(f"ds_pfc.train.init.freeze_backbone_steps must be an integer >= 0, "
+                              f"got {self.freeze_backbone_steps!r}")
+        _number(self.backbone_lr_scale, "ds_pfc.train.init.backbone_lr_scale", low=0)
+
+    @property
+    def scales_backbone(self) -> bool:
+        """Whether the backbone's learning rate differs from the schedule's."""
+        return self.freeze_backbone_steps > 0 or self.backbone_lr_scale != 1.0
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """Length of training, schedule, logging and the output directory."""
 
@@ -544,6 +592,8 @@ class TrainConfig:
     """Optimizer steps between log lines."""
     output_dir: str = "runs/default"
     """Checkpoints, exports and logs go here (relative to the working directory)."""
+    init: InitConfig | None = None
+    """Start from pretrained weights (null: random initialisation)."""
 
     def __post_init__(self):
         _number(self.epochs, "ds_pfc.train.epochs", low=0, low_open=True)

@@ -604,6 +604,13 @@ class PfcEngine:
         return grad if self._ds_scales_loss else grad * scale
 
     def get_lr(self) -> float:
+        """The learning rate of the next optimizer step that the heads follow (times
+        their ratios): the engine's first parameter group's, or, where the engine's
+        scheduler scales the backbone's apart (it has a ``head_lr()`` method, e.g.
+        :class:`ds_pfc.finetune.BackboneScaledLR`), the unscaled one it reports."""
+        head_lr = getattr(getattr(self.engine, "lr_scheduler", None), "head_lr", None)
+        if callable(head_lr):
+            return float(head_lr())
         return float(self.engine.get_lr()[0])
 
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -39,6 +39,8 @@ _HARMLESS = (
     "ds_pfc.description", "ds_pfc.train.log_every", "ds_pfc.train.output_dir", "ds_pfc.train.max_steps",
     "ds_pfc.train.epochs", "ds_pfc.evaluation", "ds_pfc.checkpoint", "ds_pfc.data.workers",
     "ds_pfc.data.prefetch_batches", "ds_pfc.head.bank.nvme_dir", "ds_pfc.head.backend", "ds_pfc.head.block_bytes",
+    # Pretrained weights are read only by a fresh run.
+    "ds_pfc.train.init.backbone", "ds_pfc.train.init.head",
 )
 _FIXED = (
     "ds_pfc.head.num_classes", "ds_pfc.head.embedding_size", "ds_pfc.head.sub_centers", "ds_pfc.head.optimizer.type",

@@ -201,6 +201,11 @@ class Trainer:
                               "train_batch_size (the global batch), and optionally gradient_accumulation_steps")
         if self.cfg.train.schedule is not None and "scheduler" in ds:
             raise ConfigError("set either DeepSpeed's 'scheduler' block or ds_pfc.train.schedule, not both")
+        init = self.cfg.train.init
+        if init is not None and init.scales_backbone and "scheduler" in ds:
+            raise ConfigError("ds_pfc.train.init.freeze_backbone_steps / backbone_lr_scale scale the backbone's "
+                              "learning rate through ds_pfc's schedule: replace DeepSpeed's 'scheduler' block with "
+                              "ds_pfc.train.schedule (or leave it out for a constant learning rate)")
         if "optimizer" not in ds:
             raise ConfigError("the config must have DeepSpeed's 'optimizer' block (the backbone's optimizer; "
                               "its lr is also the heads' base learning rate)")
@@ -255,8 +260,23 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         backbone = cfg.backbone.build(cfg.head.embedding_size)
         head = cfg.head.build(group=None, device=self.device)
+        init = cfg.train.init
+        if init is not None and (init.backbone or init.head):
+            self._load_init(init, backbone, head)
         scheduler, self.schedule = None, None
-        if cfg.train.schedule is not None:
+        if init is not None and init.scales_backbone:
+            # The backbone's lr factor carries the frozen steps and the multiplier; the
+            # heads follow the schedule alone (BackboneScaledLR.head_lr).
+            from .finetune import BackboneScaledLR, backbone_factor
+            base = (schedule_factor(cfg.train.schedule, self.steps_per_epoch, self.total_steps)
+                    if cfg.train.schedule is not None else (lambda step: 1.0))
+            self.schedule = backbone_factor(base, freeze_steps=init.freeze_backbone_steps,
+                                            scale=init.backbone_lr_scale)
+
+            def scheduler(optimizer):
+                return BackboneScaledLR(optimizer, base, freeze_steps=init.freeze_backbone_steps,
+                                        scale=init.backbone_lr_scale)
+        elif cfg.train.schedule is not None:
             factor = self.schedule = schedule_factor(cfg.train.schedule, self.steps_per_epoch, self.total_steps)
 
             def scheduler(optimizer):
@@ -283,6 +303,23 @@ class Trainer:
         self.log(f"data: {cfg.data.source}, {len(self.dataset)} images, {self.steps_per_epoch} steps/epoch of "
                  f"{self.micro} x {self.gas} x {self.world_size} = {self.micro * self.gas * self.world_size} images; "
                  f"{self.total_steps} steps")
+
+    def _load_init(self, init, backbone, head) -> None:
+        """Pretrained weights (``ds_pfc.train.init``) into the backbone before DeepSpeed
+        wraps it and into this rank's head shard, for a fresh run only: a run that
+        will resume a checkpoint (``resume_from``, or complete tags in
+        ``checkpoint_dir`` with resuming on) has its own and skips them."""
+        if self.cfg.checkpoint.resume and (self.resume_from is not None or list_checkpoints(self.checkpoint_dir)):
+            self.log("ds_pfc.train.init: resuming a checkpoint, which holds its own weights; the pretrained "
+                     "weights are not read (the frozen steps and backbone_lr_scale still apply by step)")
+            return
+        from .finetune import load_backbone_weights, load_head_weights
+        if init.backbone:
+            load_backbone_weights(backbone, init.backbone)
+            self.log(f"init: backbone weights from {init.backbone}")
+        if init.head:
+            load_head_weights(head, init.head, seed=self.cfg.head.seed)
+            self.log(f"init: head centers from {init.head} ({self.world_size} shard(s))")
 
     # -- checkpoints ------------------------------------------------------------------
     _resumed_tag: str | None = None

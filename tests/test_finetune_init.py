@@ -1,0 +1,234 @@
+"""Starting a run from pretrained weights (``ds_pfc.train.init``): the backbone from a
+model export, the head from head shards, the frozen steps, and the refusals.
+
+References: the export is written here with ``safetensors`` in the documented export
+format (``format`` metadata ``ds_pfc.model/1``, ``backbone.<name>`` tensors, the job
+config) and read back independently with ``safetensors.torch.load_file``; the head
+shards come from ``import_head`` on centers drawn here, and the rows a run starts
+from are compared with those drawn tensors.
+"""
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from ds_pfc.config import ConfigError, split_config  # noqa: E402
+
+C, D = 24, 32
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
+    "steps_per_print": 10 ** 9,
+    "optimizer": {"type": "SGD", "params": {"lr": 0.02, "momentum": 0.9, "weight_decay": 5e-4}},
+    "zero_optimization": {"stage": 0},
+    "ds_pfc": {
+        "head": {"num_classes": C, "embedding_size": D, "sample_rate": 1.0, "seed": 5,
+                 "margin": {"type": "cosface", "scale": 16.0, "margin": 0.2}},
+        "backbone": {"name": "vit_t", "width": 0.25},
+        "data": {"synthetic": {"images_per_identity": 3}, "workers": 0},
+        "train": {"epochs": 10, "max_steps": 3, "log_every": 1,
+                  "schedule": {"type": "poly", "warmup_epochs": 0.0, "power": 1.0}},
+        "evaluation": {"synthetic_pairs": 0},
+        "checkpoint": {"every_steps": 0, "keep": 0, "export": False},
+    },
+}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process_group():
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    port = _free_port()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for name in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+        os.remove(name)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _write_export(path, backbone_block=None, *, fmt="ds_pfc.model/1", seed=7):
+    """A model export as the format defines it, of a backbone with weights drawn here
+    (not the ones a run would initialise)."""
+    from ds_pfc.config import from_dict, BackboneConfig
+    block = backbone_block or CONFIG["ds_pfc"]["backbone"]
+    torch.manual_seed(seed)
+    model = from_dict(BackboneConfig, block, "b").build(D)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if value.is_floating_point():
+            value = torch.randn(value.shape, generator=gen, dtype=torch.float32) * 0.05
+        tensors[f"backbone.{name}"] = value.contiguous()
+    config = copy.deepcopy(CONFIG)
+    config["ds_pfc"]["backbone"] = block
+    save_file(tensors, path, metadata={"format": fmt, "heads": "[]", "global_steps": "0",
+                                       "config": json.dumps(config)})
+    return path
+
+
+def _write_shards(directory, world_size, seed=3):
+    """Centers (and SGD momentum) drawn here, in arcface_torch's 2-rank layout,
+    imported as ``world_size`` ds_pfc shards. Returns the drawn ``[C, D]`` weight and
+    momentum."""
+    from ds_pfc.arcface_import import ArcfaceHead, import_head
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(C, D, generator=gen)
+    momentum = torch.randn(C, D, generator=gen) * 0.01
+    cut = C // 2
+    source = ArcfaceHead({"weight": [weight[:cut], weight[cut:]], "momentum_buffer": [momentum[:cut], momentum[cut:]]},
+                         2, "drawn")
+    os.makedirs(directory, exist_ok=True)
+    import_head(source, directory, world_size)
+    return weight, momentum
+
+
+def _config(**init):
+    config = copy.deepcopy(CONFIG)
+    config["ds_pfc"]["train"]["init"] = init
+    return config
+
+
+def _trainer(out, config, logs=None, **options):
+    from ds_pfc.training import Trainer
+    trainer = Trainer(config, output_dir=out, log=(logs.append if logs is not None else (lambda line: None)),
+                      **options)
+    trainer.setup()
+    return trainer
+
+
+def _backbone_state(trainer):
+    return {k: v.detach().clone() for k, v in trainer.engine.module.state_dict().items()}
+
+
+def test_starts_from_the_exported_backbone_and_the_imported_head(tmp_path):
+    export = _write_export(str(tmp_path / "model.safetensors"))
+    weight, momentum = _write_shards(str(tmp_path / "head"), 1)
+    expected = {k[len("backbone."):]: v for k, v in load_file(export).items()}
+    trainer = _trainer(str(tmp_path / "run"), _config(backbone=export, head=str(tmp_path / "head")))
+    try:
+        state = _backbone_state(trainer)
+        assert sorted(state) == sorted(expected)
+        for name, value in expected.items():
+            assert torch.equal(state[name], value), name
+        head_state = trainer.head.state_dict()
+        assert torch.equal(head_state["weight"].cpu().reshape(C, D), weight)
+        assert torch.equal(head_state["momentum_buffer"].cpu().reshape(C, D), momentum)
+        assert trainer.head.seed == 5            # the job's sampling seed, not the one stored with the shards
+    finally:
+        trainer.close()
+
+
+def test_frozen_backbone_stays_for_its_steps_then_trains(tmp_path):
+    export = _write_export(str(tmp_path / "model.safetensors"))
+    expected = {k[len("backbone."):]: v for k, v in load_file(export).items()}
+    trainer = _trainer(str(tmp_path / "run"), _config(backbone=export, freeze_backbone_steps=2))
+    snapshots, heads = [], []
+    step = trainer.engine.step
+
+    def recorded():
+        applied = step()
+        snapshots.append(_backbone_state(trainer))
+        heads.append(trainer.head.state_dict()["weight"].clone())
+        return applied
+    trainer.engine.step = recorded
+    head_before = trainer.head.state_dict()["weight"].clone()
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    # The parameters are frozen (BatchNorm running statistics are buffers and keep
+    # following the data, as documented).
+    params = {name for name, _ in trainer.engine.module.named_parameters()}
+    assert len(snapshots) == 3 and params and params <= set(expected)
+    for i in (0, 1):                         # optimizer steps 1 and 2: the backbone is frozen
+        for name in params:
+            assert torch.equal(snapshots[i][name], expected[name]), (i, name)
+    assert not torch.equal(heads[0], head_before)          # the head trains meanwhile
+    changed = [n for n in params if not torch.equal(snapshots[2][n], expected[n])]
+    assert changed, "the backbone did not train after its frozen steps"
+
+    # Resuming that run: the checkpoint's weights, not the export's.
+    logs = []
+    again = _trainer(str(tmp_path / "run"), _config(backbone=export, freeze_backbone_steps=2), logs)
+    again.close()
+    assert any("not read" in line for line in logs), logs
+
+
+def test_backbone_lr_scale_scales_the_backbone_alone(tmp_path):
+    from ds_pfc.training import schedule_factor
+    trainer = _trainer(str(tmp_path / "run"), _config(backbone_lr_scale=0.25, freeze_backbone_steps=1))
+    try:
+        optimizer = trainer.engine.engine.optimizer
+        base = 0.02
+        factor = schedule_factor(trainer.cfg.train.schedule, trainer.steps_per_epoch, trainer.total_steps)
+        assert optimizer.param_groups[0]["lr"] == 0.0 and trainer.engine.get_lr() == pytest.approx(base * factor(0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")          # stepped here without an optimizer step
+            trainer.engine.engine.lr_scheduler.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(base * factor(1) * 0.25)
+        assert trainer.engine.get_lr() == pytest.approx(base * factor(1))
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("init, needle", [
+    ({"backbone": "/no/such/model.safetensors"}, "ds_pfc.train.init.backbone: no such file"),
+    ({"head": "/no/such/dir"}, "ds_pfc.train.init.head: no such directory"),
+    ({"head": "."}, "ds_pfc.train.init.head: . holds no head shards"),
+    ({"freeze_backbone_steps": -1}, "ds_pfc.train.init.freeze_backbone_steps"),
+    ({"freeze_backbone_steps": 1.5}, "ds_pfc.train.init.freeze_backbone_steps"),
+    ({"backbone_lr_scale": -0.5}, "ds_pfc.train.init.backbone_lr_scale"),
+    ({"backbone": "x", "weights": 1}, "ds_pfc.train.init: unknown key ['weights']"),
+])
+def test_bad_init_is_a_config_error_naming_the_key(init, needle):
+    with pytest.raises(ConfigError) as err:
+        split_config(_config(**init))
+    assert needle in str(err.value)
+
+
+def test_deepspeed_scheduler_block_with_a_frozen_backbone_is_refused(tmp_path):
+    from ds_pfc.training import Trainer
+    config = _config(freeze_backbone_steps=2)
+    del config["ds_pfc"]["train"]["schedule"]
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
+    with pytest.raises(ConfigError, match="ds_pfc.train.init.freeze_backbone_steps"):
+        Trainer(config, output_dir=str(tmp_path / "run"))
+
+
+def test_files_that_do_not_fit_are_refused(tmp_path):
+    wrong_width = _write_export(str(tmp_path / "wide.safetensors"), {"name": "vit_t", "width": 0.5})
+    with pytest.raises(ConfigError, match=r"ds_pfc.train.init.backbone: .* does not fit this job's backbone"):
+        _trainer(str(tmp_path / "a"), _config(backbone=wrong_width))
+    other = _write_export(str(tmp_path / "other.safetensors"), fmt="something/1")
+    with pytest.raises(ConfigError, match="ds_pfc.train.init.backbone: .* is not a ds_pfc model export"):
+        _trainer(str(tmp_path / "b"), _config(backbone=other))
+    _write_shards(str(tmp_path / "two"), 2)
+    with pytest.raises(ConfigError) as err:
+        _trainer(str(tmp_path / "c"), _config(head=str(tmp_path / "two")))
+    message = str(err.value)
+    assert "ds_pfc.train.init.head" in message and "world_size=[2]" in message
+    assert "import-arcface" in message and "--world_size 1" in message
