@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["MarginConfig", "OptimizerConfig", "BankConfig", "HeadConfig", "BackboneConfig", "SyntheticDataConfig",
-           "DataConfig", "ScheduleConfig", "InitConfig", "TrainConfig", "EvaluationConfig", "CheckpointConfig", "DsPfcConfig",
-           "split_config",
+           "DataConfig", "ScheduleConfig", "InitConfig", "TrainConfig", "EvaluationConfig", "CheckpointConfig",
+           "DsPfcConfig", "split_config",
            "from_dict", "DEEPSPEED_TOP_LEVEL_KEYS", "DEEPSPEED_REMOVED_KEYS", "ConfigError"]
 
 

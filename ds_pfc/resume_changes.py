@@ -82,12 +82,14 @@ def effective_config(config: dict, overrides: dict | None) -> dict:
 def _resolved_pfc(block):
     """The ``ds_pfc`` block with its defaults filled in (the raw block when it no
     longer parses, e.g. written by another version)."""
-    from .config import ConfigError, DsPfcConfig, from_dict
+    from .config import ConfigError, DsPfcConfig, InitConfig, from_dict
     try:
         cfg = from_dict(DsPfcConfig, block)
     except ConfigError:
         return block
     plain = dataclasses.asdict(cfg)
+    if plain["train"].get("init") is None:       # no init block: its defaults (no weights, no scaling)
+        plain["train"]["init"] = dataclasses.asdict(InitConfig())
     plain["head"]["margin"] = {"type": cfg.head.margin.type, "scale": cfg.head.margin.scale,
                                **cfg.head.margin.params()}
     return plain

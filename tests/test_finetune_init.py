@@ -177,6 +177,14 @@ def test_frozen_backbone_stays_for_its_steps_then_trains(tmp_path):
     again.close()
     assert any("not read" in line for line in logs), logs
 
+    # A ds_pfc checkpoint tag holds head shards too: a new run starts from its head.
+    tag = os.path.join(str(tmp_path / "run"), "checkpoints", "step00000003")
+    fresh = _trainer(str(tmp_path / "next"), _config(head=tag))
+    try:
+        assert torch.equal(fresh.head.state_dict()["weight"], heads[-1])
+    finally:
+        fresh.close()
+
 
 def test_backbone_lr_scale_scales_the_backbone_alone(tmp_path):
     from ds_pfc.training import schedule_factor
@@ -232,3 +240,17 @@ def test_files_that_do_not_fit_are_refused(tmp_path):
     message = str(err.value)
     assert "ds_pfc.train.init.head" in message and "world_size=[2]" in message
     assert "import-arcface" in message and "--world_size 1" in message
+
+
+def test_resume_compares_the_schedule_part_of_init_only(tmp_path):
+    from ds_pfc.resume_changes import differences, effective_config
+    export = _write_export(str(tmp_path / "model.safetensors"))
+    plain = copy.deepcopy(CONFIG)
+    paths_only = _config(backbone=export)
+    frozen = _config(backbone=export, freeze_backbone_steps=4)
+
+    def kinds(saved, current):
+        return {c.key: c.kind for c in differences(effective_config(saved, None), effective_config(current, None))}
+    assert kinds(plain, paths_only) == {"ds_pfc.train.init.backbone": "harmless"}
+    assert kinds(plain, frozen) == {"ds_pfc.train.init.backbone": "harmless",
+                                    "ds_pfc.train.init.freeze_backbone_steps": "training"}
