@@ -53,7 +53,7 @@ def _free_port():
 
 @pytest.fixture(scope="module", autouse=True)
 def single_process_group():
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
     port = _free_port()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -254,3 +254,33 @@ def test_resume_compares_the_schedule_part_of_init_only(tmp_path):
     assert kinds(plain, paths_only) == {"ds_pfc.train.init.backbone": "harmless"}
     assert kinds(plain, frozen) == {"ds_pfc.train.init.backbone": "harmless",
                                     "ds_pfc.train.init.freeze_backbone_steps": "training"}
+
+
+def _ranks_setup(rank, world_size, out, config):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ["DS_PFC_TEST_PORT"])
+    trainer = _trainer(out, config)
+    try:
+        return {"class_start": trainer.head.class_start, "num_local": trainer.head.num_local,
+                "weight": trainer.head.state_dict()["weight"].cpu().clone(),
+                "backbone": _backbone_state(trainer)}
+    finally:
+        trainer.close()
+
+
+def test_each_rank_starts_from_its_own_shard(tmp_path):
+    from _dist import run_ranks
+    export = _write_export(str(tmp_path / "model.safetensors"))
+    weight, _ = _write_shards(str(tmp_path / "head"), 2)
+    expected = {k[len("backbone."):]: v for k, v in load_file(export).items()}
+    results = run_ranks(_ranks_setup, 2, str(tmp_path / "run"),
+                        _config(backbone=export, head=str(tmp_path / "head")))
+    starts = []
+    for r in results:
+        start, n = r["class_start"], r["num_local"]
+        starts.append((start, n))
+        assert torch.equal(r["weight"].reshape(n, D), weight[start:start + n])
+        for name, value in expected.items():
+            assert torch.equal(r["backbone"][name], value), name
+    assert sorted(starts) == [(0, C // 2), (C // 2, C // 2)]
