@@ -284,3 +284,31 @@ def test_each_rank_starts_from_its_own_shard(tmp_path):
         for name, value in expected.items():
             assert torch.equal(r["backbone"][name], value), name
     assert sorted(starts) == [(0, C // 2), (C // 2, C // 2)]
+
+
+def test_a_resumed_run_keeps_the_backbone_frozen_for_the_rest_of_its_steps(tmp_path):
+    export = _write_export(str(tmp_path / "model.safetensors"))
+    expected = {k[len("backbone."):]: v for k, v in load_file(export).items()}
+    config = _config(backbone=export, freeze_backbone_steps=2)
+    first = _trainer(str(tmp_path / "run"), copy.deepcopy(config), max_steps=1)
+    try:
+        first.run()
+    finally:
+        first.close()
+    trainer = _trainer(str(tmp_path / "run"), copy.deepcopy(config), max_steps=3)
+    snapshots = []
+    step = trainer.engine.step
+
+    def recorded():
+        applied = step()
+        snapshots.append(_backbone_state(trainer))
+        return applied
+    trainer.engine.step = recorded
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    params = [name for name, _ in trainer.engine.module.named_parameters()]
+    assert summary["resumed"] and len(snapshots) == 2           # optimizer steps 2 and 3
+    assert all(torch.equal(snapshots[0][n], expected[n]) for n in params)
+    assert any(not torch.equal(snapshots[1][n], expected[n]) for n in params)
