@@ -253,15 +253,19 @@ def discover(environ=os.environ) -> Launch:
     ``torch.distributed`` variables disagree, or a rank lies outside its world."""
     rank_env, world_env = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
     local_rank_env = _int(environ, "LOCAL_RANK")
-    local_sizes = {n: _int(environ, n) for n in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE") if _int(environ, n) is not None}
+    spawner = _spawner(environ)
+    # Each spawner sets its own name for the ranks on this node and leaves the other
+    # one as it found it (inherited from a parent process that exported both, say).
+    names = {"torchrun": ("LOCAL_WORLD_SIZE",), "deepspeed": ("LOCAL_SIZE",)}.get(spawner,
+                                                                                ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"))
+    local_sizes = {n: _int(environ, n) for n in names if _int(environ, n) is not None}
     if len(set(local_sizes.values())) > 1:
         raise LaunchError(f"{_show(environ, *local_sizes)} disagree: both give the number of ranks on this node")
     local_size_env = next(iter(local_sizes.values()), None)
-    local_size_name = next(iter(local_sizes), "LOCAL_SIZE")
+    local_size_name = next(iter(local_sizes), names[0])
     master_addr = environ.get("MASTER_ADDR") or None
     master_port = _int(environ, "MASTER_PORT")
 
-    spawner = _spawner(environ)
     layers = [] if spawner else _task_layers(environ)
     tasks = layers[0] if layers else None
     for other in layers[1:]:

@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # Without CUDA the Triton kernels run on CPU tensors in Triton's interpreter. Triton
@@ -36,3 +37,45 @@ def pytest_sessionfinish(session, exitstatus):
                 os.remove(path)
         except OSError:
             pass
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Each test gets the environment it started with back: in-process runs of the
+    app export the launcher's variables (``RANK``, ``LOCAL_WORLD_SIZE``, ...), which
+    would otherwise reach the launchers that later tests start."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_process_groups():
+    """After each module: no process group, and nothing DeepSpeed cached from one.
+    DeepSpeed keeps its world group, its data/model-parallel groups and its comm
+    backend in module globals; a module that runs the app in-process after another
+    one destroyed its group would otherwise meet the dead groups ("Group ... is not
+    registered")."""
+    yield
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                     "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+            if isinstance(getattr(groups, name, None), dict):
+                getattr(groups, name).clear()
+        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                     "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+                     "_MPU_TENSOR_MODEL_PARALLEL_RANK", "mpu", "mesh_device"):
+            if hasattr(groups, name):
+                setattr(groups, name, None)
+    sequence_parallel = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    if sequence_parallel is not None and hasattr(sequence_parallel, "_release_sequence_parallel_groups"):
+        sequence_parallel._release_sequence_parallel_groups()
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None:
+        comm.cdb = None

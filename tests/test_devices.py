@@ -133,8 +133,6 @@ def test_training_app_binds_the_gpu_after_the_process_group(monkeypatch):
     import json
     import os
 
-    import deepspeed
-
     from ds_pfc import launchers, training
     order = []
 
@@ -150,7 +148,7 @@ def test_training_app_binds_the_gpu_after_the_process_group(monkeypatch):
         exported.update(srun)
         return real_export(exported)
     monkeypatch.setattr(training.launchers, "export", export)
-    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kwargs: order.append("init_distributed"))
+    monkeypatch.setattr(training, "init_distributed", lambda **kwargs: order.append("init_distributed"))
     monkeypatch.setattr(training.launchers, "check_process_group", lambda launch: order.append("check"))
 
     def bind(environ=None, local_rank=None):

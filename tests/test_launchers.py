@@ -102,6 +102,15 @@ def test_launchers_that_set_rank_are_read_as_they_are(make, name):
     assert launch.master_addr == "127.0.0.1"
 
 
+@pytest.mark.parametrize("make, own, stale", [(torchrun_env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE"),
+                                               (deepspeed_env, "LOCAL_SIZE", "LOCAL_WORLD_SIZE")])
+def test_a_spawner_reads_its_own_local_size_over_an_inherited_one(make, own, stale):
+    # a parent that ran the app exported both names; the spawner sets only its own
+    env = {**make(13, 16, 8), stale: "1"}
+    assert own in env
+    assert discover(env).local_world_size == 8
+
+
 @pytest.mark.parametrize("make, name", [(openmpi_env, "openmpi"), (mvapich_env, "mvapich"),
                                         (hydra_env, "impi/mpich")])
 def test_mpi_launchers_give_rank_without_RANK(make, name):
@@ -203,7 +212,8 @@ def test_no_launcher_is_a_one_process_world():
     (dict(deepspeed_impi_env(3, 16, 8), WORLD_SIZE="32"), ["WORLD_SIZE=32", "PMI_SIZE=16"]),
     (dict(torchrun_env(3, 16, 8), RANK="16"), ["rank 16", "16 ranks", "RANK=16"]),
     (dict(torchrun_env(3, 16, 8), LOCAL_RANK="8"), ["local rank 8", "8 ranks on this node"]),
-    (dict(torchrun_env(3, 16, 8), LOCAL_SIZE="4"), ["LOCAL_SIZE=4", "LOCAL_WORLD_SIZE=8"]),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "4", "LOCAL_WORLD_SIZE": "1"}, ["LOCAL_SIZE=4",
+                                                                                  "LOCAL_WORLD_SIZE=1"]),
     (dict(deepspeed_env(3, 16, 8), LOCAL_RANK="5"), ["local rank 5", "rank 3"]),
     ({"RANK": "2"}, ["RANK=2", "WORLD_SIZE"]),
     ({"RANK": "x", "WORLD_SIZE": "2"}, ["RANK='x'", "not an integer"]),
