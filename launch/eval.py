@@ -3,11 +3,21 @@
     python launch/eval.py --model runs/x/export/model.safetensors --bins lfw.bin cfp_fp.bin agedb_30.bin
     python launch/eval.py --model runs/x/checkpoints            # the latest checkpoint
     python launch/eval.py --ijb /data/IJB_release/IJBC --target IJBC --model a.safetensors --model b.safetensors
+    python launch/eval.py --model work_dirs/r50/model.pt --network r50 --bins lfw.bin    # arcface_torch
+    python launch/eval.py --model backbone.onnx --bins lfw.bin                           # ONNX (onnxruntime)
 
 Pair sets: flip test-time augmentation, 10-fold accuracy with threshold selection on
 the other folds, TAR at FAR 1e-4 and 1e-6 (NaN where a set has too few impostor
 pairs). Without ``--bins`` or ``--ijb`` a synthetic-data model is evaluated on its
 held-out identities. Decoding images needs torchvision or Pillow.
+
+Models: a ds_pfc export or checkpoint directory; arcface_torch's ``model.pt`` (or a
+``checkpoint_gpu_*.pt``) with ``--network`` (its arcface_torch name, ``--width`` for
+narrower networks), rebuilt in memory as the ds_pfc backbone; an ``.onnx`` file run by
+onnxruntime (input ``[B, 3, H, W]`` RGB normalised as ``(x - 127.5) / 127.5``, a static
+batch size run in padded chunks). All are scored by the same protocols, flip-summed
+features included (``ds_pfc.eval.models``). Pair sets of models other than ds_pfc's
+need ``--bins`` and report TAR at FAR 1e-4 and 1e-6.
 
 IJB (``--ijb ROOT``, insightface's packaged release with ``meta/`` and
 ``loose_crop/``): every image aligned from its five landmarks, flip-summed features,
@@ -78,7 +88,7 @@ def _ijb(args) -> dict:
     import torch
 
     from ds_pfc.eval import ijb
-    from ds_pfc.export import load_backbone
+    from ds_pfc.eval.models import load_model
     target = args.target.upper()
     try:
         meta = ijb.read_meta(args.ijb, target)
@@ -95,7 +105,8 @@ def _ijb(args) -> dict:
     results, entries = {}, []
     for label, path in zip(labels, args.model):
         try:
-            backbone, _ = load_backbone(path, args.tag)
+            backbone, _, _ = load_model(path, network=args.network, width=args.width, tag=args.tag,
+                                        device=args.device)
         except (FileNotFoundError, ValueError, RuntimeError) as err:
             sys.exit(f"error: {err}")
         features = ijb.embed_images(backbone.to(device), meta, batch_size=args.batch_size, flip=not args.no_flip,
@@ -131,10 +142,27 @@ def _ijb(args) -> dict:
     return out
 
 
+def _bin_sets(paths: list[str]) -> dict:
+    """``name -> (uint8 images, issame)`` of each ``.bin`` (as the training app reads them)."""
+    import torch
+
+    from ds_pfc.data.transforms import decode_image
+    from ds_pfc.eval.verification import load_bin
+    sets = {}
+    for path in paths:
+        images, issame = load_bin(path, decode=decode_image)
+        sets[os.path.splitext(os.path.basename(path))[0]] = (torch.stack(images), issame)
+    return sets
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, action="append",
-                   help="an export .safetensors or a checkpoints directory (several with --ijb: one ROC each)")
+                   help="an export .safetensors, a checkpoints directory, arcface_torch's model.pt (with --network) "
+                        "or an .onnx file (several with --ijb: one ROC each)")
+    p.add_argument("--network", default=None, help="arcface_torch's network name of a .pt model: r18 r34 r50 r100 "
+                                                   "r200 mbf vit_t vit_s vit_b ...")
+    p.add_argument("--width", type=float, default=1.0, help="with --network: the network's width multiplier")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     p.add_argument("--bins", nargs="*", default=None, help="verification .bin files")
     p.add_argument("--ijb", default=None, metavar="ROOT", help="an IJB release (meta/ and loose_crop/)")
@@ -165,25 +193,32 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from ds_pfc.config import split_config
-    from ds_pfc.export import load_backbone
+    from ds_pfc.config import EvaluationConfig, split_config
+    from ds_pfc.eval.models import load_model
     from ds_pfc.training import _format_eval, build_eval_sets, evaluate
     try:
-        backbone, config = load_backbone(args.model, args.tag)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, cfg = split_config(config)
-        if args.bins is not None:
-            cfg.evaluation.bins = list(args.bins)
-            cfg.evaluation.synthetic_pairs = 0
-        sets = build_eval_sets(cfg)
+        backbone, config, _ = load_model(args.model, network=args.network, width=args.width, tag=args.tag,
+                                         device=args.device)
+        if config is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _, cfg = split_config(config)
+            if args.bins is not None:
+                cfg.evaluation.bins = list(args.bins)
+                cfg.evaluation.synthetic_pairs = 0
+            sets, far = build_eval_sets(cfg), cfg.evaluation.far
+        else:
+            sets, far = _bin_sets(args.bins or []), EvaluationConfig().far
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         sys.exit(f"error: {err}")
     if not sets:
         sys.exit("error: nothing to evaluate: pass --bins")
     device = torch.device(args.device)
-    results = evaluate(backbone.to(device), sets, batch_size=args.batch_size, flip=not args.no_flip,
-                       far=cfg.evaluation.far, device=device, dtype=torch.float32)
+    try:
+        results = evaluate(backbone.to(device), sets, batch_size=args.batch_size, flip=not args.no_flip,
+                           far=far, device=device, dtype=torch.float32)
+    except ValueError as err:       # an ONNX model refusing the images' shape
+        sys.exit(f"error: {err}")
     print(_format_eval(results))
     out = {name: {"accuracy": r.accuracy, "accuracy_std": r.accuracy_std,
                   "tar_at_far": {str(k): v for k, v in r.tar_at_far.items()}} for name, r in results.items()}
