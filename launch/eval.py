@@ -88,7 +88,6 @@ def _ijb(args) -> dict:
     import torch
 
     from ds_pfc.eval import ijb
-    from ds_pfc.eval.models import load_model
     target = args.target.upper()
     try:
         meta = ijb.read_meta(args.ijb, target)
@@ -105,8 +104,7 @@ def _ijb(args) -> dict:
     results, entries = {}, []
     for label, path in zip(labels, args.model):
         try:
-            backbone, _, _ = load_model(path, network=args.network, width=args.width, tag=args.tag,
-                                        device=args.device)
+            backbone, _, _ = _load_model(path, args)
         except (FileNotFoundError, ValueError, RuntimeError) as err:
             sys.exit(f"error: {err}")
         features = ijb.embed_images(backbone.to(device), meta, batch_size=args.batch_size, flip=not args.no_flip,
@@ -140,6 +138,14 @@ def _ijb(args) -> dict:
             json.dump(out, f, indent=1)
     print(f"wrote {stem}.json" + (f" and {out['roc_png']}" if out["roc_png"] else ""))
     return out
+
+
+def _load_model(path: str, args):
+    """``(model, config, kind)``; ``--network``/``--width`` go to the ``.pt`` models."""
+    from ds_pfc.eval.models import load_model, model_kind
+    pt = model_kind(path) == "arcface_torch"
+    return load_model(path, network=args.network if pt else None, width=args.width if pt else 1.0, tag=args.tag,
+                      device=args.device)
 
 
 def _bin_sets(paths: list[str]) -> dict:
@@ -181,6 +187,11 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.batch_size < 1:
         p.error(f"--batch_size must be >= 1, got {args.batch_size}")
+    from ds_pfc.eval.models import model_kind
+    if (args.network is not None or args.width != 1.0) and \
+            not any(model_kind(m) == "arcface_torch" for m in args.model):
+        sys.exit(f"error: --network / --width are for arcface_torch .pt state dicts; no --model is one "
+                 f"({', '.join(args.model)})")
     if args.ijb is not None:
         if args.bins is not None:
             p.error("--ijb and --bins exclude each other")
@@ -194,11 +205,9 @@ def main(argv=None) -> dict:
     import torch
 
     from ds_pfc.config import EvaluationConfig, split_config
-    from ds_pfc.eval.models import load_model
     from ds_pfc.training import _format_eval, build_eval_sets, evaluate
     try:
-        backbone, config, _ = load_model(args.model, network=args.network, width=args.width, tag=args.tag,
-                                         device=args.device)
+        backbone, config, _ = _load_model(args.model, args)
         if config is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

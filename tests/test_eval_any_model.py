@@ -90,7 +90,7 @@ def files(tmp_path_factory):
         raw = ref(x)
         emb = F.normalize(raw + ref(x.flip(3)), dim=1)
     return {"tmp": tmp, "pt": pt, "export": export, "bin": bin_path, "x": x, "raw": raw, "emb": emb,
-            "issame": issame}
+            "issame": issame, "ref": ref}
 
 
 def _expected(files):
@@ -194,6 +194,34 @@ def test_onnx_fp16(files):
     assert F.cosine_similarity(got, want, dim=1).min() > 0.9995
 
 
+def test_ijb_scores_every_kind_like_the_reference(files):
+    """``--ijb`` with the ``.pt``, its ds_pfc export and its ONNX file: each model's
+    TAR@FAR and AUC as the reference network's features give them."""
+    from make_synthetic_ijb import make_synthetic_ijb
+
+    from ds_pfc.eval import ijb
+    root = str(files["tmp"] / "ijb")
+    make_synthetic_ijb(root, num_identities=3, templates_per_identity=2)
+    meta = ijb.read_meta(root, "IJBC")
+    feats = ijb.embed_images(files["ref"], meta, batch_size=8, num_workers=0)
+    want = ijb.evaluate(feats, meta.templates, meta.medias, meta.pairs, meta.labels, faceness=meta.faceness)
+    models = [files["pt"], files["export"]]
+    try:
+        import onnxruntime  # noqa: F401
+        models.append(_onnx_export(files, "ijb.onnx"))
+    except ImportError:
+        pass                                  # the .pt and the export still run
+    args = ["--ijb", root, "--target", "IJBC", "--network", "r18", "--width", "0.25", "--workers", "0",
+            "--batch-size", "8", "--out", str(files["tmp"] / "ijb_out")]
+    for m in models:
+        args += ["--model", m]
+    out = _cli("eval")(args)                  # --network and --width go to the .pt alone
+    assert [e["path"] for e in out["models"]] == [os.path.abspath(m) for m in models]
+    for entry in out["models"]:
+        for far, tar in want.tar_at_far.items():
+            assert entry["tar_at_far"][f"{far:g}"] == pytest.approx(tar, abs=1e-12), (entry["label"], far)
+        assert entry["auc"] == pytest.approx(want.auc, abs=1e-6), entry["label"]
+    assert 0.0 < want.auc < 1.0
 def _exits_with(main, argv, needle):
     with pytest.raises(SystemExit) as info:
         main(argv)
