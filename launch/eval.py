@@ -25,7 +25,9 @@ detector-score weighting, media-averaged and summed templates, TAR at FAR 1e-6 .
 1e-1 by insightface's rule (``ds_pfc.eval.ijb``). Writes ``ijb_<target>.json``
 (TAR@FAR per model, settings, sha256 of each model file) and ``ijb_<target>.png``
 (the ROCs, one curve per ``--model``; needs matplotlib) into ``--out`` (default: the
-first model's directory).
+first model's directory). ``--identification`` adds 1:N identification (rank-1/5/10
+and TPIR at FPIR 0.01 and 0.1 as insightface's ``ijb_1n.py`` defines them;
+``ds_pfc.eval.ijb_1n``) from the release's ``meta/<target>_1N_*.csv`` files.
 """
 from __future__ import annotations
 
@@ -93,6 +95,13 @@ def _ijb(args) -> dict:
         meta = ijb.read_meta(args.ijb, target)
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"error: {err}")
+    protocol = None
+    if args.identification:
+        from ds_pfc.eval import ijb_1n
+        try:
+            protocol = ijb_1n.read_identification(args.ijb, target)
+        except (FileNotFoundError, ValueError) as err:
+            sys.exit(f"error: {err}")
     num_genuine = int(meta.labels.sum())
     print(f"{target}: {meta.num_images} images, {int(torch.unique(meta.templates).numel())} templates, "
           f"{meta.num_pairs} pairs ({num_genuine} genuine, {meta.num_pairs - num_genuine} impostor)")
@@ -101,7 +110,7 @@ def _ijb(args) -> dict:
     stem = os.path.join(out_dir, f"ijb_{target.lower()}")
     device = torch.device(args.device)
     labels = _labels(args.model)
-    results, entries = {}, []
+    results, entries, identified = {}, [], {}
     for label, path in zip(labels, args.model):
         try:
             backbone, _, _ = _load_model(path, args)
@@ -115,11 +124,32 @@ def _ijb(args) -> dict:
         entries.append({"label": label, "path": os.path.abspath(path), "sha256": _sha256(path),
                         "tar_at_far": {f"{k:g}": v for k, v in r.tar_at_far.items()},
                         "achieved_far": {f"{k:g}": v for k, v in r.achieved_far.items()}, "auc": r.auc})
+        if protocol is not None:
+            try:
+                n = ijb_1n.identify(features, meta.templates, meta.medias, protocol, faceness=meta.faceness,
+                                    use_norm_score=not args.no_norm_score,
+                                    use_detector_score=not args.no_detector_score)
+            except ValueError as err:
+                sys.exit(f"error: {err}")
+            identified[label] = n
+            entries[-1]["identification"] = {
+                "rank": {str(k): v for k, v in n.rank_rate.items()},
+                "tpir_at_fpir": {f"{k:g}": v for k, v in n.tpir_at_fpir.items()},
+                "threshold_at_fpir": {f"{k:g}": v for k, v in n.threshold_at_fpir.items()},
+                "num_probes": n.num_probes, "num_gallery": n.num_gallery}
     fars = list(ijb.DEFAULT_FARS)
     header = f"{'model':<40} " + " ".join(f"{f:>8g}" for f in fars) + "      AUC"
     print(f"TAR (%) at FAR on {target}\n{header}")
     for label, r in results.items():
         print(f"{label[-40:]:<40} " + " ".join(f"{100 * r.tar_at_far[f]:8.2f}" for f in fars) + f"  {r.auc:.5f}")
+    if identified:
+        n0 = next(iter(identified.values()))
+        cols = [f"rank-{k}" for k in n0.rank_rate] + [f"TPIR@{f:g}" for f in n0.tpir_at_fpir]
+        print(f"1:N identification (%) on {target}: {n0.num_probes} probes, {n0.num_gallery} gallery templates\n"
+              f"{'model':<40} " + " ".join(f"{c:>10}" for c in cols))
+        for label, n in identified.items():
+            vals = list(n.rank_rate.values()) + list(n.tpir_at_fpir.values())
+            print(f"{label[-40:]:<40} " + " ".join(f"{100 * v:10.2f}" for v in vals))
     out = {"target": target, "root": os.path.abspath(args.ijb), "num_images": meta.num_images,
            "num_templates": int(torch.unique(meta.templates).numel()), "num_pairs": meta.num_pairs,
            "num_genuine": num_genuine,
@@ -180,6 +210,8 @@ def main(argv=None) -> dict:
                    help="with --ijb: L2-normalise each image feature before pooling")
     p.add_argument("--no_detector_score", "--no-detector-score", dest="no_detector_score", action="store_true",
                    help="with --ijb: do not weight image features by the faceness score")
+    p.add_argument("--identification", action="store_true",
+                   help="with --ijb: also 1:N identification (meta/<target>_1N_gallery_*.csv, _1N_probe_mixed.csv)")
     p.add_argument("--workers", type=int, default=2, help="with --ijb: threads decoding and aligning images")
     p.add_argument("--out", default=None, help="with --ijb: output directory (default: the first model's)")
     p.add_argument("--device", default="cpu")
@@ -192,6 +224,8 @@ def main(argv=None) -> dict:
             not any(model_kind(m) == "arcface_torch" for m in args.model):
         sys.exit(f"error: --network / --width are for arcface_torch .pt state dicts; no --model is one "
                  f"({', '.join(args.model)})")
+    if args.identification and args.ijb is None:
+        p.error("--identification is for --ijb")
     if args.ijb is not None:
         if args.bins is not None:
             p.error("--ijb and --bins exclude each other")

@@ -194,17 +194,37 @@ def test_onnx_fp16(files):
     assert F.cosine_similarity(got, want, dim=1).min() > 0.9995
 
 
+def _write_1n(root, template_identity):
+    """Protocol files: each identity's first template in the gallery (G1 or G2), the
+    others probes."""
+    by_id = {}
+    for t, ident in sorted(template_identity.items()):
+        by_id.setdefault(ident, []).append(t)
+    ids = sorted(by_id)
+    header = "TEMPLATE_ID,SUBJECT_ID,FILENAME\n"
+    for name, part in (("G1", ids[:len(ids) // 2]), ("G2", ids[len(ids) // 2:])):
+        with open(os.path.join(root, "meta", f"ijbc_1N_gallery_{name}.csv"), "w") as f:
+            f.write(header + "".join(f"{by_id[i][0]},{i},x.jpg\n" for i in part))
+    with open(os.path.join(root, "meta", "ijbc_1N_probe_mixed.csv"), "w") as f:
+        f.write(header + "".join(f"{t},{i},x.jpg\n" for i in ids for t in by_id[i][1:]))
+
+
 def test_ijb_scores_every_kind_like_the_reference(files):
     """``--ijb`` with the ``.pt``, its ds_pfc export and its ONNX file: each model's
-    TAR@FAR and AUC as the reference network's features give them."""
+    TAR@FAR and AUC, and 1:N identification, as the reference network's features
+    give them."""
     from make_synthetic_ijb import make_synthetic_ijb
 
-    from ds_pfc.eval import ijb
+    from ds_pfc.eval import ijb, ijb_1n
     root = str(files["tmp"] / "ijb")
-    make_synthetic_ijb(root, num_identities=3, templates_per_identity=2)
+    summary = make_synthetic_ijb(root, num_identities=4, templates_per_identity=3)
+    _write_1n(root, summary["template_identity"])
     meta = ijb.read_meta(root, "IJBC")
     feats = ijb.embed_images(files["ref"], meta, batch_size=8, num_workers=0)
     want = ijb.evaluate(feats, meta.templates, meta.medias, meta.pairs, meta.labels, faceness=meta.faceness)
+    want_1n = ijb_1n.identify(feats, meta.templates, meta.medias, ijb_1n.read_identification(root, "IJBC"),
+                              faceness=meta.faceness)
+    assert want_1n.num_probes == 8 and want_1n.num_gallery == 4
     models = [files["pt"], files["export"]]
     try:
         import onnxruntime  # noqa: F401
@@ -212,7 +232,7 @@ def test_ijb_scores_every_kind_like_the_reference(files):
     except ImportError:
         pass                                  # the .pt and the export still run
     args = ["--ijb", root, "--target", "IJBC", "--network", "r18", "--width", "0.25", "--workers", "0",
-            "--batch-size", "8", "--out", str(files["tmp"] / "ijb_out")]
+            "--batch-size", "8", "--out", str(files["tmp"] / "ijb_out"), "--identification"]
     for m in models:
         args += ["--model", m]
     out = _cli("eval")(args)                  # --network and --width go to the .pt alone
@@ -221,7 +241,83 @@ def test_ijb_scores_every_kind_like_the_reference(files):
         for far, tar in want.tar_at_far.items():
             assert entry["tar_at_far"][f"{far:g}"] == pytest.approx(tar, abs=1e-12), (entry["label"], far)
         assert entry["auc"] == pytest.approx(want.auc, abs=1e-6), entry["label"]
+        got = entry["identification"]
+        assert got["rank"] == {str(k): pytest.approx(v, abs=1e-12) for k, v in want_1n.rank_rate.items()}
+        assert got["tpir_at_fpir"] == {f"{k:g}": pytest.approx(v, abs=1e-12)
+                                       for k, v in want_1n.tpir_at_fpir.items()}
     assert 0.0 < want.auc < 1.0
+def _reference_identification(feats, templates, medias, faceness, gallery, probes, fpirs, ranks):
+    """insightface's 1:N recipe with plain Python lists (``gallery``/``probes``: rows
+    ``(template, subject)``)."""
+    pooled = {}
+    for t in sorted(set(templates)):
+        per_media = {}
+        for f, tt, m, s in zip(feats, templates, medias, faceness):
+            if tt == t:
+                per_media.setdefault(m, []).append([v * s for v in f])
+        total = [0.0] * len(feats[0])
+        for rows in per_media.values():
+            for j in range(len(total)):
+                total[j] += sum(r[j] for r in rows) / len(rows)
+        n = math.sqrt(sum(v * v for v in total))
+        pooled[t] = [v / n for v in total]
+
+    def firsts(rows):
+        seen = {}
+        for t, s in rows:
+            seen.setdefault(t, s)
+        return sorted(seen.items())
+    g, p = firsts(gallery), firsts(probes)
+    mated, nonmated, rank = [], [], []
+    for t, s in p:
+        scores = [sum(a * b for a, b in zip(pooled[t], pooled[gt])) for gt, _ in g]
+        k = [gs for _, gs in g].index(s)
+        mated.append(scores[k])
+        nonmated += [x for j, x in enumerate(scores) if j != k]
+        rank.append(1 + sum(x > scores[k] for x in scores))
+    nonmated.sort(reverse=True)
+    rates = {r: sum(x <= r for x in rank) / len(p) for r in ranks}
+    tpir = {}
+    for f in fpirs:
+        th = nonmated[math.ceil(len(p) * f) - 1]
+        tpir[f] = sum(m > th for m in mated) / len(p)
+    return rates, tpir
+
+
+def test_identification_matches_a_plain_reference():
+    from ds_pfc.eval.ijb_1n import IJBIdentification, identify
+    gen = torch.Generator().manual_seed(3)
+    n, d, subjects = 60, 6, 8
+    subject_of_image = torch.randint(0, subjects, (n,), generator=gen)
+    centers = torch.randn(subjects, d, generator=gen, dtype=torch.float64)
+    feats = centers[subject_of_image] + 1.2 * torch.randn(n, d, generator=gen, dtype=torch.float64)
+    # templates: subject s owns templates 10 s + {0, 1, 2}; template 10 s is the gallery's
+    templates = subject_of_image * 10 + torch.randint(0, 3, (n,), generator=gen)
+    for s in range(subjects):                 # every template has an image
+        for k in range(3):
+            templates[s * 7 + k] = 10 * subject_of_image[s * 7 + k] + k
+    medias = torch.randint(0, 4, (n,), generator=gen) + 100 * templates
+    faceness = torch.rand(n, generator=gen, dtype=torch.float64) + 0.5
+    present = sorted(set(templates.tolist()))
+    gallery = [(t, t // 10) for t in present if t % 10 == 0]
+    probes = [(t, t // 10) for t in present if t % 10 != 0 and (t // 10 * 10) in dict(gallery)]
+    gallery = gallery + [(gallery[0][0], gallery[0][1])]         # a repeated row counts once
+    protocol = IJBIdentification(torch.tensor([t for t, _ in gallery]), torch.tensor([s for _, s in gallery]),
+                                 torch.tensor([t for t, _ in probes]), torch.tensor([s for _, s in probes]))
+    fpirs, ranks = (0.1, 0.3), (1, 2, 3)
+    got = identify(feats, templates, medias, protocol, faceness=faceness, fpirs=fpirs, ranks=ranks)
+    rates, tpir = _reference_identification(feats.tolist(), templates.tolist(), medias.tolist(), faceness.tolist(),
+                                            gallery, probes, fpirs, ranks)
+    assert got.num_probes == len(set(probes)) > 5 and got.num_gallery == len(set(gallery))
+    assert got.rank_rate == {k: pytest.approx(v, abs=1e-12) for k, v in rates.items()}
+    assert got.tpir_at_fpir == {k: pytest.approx(v, abs=1e-12) for k, v in tpir.items()}
+    assert 0 < got.rank_rate[1] < got.rank_rate[3] <= 1
+    bad = IJBIdentification(protocol.gallery_templates, protocol.gallery_subjects,
+                            torch.tensor([probes[0][0]]), torch.tensor([999]))
+    with pytest.raises(ValueError, match="subject 999"):
+        identify(feats, templates, medias, bad, faceness=faceness)
+
+
 def _exits_with(main, argv, needle):
     with pytest.raises(SystemExit) as info:
         main(argv)
