@@ -210,27 +210,27 @@ def _write_1n(root, template_identity):
 
 
 def test_ijb_scores_every_kind_like_the_reference(files):
-    """``--ijb`` with the ``.pt``, its ds_pfc export and its ONNX file: each model's
-    TAR@FAR and AUC, and 1:N identification, as the reference network's features
-    give them."""
+    """``--ijb`` with the ``.pt`` and its ONNX file (a ds_pfc export's IJB run is
+    ``test_ijb``'s): each model's TAR@FAR and AUC, and 1:N identification, as the
+    reference network's features give them."""
     from make_synthetic_ijb import make_synthetic_ijb
 
     from ds_pfc.eval import ijb, ijb_1n
     root = str(files["tmp"] / "ijb")
-    summary = make_synthetic_ijb(root, num_identities=4, templates_per_identity=3)
+    summary = make_synthetic_ijb(root, num_identities=4, templates_per_identity=2)
     _write_1n(root, summary["template_identity"])
     meta = ijb.read_meta(root, "IJBC")
     feats = ijb.embed_images(files["ref"], meta, batch_size=8, num_workers=0)
     want = ijb.evaluate(feats, meta.templates, meta.medias, meta.pairs, meta.labels, faceness=meta.faceness)
     want_1n = ijb_1n.identify(feats, meta.templates, meta.medias, ijb_1n.read_identification(root, "IJBC"),
                               faceness=meta.faceness)
-    assert want_1n.num_probes == 8 and want_1n.num_gallery == 4
-    models = [files["pt"], files["export"]]
+    assert want_1n.num_probes == 4 and want_1n.num_gallery == 4
+    models = [files["pt"]]
     try:
         import onnxruntime  # noqa: F401
         models.append(_onnx_export(files, "ijb.onnx"))
     except ImportError:
-        pass                                  # the .pt and the export still run
+        pass                                  # the .pt still runs
     args = ["--ijb", root, "--target", "IJBC", "--network", "r18", "--width", "0.25", "--workers", "0",
             "--batch-size", "8", "--out", str(files["tmp"] / "ijb_out"), "--identification"]
     for m in models:
