@@ -20,8 +20,8 @@ with ZeRO 1-3; the next resume on another number of ranks picks it up by itself
 input ``images [B, 3, H, W]`` float32 RGB normalised as ``(x - 127.5) / 127.5``, output
 ``embeddings [B, d]``: a dynamic batch axis unless ``--batch N``, opset ``--opset``
 (default 17), ``--fp16`` for float16 weights and arithmetic behind float32 ends; the
-file loads in insightface's ``model_zoo.get_model`` as a recognition model. ``classifier``: one head's merged classifier with its
-optimizer states (``weight [C K, d]`` with ``K`` sub-centers per class); with
+file loads in insightface's ``model_zoo.get_model`` as a recognition model.
+``classifier``: one head's merged classifier with its optimizer states (``weight [C K, d]`` with ``K`` sub-centers per class); with
 ``--dominant`` also each class's dominant sub-center (``dominant [C]``,
 ``weight_dominant [C, d]``), found by embedding the job's training set with the
 checkpoint's backbone (one pass, in this process). ``import-arcface``: arcface_torch's
