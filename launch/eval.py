@@ -116,8 +116,12 @@ def _ijb(args) -> dict:
             backbone, _, _ = _load_model(path, args)
         except (FileNotFoundError, ValueError, RuntimeError) as err:
             sys.exit(f"error: {err}")
-        features = ijb.embed_images(backbone.to(device), meta, batch_size=args.batch_size, flip=not args.no_flip,
-                                    device=device, num_workers=args.workers, progress=_Progress(label))
+        try:
+            features = ijb.embed_images(backbone.to(device), meta, batch_size=args.batch_size,
+                                        flip=not args.no_flip, device=device, num_workers=args.workers,
+                                        progress=_Progress(label))
+        except (FileNotFoundError, ValueError) as err:    # an image unreadable, an ONNX model refusing them
+            sys.exit(f"error: {err}")
         r = ijb.evaluate(features, meta.templates, meta.medias, meta.pairs, meta.labels, faceness=meta.faceness,
                          use_norm_score=not args.no_norm_score, use_detector_score=not args.no_detector_score)
         results[label] = r
