@@ -111,26 +111,53 @@ def export_checkpoint(tag_dir: str, out_path: str, *, config: dict | None = None
     return ckpt._atomic_save(tensors, out_path, metadata)
 
 
-def export_onnx(backbone: torch.nn.Module, out_path: str, *, image_size: int = 112, opset: int = 17) -> str:
-    """Export ``backbone`` (eval mode, float32, CPU) to ONNX with a dynamic batch axis:
-    input ``images [B, 3, H, W]`` (normalised to [-1, 1]), output ``embeddings [B, d]``.
-    Needs the ``onnx`` package (``pip install ds_pfc[onnx]``)."""
+class _HalfInside(torch.nn.Module):
+    """Runs a float16 copy of a backbone behind a float32 input and output."""
+
+    def __init__(self, backbone: torch.nn.Module):
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, x):
+        return self.backbone(x.half()).float()
+
+
+def export_onnx(backbone: torch.nn.Module, out_path: str, *, image_size: int = 112, opset: int = 17,
+                batch: int | None = None, fp16: bool = False) -> str:
+    """Export ``backbone`` (eval mode, CPU) to ONNX: input ``images [B, 3, H, W]``
+    float32 RGB normalised as ``(x - 127.5) / 127.5``, output ``embeddings [B, d]``
+    float32 (unnormalised), no preprocessing inside the graph, which is what
+    insightface's ``model_zoo.get_model`` expects of a recognition model.
+
+    ``batch``: None for a dynamic batch axis (default), else the static batch size.
+    ``opset``: the ONNX opset (9 .. 20). ``fp16``: float16 weights and arithmetic
+    (the input and output stay float32, casts at the graph's ends). The export works
+    on a copy; ``backbone`` is left as it was. Needs the ``onnx`` package
+    (``pip install ds_pfc[onnx]``)."""
+    import copy
+    import warnings
+    if isinstance(opset, bool) or not isinstance(opset, int) or not 9 <= opset <= 20:
+        raise ValueError(f"opset must be an int in 9 .. 20, got {opset!r}")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"batch must be None (dynamic) or a positive int, got {batch!r}")
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
+        raise ValueError(f"image_size must be a positive int, got {image_size!r}")
     try:
         import onnx  # noqa: F401  (the exporter needs it)
     except ImportError:
         raise RuntimeError("ONNX export needs the 'onnx' package: pip install onnx") from None
-    import warnings
-    was_training = backbone.training
-    backbone = backbone.float().cpu().eval()
-    example = torch.zeros(2, 3, image_size, image_size)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            torch.onnx.export(backbone, (example,), out_path, dynamo=False, opset_version=opset,
-                              input_names=["images"], output_names=["embeddings"],
-                              dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}})
-    finally:
-        backbone.train(was_training)
+    model = copy.deepcopy(backbone).cpu().eval()
+    model = _HalfInside(model.half()).eval() if fp16 else model.float()
+    example = torch.zeros(batch or 2, 3, image_size, image_size)
+    dynamic = None if batch else {"images": {0: "batch"}, "embeddings": {0: "batch"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(model, (example,), out_path, dynamo=False, opset_version=opset,
+                              input_names=["images"], output_names=["embeddings"], dynamic_axes=dynamic)
+        except Exception as err:      # an operator without a symbolic in this opset, ...
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise RuntimeError(f"ONNX export at opset {opset} failed ({type(err).__name__}: {first})") from None
     return out_path
 
 

@@ -3,7 +3,8 @@
     python launch/export.py safetensors --checkpoint runs/x/checkpoints [--tag T] --out model.safetensors
     python launch/export.py reshard --checkpoint runs/x/checkpoints [--tag T] --world_size 5 --out runs/y/checkpoints
     python launch/export.py universal --checkpoint runs/x/checkpoints [--tag T] [--out DIR] [--workers 4]
-    python launch/export.py onnx --model runs/x/export/model.safetensors --out backbone.onnx
+    python launch/export.py onnx --model runs/x/export/model.safetensors --out backbone.onnx [--opset 17] \
+        [--batch 1] [--fp16]
     python launch/export.py classifier --checkpoint runs/x/checkpoints [--tag T] --out head.safetensors [--dominant]
     python launch/export.py import-arcface --network r50 --backbone work_dirs/r50/model.pt \
         [--head work_dirs/r50 --world_size 8] --out imported/r50
@@ -15,9 +16,12 @@ heads (resume from it by pointing ``ds_pfc.train.output_dir`` at the parent of
 ``--out``). ``universal``: the tag converted to DeepSpeed's universal checkpoint
 (default ``<checkpoint>/<tag>-universal``), which resumes on any number of ranks
 with ZeRO 1-3; the next resume on another number of ranks picks it up by itself
-(ZeRO 0 checkpoints need no conversion). ``onnx``: the backbone with a dynamic
-batch axis (needs ``onnx``). ``classifier``: one head's merged classifier with its
-optimizer states (``weight [C K, d]`` with ``K`` sub-centers per class); with
+(ZeRO 0 checkpoints need no conversion). ``onnx``: the backbone (needs ``onnx``),
+input ``images [B, 3, H, W]`` float32 RGB normalised as ``(x - 127.5) / 127.5``, output
+``embeddings [B, d]``: a dynamic batch axis unless ``--batch N``, opset ``--opset``
+(default 17), ``--fp16`` for float16 weights and arithmetic behind float32 ends; the
+file loads in insightface's ``model_zoo.get_model`` as a recognition model.
+``classifier``: one head's merged classifier with its optimizer states (``weight [C K, d]`` with ``K`` sub-centers per class); with
 ``--dominant`` also each class's dominant sub-center (``dominant [C]``,
 ``weight_dominant [C, d]``), found by embedding the job's training set with the
 checkpoint's backbone (one pass, in this process). ``import-arcface``: arcface_torch's
@@ -58,6 +62,9 @@ def main(argv=None) -> str:
     o.add_argument("--model", required=True, help="an export .safetensors or a checkpoints directory")
     o.add_argument("--tag", default=None)
     o.add_argument("--out", required=True)
+    o.add_argument("--opset", type=int, default=17, help="ONNX opset, 9 .. 20 (default 17)")
+    o.add_argument("--batch", type=int, default=None, help="a static batch size (default: a dynamic batch axis)")
+    o.add_argument("--fp16", action="store_true", help="float16 weights and arithmetic (float32 input and output)")
     c = sub.add_parser("classifier", help="one head's merged classifier (and its dominant sub-centers)")
     c.add_argument("--checkpoint", required=True, help="the checkpoints directory (holds 'latest')")
     c.add_argument("--tag", default=None)
@@ -108,7 +115,8 @@ def main(argv=None) -> str:
         else:
             backbone, config = export.load_backbone(args.model, args.tag)
             size = config["ds_pfc"].get("data", {}).get("synthetic", {}).get("image_size", 112)
-            out = export.export_onnx(backbone, args.out, image_size=size)
+            out = export.export_onnx(backbone, args.out, image_size=size, opset=args.opset, batch=args.batch,
+                                     fp16=args.fp16)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as err:
         sys.exit(f"error: {err}")
     print(out)
