@@ -683,6 +683,8 @@ class _IndexCache:
 
     def acquire(self) -> bool:
         """True when this process is to compute and write the cache."""
+        if self._held:
+            return True
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             for _ in range(2):
