@@ -174,3 +174,11 @@ def test_unordered_index_keys_are_found(tmp_path):
                                              (64, {}, 8), (16, {"LOCAL_SIZE": "8"}, 1), (96, {"LOCAL_SIZE": "8"}, 8)])
 def test_default_workers(cpus, env, expect):
     assert default_workers(env, cpus=cpus) == expect
+
+
+def test_config_workers_auto_and_bad_values():
+    from ds_pfc.config import ConfigError, DataConfig
+    assert DataConfig().workers == "auto" and DataConfig(workers=3).workers == 3
+    for bad in ("many", -1, True, 1.5):
+        with pytest.raises(ConfigError, match=r"ds_pfc\.data\.workers must be an integer >= 0 or \"auto\""):
+            DataConfig(workers=bad)
