@@ -1,6 +1,6 @@
 """RecordIO start-up and loader throughput at WebFace42M scale.
 
-``python launch/bench.py data [--records 42500000 --classes 2059906]`` writes a
+``python launch/bench.py data [--records 42499999 --classes 2060000]`` writes a
 synthetic insightface-layout ``train.rec``/``train.idx``/``property`` (header record
 0 ``[A, B]``, ``records`` tiny image records grouped by class, ``classes`` identity
 records; 48 bytes a record, so 42.5M records take about 2 GB plus a 0.9 GB index) into
@@ -35,9 +35,19 @@ _MAGIC = 0xCED7230A
 
 
 def _class_sizes(records: int, classes: int) -> torch.Tensor:
-    base, extra = divmod(records, classes)
-    sizes = torch.full((classes,), base, dtype=torch.int64)
-    sizes[torch.randperm(classes, generator=torch.Generator().manual_seed(0))[:extra]] += 1
+    """Class sizes summing to ``records``. insightface stores the header and the identity
+    ranges as float32, exact only up to 2**24; past that only multiples of 4 (up to
+    2**26) survive. So that the header path can be timed at 42.5M images, the first
+    class has 3 images and the others multiples of 4: every range boundary is then a
+    multiple of 4 (``records % 4 == 3`` and ``classes % 4 == 0`` are required). Real
+    recs past 2**24 images have rounded ranges and take the scan (once; then the cache)."""
+    if records % 4 != 3 or classes % 4 or records > (1 << 26) - classes:
+        raise SystemExit("--records must be 3 mod 4 and --classes a multiple of 4 (records + classes < 2**26): "
+                         "see _class_sizes")
+    base, extra = divmod((records - 3) // 4, classes - 1)
+    sizes = torch.full((classes,), 4 * base, dtype=torch.int64)
+    sizes[1 + torch.randperm(classes - 1, generator=torch.Generator().manual_seed(0))[:extra]] += 4
+    sizes[0] = 3
     return sizes
 
 
@@ -169,8 +179,8 @@ def _throughput(folder: str, images: int, workers_list: list[int], batch: int, s
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench.py data", description=__doc__.split("\n")[0])
-    p.add_argument("--records", type=int, default=42_500_000, help="image records (WebFace42M: 42.5M)")
-    p.add_argument("--classes", type=int, default=2_059_906, help="identities (WebFace42M: 2,059,906)")
+    p.add_argument("--records", type=int, default=42_499_999, help="image records (WebFace42M: 42.5M; 3 mod 4)")
+    p.add_argument("--classes", type=int, default=2_060_000, help="identities (WebFace42M: 2.06M; a multiple of 4)")
     p.add_argument("--workdir", default="/tmp/ds_pfc_bench_data", help="where the synthetic data is kept")
     p.add_argument("--scan-records", type=int, default=300_000, help="records the full scan is timed over")
     p.add_argument("--throughput-images", type=int, default=2048)
