@@ -49,7 +49,7 @@ def test_header_layout_labels_without_reading_every_record(tmp_path, preads):
     labels = ds.labels()
     assert labels.tolist() == [cls for _, cls in expect]
     assert ds.num_classes == len(sizes) == b - a
-    assert "identity records" in ds.label_source
+    assert ds.label_source.startswith("the header's")
     # A full scan reads every image header once; this start-up reads the header
     # record, the identity records in one block and at most 128 image headers.
     image_starts = {offsets[k] for k in range(1, a)}
@@ -182,3 +182,39 @@ def test_config_workers_auto_and_bad_values():
     for bad in ("many", -1, True, 1.5):
         with pytest.raises(ConfigError, match=r"ds_pfc\.data\.workers must be an integer >= 0 or \"auto\""):
             DataConfig(workers=bad)
+
+
+def _round_like_float32(v: float, exact: int) -> float:
+    """``v`` rounded as a float32 rounds integers past ``2**24``, with ``exact`` in
+    place of ``2**24`` (step 2 up to ``2 * exact``, 4 up to ``4 * exact``, ...;
+    ties to even)."""
+    step = 1
+    while v >= exact * step:
+        step *= 2
+    return float(round(v / step) * step)
+
+
+def test_header_layout_past_float32_precision(tmp_path, monkeypatch, preads):
+    # Past 2**24 images insightface's float32 header and identity ranges are rounded.
+    # With the threshold lowered to 64, ~400 images exercise steps of 2, 4 and 8.
+    exact = 64
+    monkeypatch.setattr(recordio, "_FLOAT32_EXACT", exact)
+    sizes = [9 + (7 * g) % 11 for g in range(30)]
+    records, expect, (a, b) = header_layout(sizes)
+    rounded = []
+    for key, payload in records:
+        if key == 0 or key >= a:                       # header and identity records
+            flag = int.from_bytes(payload[:4], "little")
+            values = torch.tensor(list(torch.frombuffer(bytearray(payload[24:24 + 4 * flag]), dtype=torch.float32)))
+            payload = ir_pack([_round_like_float32(float(v), exact) for v in values])
+        rounded.append((key, payload))
+    assert _round_like_float32(float(a), exact) != a   # the header itself is off
+    rec, idx, offsets = write_rec(tmp_path, rounded)
+    ds = InsightFaceRecord(tmp_path, cache=False)
+    assert ds.header == (a, b) and len(ds) == a - 1
+    preads.clear()
+    assert ds.labels().tolist() == [cls for _, cls in expect]
+    image_starts = {offsets[k] for k in range(1, a)}
+    assert len({off for _, off in preads if off in image_starts}) < (a - 1) // 2   # not a scan
+    assert ds.label_source.startswith("the header's")
+    assert torch.equal(ds.labels(), ds._scan_labels())

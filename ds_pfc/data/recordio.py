@@ -440,7 +440,7 @@ class InsightFaceRecord(torch.utils.data.Dataset):
             raise ValueError(f"{where}, so it is not an image record, and it is not an insightface header "
                              f"either: that holds exactly two labels [A, B], integers with 1 <= A <= B. The "
                              f"layout of this file is unknown")
-        a, b = int(label[0]), int(label[1])
+        a, b = self._exact_bounds(int(label[0]), int(label[1]))
         refuse = (f"{where}, like an insightface header [A, B] = [{a}, {b}] (images at keys 1..A-1, identity "
                   f"records at A..B-1), but {reader.idx_path!r} does not match it: ")
         keys = reader.key_tensor
@@ -462,6 +462,36 @@ class InsightFaceRecord(torch.utils.data.Dataset):
                 if id_flag != 2 or id_rest:
                     raise ValueError(f"{refuse}record {key} should be an identity record (flag=2, no image "
                                      f"bytes) and has flag={id_flag} with {len(id_rest)} image bytes")
+        return a, b
+
+    def _is_identity(self, key: int):
+        """The label of record ``key`` when it is an identity record (flag 2, no image
+        bytes), else None."""
+        if key not in self.reader:
+            return None
+        flag, label, _, _, rest = unpack_header(self.reader.read(key))
+        return label if flag == 2 and not rest else None
+
+    def _exact_bounds(self, a: int, b: int) -> tuple[int, int]:
+        """The header's ``[A, B]`` is float32: past 2**24 it is rounded to a multiple of
+        2 (of 4 past 2**25, ...). The exact ``A`` is the first identity record (range
+        starting at image 1) within half a step of it, the exact ``B`` one past the
+        last identity record; unchanged when none is found (the checks then refuse)."""
+        def near(v):
+            half = _float32_step(v) // 2
+            return range(v - half, v + half + 1)
+
+        if a >= _FLOAT32_EXACT:
+            for c in near(a):
+                first = self._is_identity(c)
+                if first is not None and first[0] == 1 and self._is_identity(c - 1) is None:
+                    a = c
+                    break
+        if b >= _FLOAT32_EXACT:
+            for c in near(b):
+                if self._is_identity(c - 1) is not None and self._is_identity(c) is None:
+                    b = c
+                    break
         return a, b
 
     def __len__(self) -> int:
@@ -578,16 +608,37 @@ class InsightFaceRecord(torch.utils.data.Dataset):
             return None, "an identity record's range is not integral"
         starts, ends = ranges[:, 0].to(torch.int64), ranges[:, 1].to(torch.int64)
         counts = ends - starts
-        if int(starts[0]) != 1 or int(ends[-1]) != a or bool((counts < 0).any()) or \
-                bool((starts[1:] != ends[:-1]).any()):
+        if int(starts[0]) != 1 or int(ends[-1]) != _float32_round(a) or \
+                bool((counts < 0).any()) or bool((starts[1:] != ends[:-1]).any()):
             return None, f"the identity records' ranges do not tile the images 1..{a - 1}"
         nonempty = (counts > 0).nonzero().flatten()
         if not len(nonempty):
             return None, "every identity record's range is empty"
+        base = self._label_of(1) - int(nonempty[0])
+        checked = 1
+        # Boundaries past 2**24 are float32-rounded: find each exact one within half a
+        # step, where the labels change from class g-1 to class g (a few reads each).
+        rounded = (starts >= _FLOAT32_EXACT).nonzero().flatten().tolist()
+        if rounded:
+            if bool((counts[rounded[0]:] == 0).any()):
+                return None, "identity ranges past 2**24 images (float32-rounded) include empty classes"
+            starts = starts.clone()
+            for g in rounded:
+                r = int(starts[g])
+                half = _float32_step(r) // 2
+                for k in range(max(r - half, int(starts[g - 1]) + 1), min(r + half, a - 1) + 1):
+                    checked += 1
+                    if self._label_of(k) == base + g:
+                        starts[g] = k
+                        break
+                else:
+                    return None, f"no image near {r} has the label {base + g} of identity record {a + g}"
+            ends = torch.cat([starts[1:], torch.tensor([a])])
+            counts = ends - starts
+            if bool((counts <= 0)[rounded[0]:].any()):
+                return None, "the exact identity ranges past 2**24 images do not tile the images"
         picks = torch.linspace(0, len(nonempty) - 1, min(64, len(nonempty))).round().long().unique()
         sample = nonempty[picks].tolist()
-        base = self._label_of(int(starts[sample[0]])) - sample[0]
-        checked = 0
         for g in sample:
             for key in sorted({int(starts[g]), int(ends[g]) - 1}):
                 checked += 1
@@ -628,6 +679,20 @@ class InsightFaceRecord(torch.utils.data.Dataset):
                                   f"label is {num_classes - 1}; using num_classes = {num_classes}", stacklevel=2)
             self._num_classes = num_classes
         return self._num_classes
+
+
+_FLOAT32_EXACT = 1 << 24        # integers past this are rounded by a float32 label
+
+
+def _float32_step(v: int) -> int:
+    """Spacing of float32 values around the integer ``v`` (1 below 2**24)."""
+    return 1 << max(0, max(v, 1).bit_length() - _FLOAT32_EXACT.bit_length() + 1)
+
+
+def _float32_round(v: int) -> int:
+    """``v`` as a float32 label stores it (to the nearest step, ties to even)."""
+    step = _float32_step(v)
+    return round(v / step) * step
 
 
 def resolve_paths(path: str | os.PathLike, idx_path: str | os.PathLike | None = None) -> tuple[str, str]:
