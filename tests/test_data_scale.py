@@ -218,3 +218,19 @@ def test_header_layout_past_float32_precision(tmp_path, monkeypatch, preads):
     assert len({off for _, off in preads if off in image_starts}) < (a - 1) // 2   # not a scan
     assert ds.label_source.startswith("the header's")
     assert torch.equal(ds.labels(), ds._scan_labels())
+
+
+def test_lock_left_by_a_dead_process_is_taken_over(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    labels = [k % 5 for k in range(40)]
+    rec, _, _ = _im2rec(tmp_path, labels)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock = tmp_path / "train.rec.ds_pfc-index.pt.lock"
+    lock.write_text(f"{socket.gethostname()} {int(dead.stdout)}\n")
+    start = time.monotonic()
+    ds = InsightFaceRecord(rec)
+    assert ds.labels().tolist() == labels and time.monotonic() - start < 5
+    assert "every record header" in ds.label_source
+    assert (tmp_path / "train.rec.ds_pfc-index.pt").is_file() and not lock.exists()

@@ -734,8 +734,9 @@ class _IndexCache:
     Kept beside the ``.rec`` as ``<name>.rec.ds_pfc-index.pt`` when that directory is
     writable, else in ``cache_dir`` (``$DS_PFC_CACHE_DIR``, ``~/.cache/ds_pfc``) under
     a name hashed from the ``.rec``'s absolute path. One process writes it: the first
-    to create ``<cache>.lock``; the others wait for the file (a lock older than
-    ``wait`` seconds is taken as left by a dead process)."""
+    to create ``<cache>.lock``; the others wait for the file. A lock whose holder on
+    this host has exited, or older than ``wait`` seconds, is taken as left by a dead
+    process."""
 
     def __init__(self, rec: str, idx: str, cache_dir, wait: float):
         self.rec, self.idx, self.wait_s = os.path.abspath(rec), os.path.abspath(idx), float(wait)
@@ -780,7 +781,7 @@ class _IndexCache:
                     fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
                 except FileExistsError:
                     try:
-                        if time.time() - os.path.getmtime(self.lock) > self.wait_s:
+                        if self._stale():
                             os.unlink(self.lock)     # left by a process that died
                             continue
                     except FileNotFoundError:
@@ -795,13 +796,31 @@ class _IndexCache:
             self.path = None
         return True
 
+    def _stale(self) -> bool:
+        """The lock is older than ``wait`` seconds, or its holder (on this host) is gone."""
+        if time.time() - os.path.getmtime(self.lock) > self.wait_s:
+            return True
+        try:
+            with open(self.lock) as f:
+                host, pid = f.read().split()
+            if host == socket.gethostname():
+                os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except (OSError, ValueError):
+            pass                      # being written, or not ours to judge: wait
+        return False
+
     def wait(self) -> dict | None:
         deadline = time.monotonic() + self.wait_s
         while time.monotonic() < deadline:
             entry = self.load()
             if entry is not None:
                 return entry
-            if not os.path.exists(self.lock):
+            try:
+                if not os.path.exists(self.lock) or self._stale():
+                    return self.load()
+            except FileNotFoundError:
                 return self.load()
             time.sleep(0.2)
         return None
