@@ -467,7 +467,8 @@ class DataConfig:
     """synthetic, recordio (insightface ``train.rec`` + ``train.idx``) or hf (a ``datasets``
     ``save_to_disk`` directory, parquet files or an image folder)."""
     path: str | None = None
-    """recordio: the ``.rec`` file (``.idx`` beside it); hf: the dataset directory/files."""
+    """recordio: the dataset directory (``train.rec``, ``train.idx``, optional ``property``)
+    or the ``.rec`` file (``.idx`` beside it); hf: the dataset directory/files."""
     split: str = "train"
     """hf: the split to train on."""
     image_column: str | None = None
@@ -481,8 +482,10 @@ class DataConfig:
     """Reshuffle every epoch (a pure function of seed and epoch)."""
     seed: int = 0
     """Seeds shuffling and augmentation."""
-    workers: int = 1
-    """Worker processes preparing micro batches ahead (0: in the training process)."""
+    workers: int | str = "auto"
+    """Worker processes preparing micro batches ahead (0: in the training process);
+    ``auto``: ``min(8, CPUs per local rank - 1)``, at least 1 (see
+    ``ds_pfc.data.loader.default_workers``)."""
     prefetch_batches: int = 2
     """Micro batches each worker prepares ahead."""
     stress: StressConfig = field(default_factory=StressConfig)
@@ -496,8 +499,9 @@ class DataConfig:
         if isinstance(self.prefetch_batches, bool) or not isinstance(self.prefetch_batches, int) or \
                 self.prefetch_batches < 1:
             raise ConfigError(f"ds_pfc.data.prefetch_batches must be an integer >= 1, got {self.prefetch_batches!r}")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
-            raise ConfigError(f"ds_pfc.data.workers must be an integer >= 0, got {self.workers!r}")
+        if self.workers != "auto" and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                       or self.workers < 0):
+            raise ConfigError(f"ds_pfc.data.workers must be an integer >= 0 or \"auto\", got {self.workers!r}")
 
 
 @dataclass(kw_only=True)

@@ -1,7 +1,8 @@
-"""Benchmarks: ``python launch/bench.py {head,bank,accuracy} [options]`` (``--help`` per benchmark)."""
+"""Benchmarks: ``python launch/bench.py {head,bank,accuracy,data} [options]`` (``--help`` per benchmark)."""
 import sys
 
-BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accuracy": "ds_pfc.bench.accuracy"}
+BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accuracy": "ds_pfc.bench.accuracy",
+              "data": "ds_pfc.bench.data"}
 
 
 def main() -> int:
