@@ -71,10 +71,11 @@ def _remove_shm_buffers(port):
 @pytest.fixture(scope="module", autouse=True)
 def single_process_group():
     """One process group for the module (the app and DeepSpeed need one), undone after."""
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
     port = _free_port()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     umask = os.umask(0o022)       # the usual file modes are checked below
     yield

@@ -198,6 +198,7 @@ def _shm_ranks(rank, world_size, port):
 
     from ds_pfc.deepspeed_plugin import init_distributed
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     init_distributed("gloo")
     if ds_comm.cdb.shm_comm_op is None:

@@ -56,7 +56,8 @@ def single_process_group():
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
     port = _free_port()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     yield
     if torch.distributed.is_initialized():
@@ -258,6 +259,7 @@ def test_resume_compares_the_schedule_part_of_init_only(tmp_path):
 
 def _ranks_setup(rank, world_size, out, config):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ["DS_PFC_TEST_PORT"])
     trainer = _trainer(out, config)

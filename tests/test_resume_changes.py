@@ -57,10 +57,11 @@ def _free_port():
 
 @pytest.fixture(scope="module", autouse=True)
 def single_process_group():
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
     port = _free_port()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     yield
     if torch.distributed.is_initialized():
@@ -255,6 +256,7 @@ class _Recorder(torch.utils.data.Dataset):
 
 def _ranks_run(rank, world_size, out, micro, max_steps):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["DS_PFC_TEST_PORT"])
     config = copy.deepcopy(CONFIG)
     config["train_micro_batch_size_per_gpu"] = micro
@@ -304,7 +306,7 @@ def _cli(tmp_path, config, *args):
     with open(path, "w") as f:
         json.dump(config, f)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", path,
                            *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -328,10 +330,12 @@ def test_cli_refusals_are_one_error_line(three_steps, tmp_path):
 def test_eval_cli_names_a_model_file_it_cannot_read(tmp_path):
     """An arcface_torch ``.pt`` (or any non-safetensors file) and a missing model file:
     one error line each, naming the file."""
-    bogus = tmp_path / "model.pt"
+    bogus = tmp_path / "model.weights"
     bogus.write_bytes(b"\x80\x02not a safetensors file")
+    arcface = tmp_path / "model.pt"                 # scored only with its arcface_torch network name
+    arcface.write_bytes(b"\x80\x02")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    for model, needle in ((str(bogus), "is not a safetensors file"),
+    for model, needle in ((str(bogus), "is not a safetensors file"), (str(arcface), "pass --network"),
                           (str(tmp_path / "missing.safetensors"), "model file not found")):
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "eval.py"), "--model", model, "--bins",
                                str(tmp_path / "lfw.bin")], env=env, cwd=ROOT, capture_output=True, text=True,
