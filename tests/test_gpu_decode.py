@@ -186,3 +186,28 @@ def test_nvjpeg_matches_cpu_decode():
         assert torch.equal(yc, yd)
         diff = ((xc - xd).abs() * 127.5)
         assert diff.max() <= 2 + 1e-3 and diff.mean() <= 0.5
+
+
+@pytest.mark.skipif(_have_cuda_torchvision(), reason="here decode=cuda can run: nothing to refuse")
+def test_train_app_refuses_cuda_decode_at_setup(tmp_path):
+    """``launch/train.py`` with ``data.decode: cuda`` where it cannot run: a one-line
+    error naming the key, before any training."""
+    pytest.importorskip("deepspeed")
+    import copy
+    import json
+    import os
+    import subprocess
+
+    from test_train_app import ROOT, TINY, _env
+    config = copy.deepcopy(TINY)
+    config["ds_pfc"]["data"]["decode"] = "cuda"
+    path = tmp_path / "cuda_decode.json"
+    path.write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", str(path),
+                           "--output_dir", str(tmp_path / "out")], env=_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and 'ds_pfc.data.decode is "cuda" but' in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "checkpoints").exists()
