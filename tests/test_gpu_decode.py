@@ -18,7 +18,11 @@ from ds_pfc.data import transforms
 from ds_pfc.data.loader import MicroBatchLoader, flip_mask
 from ds_pfc.data.sampler import DistributedIdentitySampler
 
-PIL = pytest.importorskip("PIL.Image", reason="needs Pillow to encode test JPEGs and decode them on CPU")
+try:
+    import PIL.Image as PIL
+except ImportError:
+    PIL = None
+needs_pillow = pytest.mark.skipif(PIL is None, reason="needs Pillow to encode test JPEGs and decode them on CPU")
 
 SIZE, N, M = 16, 12, 4
 
@@ -65,6 +69,7 @@ def _run(dataset, **kw):
     return [(x.clone(), y.clone()) for x, y in MicroBatchLoader(dataset, _sampler(), seed=7, prefetch=1, **kw)]
 
 
+@needs_pillow
 @pytest.mark.parametrize("workers", [0, 1])
 def test_device_decode_path_equals_cpu_path(monkeypatch, workers):
     ds = _Encoded()
@@ -100,6 +105,7 @@ def test_device_decode_path_equals_cpu_path(monkeypatch, workers):
     assert 0 < flips < N, "the draw should flip some samples and not others"
 
 
+@needs_pillow
 def test_device_decode_flip_off_and_tensor_items(monkeypatch):
     monkeypatch.setattr(transforms, "decode_jpeg_batch",
                         lambda payloads, device: [_pil_decode(bytes(p.tolist())) for p in payloads])
@@ -116,12 +122,15 @@ def test_device_decode_flip_off_and_tensor_items(monkeypatch):
     assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
 
 
+@needs_pillow
 def test_device_decoder_output_is_checked(monkeypatch):
-    monkeypatch.setattr(transforms, "decode_jpeg_batch", lambda payloads, device: [torch.zeros(SIZE, SIZE)] * len(payloads))
+    monkeypatch.setattr(transforms, "decode_jpeg_batch",
+                        lambda payloads, device: [torch.zeros(SIZE, SIZE)] * len(payloads))
     with pytest.raises(ValueError, match="device JPEG decoder must return uint8"):
         _run(_Encoded(), workers=0, decode_on_device=True)
 
 
+@needs_pillow
 def test_is_jpeg():
     assert transforms.is_jpeg(_encode(_pixels(0), "JPEG"))
     assert not transforms.is_jpeg(_encode(_pixels(0), "PNG"))
@@ -162,6 +171,7 @@ def _have_cuda_torchvision() -> bool:
     return True
 
 
+@needs_pillow
 @pytest.mark.cuda
 @pytest.mark.skipif(not _have_cuda_torchvision(), reason="needs a CUDA device and torchvision (nvJPEG decode)")
 def test_nvjpeg_matches_cpu_decode():
