@@ -493,7 +493,8 @@ class DataConfig:
     (the workers pass the encoded bytes and each rank decodes its micro batch on its
     GPU with ``torchvision.io.decode_jpeg``; needs torchvision and CUDA, and pixels may
     differ from the CPU decode by a few levels) or ``auto`` (``cuda`` when both are
-    there, else ``cpu``). Flips are the same either way."""
+    there, else ``cpu``). Flips are the same either way; other formats (PNG) are
+    still decoded in the workers, and JPEGs then bypass a ``set_image_decoder`` decoder."""
     stress: StressConfig = field(default_factory=StressConfig)
     """Label flips, inter-class conflicts or a long tail applied to the training set."""
 

@@ -121,6 +121,14 @@ def test_device_decode_flip_off_and_tensor_items(monkeypatch):
     a, b = _run(t, workers=0), _run(t, workers=0, decode_on_device=True)
     assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
 
+    class Batched(_Encoded):                 # get_batch datasets: flipped and normalised after the hand-over
+        def get_batch(self, indices):
+            return torch.stack([_pixels(int(i)) for i in indices]), indices % 3
+    t = Batched()
+    a, b = _run(t, workers=0), _run(t, workers=0, decode_on_device=True)
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
+    assert not all(torch.equal(x, y) for (x, _), (y, _) in zip(a, _run(t, workers=0, flip=False)))
+
 
 @needs_pillow
 def test_device_decoder_output_is_checked(monkeypatch):
