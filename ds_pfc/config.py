@@ -488,6 +488,13 @@ class DataConfig:
     ``ds_pfc.data.loader.default_workers``)."""
     prefetch_batches: int = 2
     """Micro batches each worker prepares ahead."""
+    decode: str = "cpu"
+    """Where JPEG training images are decoded: ``cpu`` (in the loader workers), ``cuda``
+    (the workers pass the encoded bytes and each rank decodes its micro batch on its
+    GPU with ``torchvision.io.decode_jpeg``; needs torchvision and CUDA, and pixels may
+    differ from the CPU decode by a few levels) or ``auto`` (``cuda`` when both are
+    there, else ``cpu``). Flips are the same either way; other formats (PNG) are
+    still decoded in the workers, and JPEGs then bypass a ``set_image_decoder`` decoder."""
     stress: StressConfig = field(default_factory=StressConfig)
     """Label flips, inter-class conflicts or a long tail applied to the training set."""
 
@@ -502,6 +509,20 @@ class DataConfig:
         if self.workers != "auto" and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
                                        or self.workers < 0):
             raise ConfigError(f"ds_pfc.data.workers must be an integer >= 0 or \"auto\", got {self.workers!r}")
+        if self.decode not in ("cpu", "cuda", "auto"):
+            raise ConfigError(f"ds_pfc.data.decode must be cpu, cuda or auto, got {self.decode!r}")
+
+    def decode_on(self, device) -> bool:
+        """Whether ``decode`` puts JPEG decoding on ``device`` (the rank's training
+        device); ``cuda`` that cannot run there raises :class:`ConfigError`."""
+        from .data.transforms import device_decode_available
+        if self.decode == "cpu":
+            return False
+        why = device_decode_available(device)
+        if why is not None and self.decode == "cuda":
+            raise ConfigError(f"ds_pfc.data.decode is \"cuda\" but {why}; decoding on the GPU needs torchvision "
+                              "and a CUDA training device (use \"cpu\" or \"auto\")")
+        return why is None
 
 
 @dataclass(kw_only=True)

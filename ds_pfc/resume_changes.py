@@ -38,6 +38,7 @@ _HARMLESS = (
     "checkpoint",
     "ds_pfc.description", "ds_pfc.train.log_every", "ds_pfc.train.output_dir", "ds_pfc.train.max_steps",
     "ds_pfc.train.epochs", "ds_pfc.evaluation", "ds_pfc.checkpoint", "ds_pfc.data.workers",
+    "ds_pfc.data.decode",
     "ds_pfc.data.prefetch_batches", "ds_pfc.head.bank.nvme_dir", "ds_pfc.head.backend", "ds_pfc.head.block_bytes",
     # Pretrained weights are read only by a fresh run.
     "ds_pfc.train.init.backbone", "ds_pfc.train.init.head",

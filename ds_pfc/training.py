@@ -239,6 +239,7 @@ class Trainer:
         bound = bind_local_device(local_rank=launch.local_rank)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = bound or torch.device(get_accelerator().current_device_name())
+        self.decode_on_device = cfg.data.decode_on(self.device)     # data.decode: refused here if it cannot run
         # The batch geometry as DeepSpeed resolves it (any two of the three batch keys,
         # elasticity): the engine built below must agree.
         self.micro, self.gas = _batch_geometry(self.ds_config)
@@ -614,7 +615,8 @@ class Trainer:
             loader = iter(MicroBatchLoader(self.dataset, self.sampler, flip=self.cfg.data.flip,
                                            seed=self.cfg.data.seed, workers=self.cfg.data.workers,
                                            prefetch=self.cfg.data.prefetch_batches,
-                                           device=self.device, dtype=self.engine.dtype))
+                                           device=self.device, dtype=self.engine.dtype,
+                                           decode_on_device=self.decode_on_device))
             try:
                 for _ in range(count):
                     yield next(loader)

@@ -8,6 +8,12 @@ item with decoding of encoded images), flips and normalises, and hands out
 ``i`` in epoch ``e`` is a pure function of ``(seed, e, i)``, like the order itself,
 so a resumed or re-sharded run sees exactly the same inputs.
 
+With ``decode_on_device=True`` the workers leave JPEG payloads encoded (uint8 1-D
+tensors, other formats they still decode) and pass each micro batch's flip mask
+along; the training process decodes the batch on ``device`` in one
+:func:`~ds_pfc.data.transforms.decode_jpeg_batch` call, then flips with that mask
+and normalises as the workers would have.
+
 The training loop tells the sampler what it consumed (``sampler.advance``); the
 loader only reads ahead, so its look-ahead never counts as trained.
 """
@@ -19,7 +25,8 @@ from typing import Iterator, Mapping
 import torch
 
 from .sampler import DistributedIdentitySampler, epoch_seed
-from .transforms import decode_image, normalize
+from . import transforms
+from .transforms import decode_image, is_jpeg, normalize
 
 __all__ = ["MicroBatchLoader", "flip_mask", "default_workers"]
 
@@ -54,7 +61,9 @@ def default_workers(environ: Mapping[str, str] | None = None, cpus: int | None =
     return max(1, min(8, cpus // local - 1))
 
 
-def _fetch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fetch(dataset, indices: torch.Tensor, keep_jpeg: bool = False):
+    """``(images uint8/float [m, 3, H, W], labels int64 [m])``; with ``keep_jpeg`` the
+    images are a list whose JPEG items stay encoded (uint8 1-D tensors)."""
     get_batch = getattr(dataset, "get_batch", None)
     if get_batch is not None:
         return get_batch(indices)
@@ -63,28 +72,62 @@ def _fetch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     images, labels = [], []
     for image, label in items:
         if isinstance(image, (bytes, bytearray, memoryview)):
-            image = decode_image(image)
+            if keep_jpeg and is_jpeg(image):
+                image = torch.frombuffer(bytearray(image), dtype=torch.uint8)
+            else:
+                image = decode_image(image)
         images.append(torch.as_tensor(image))
         labels.append(int(label))
+    labels = torch.tensor(labels, dtype=torch.int64)
+    if keep_jpeg:
+        return images, labels
+    return _stack(images), labels
+
+
+def _stack(images: list[torch.Tensor]) -> torch.Tensor:
     shapes = {tuple(t.shape) for t in images}
     if len(shapes) > 1:
         raise ValueError(f"images of one batch differ in shape {sorted(shapes)}; the data must be aligned "
                          "faces of one size (insightface: 112x112)")
-    return torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+    return torch.stack(images)
+
+
+def _decode_on(images, mask, device) -> torch.Tensor:
+    """The training-process half of ``decode_on_device``: decode the JPEG items of a
+    worker's list on ``device``, stack, flip with the worker's mask, normalise."""
+    if isinstance(images, torch.Tensor):
+        batch = images.to(device)
+    else:
+        jpegs = [i for i, t in enumerate(images) if t.dim() == 1]
+        decoded = transforms.decode_jpeg_batch([images[i] for i in jpegs], device) if jpegs else []
+        out = [t.to(device) for t in images]
+        for i, image in zip(jpegs, decoded):
+            if not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3
+                    and image.shape[0] == 3):
+                raise ValueError(f"the device JPEG decoder must return uint8 [3, H, W] tensors, got {image!r:.80}")
+            out[i] = image.to(device)
+        batch = _stack(out)
+    if mask is not None:
+        batch = torch.where(mask.to(device).view(-1, 1, 1, 1), batch.flip(-1), batch)
+    return normalize(batch)
 
 
 class _MicroBatches(torch.utils.data.Dataset):
     """Micro batch ``i`` of an epoch's order: fetched, flipped, normalised."""
 
-    def __init__(self, dataset, order: torch.Tensor, micro_batch: int, flip: bool, seed: int, epoch: int):
+    def __init__(self, dataset, order: torch.Tensor, micro_batch: int, flip: bool, seed: int, epoch: int,
+                 keep_jpeg: bool = False):
         self.dataset, self.order, self.m = dataset, order, micro_batch
-        self.flip, self.seed, self.epoch = flip, seed, epoch
+        self.flip, self.seed, self.epoch, self.keep_jpeg = flip, seed, epoch, keep_jpeg
 
     def __len__(self) -> int:
         return len(self.order) // self.m
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.order[i * self.m:(i + 1) * self.m]
+        if self.keep_jpeg:
+            images, labels = _fetch(self.dataset, idx, keep_jpeg=True)
+            return images, labels, (flip_mask(idx, self.seed, self.epoch) if self.flip else None)
         images, labels = _fetch(self.dataset, idx)
         if self.flip:
             mask = flip_mask(idx, self.seed, self.epoch).view(-1, 1, 1, 1)
@@ -109,10 +152,15 @@ class MicroBatchLoader:
         prefetch: micro batches each worker prepares ahead.
         device, dtype: where and as what the images are delivered (labels stay
             int64 on ``device``). CUDA copies go through pinned memory, non-blocking.
+        decode_on_device: workers hand JPEG items over encoded and the training
+            process decodes each micro batch on ``device`` with
+            :func:`~ds_pfc.data.transforms.decode_jpeg_batch` (``torchvision.io.decode_jpeg``;
+            nvJPEG on CUDA). Flips and normalisation are the same as without it.
     """
 
     def __init__(self, dataset, sampler: DistributedIdentitySampler, *, flip: bool = True, seed: int = 0,
-                 workers: int | str = "auto", prefetch: int = 2, device=None, dtype: torch.dtype = torch.float32):
+                 workers: int | str = "auto", prefetch: int = 2, device=None, dtype: torch.dtype = torch.float32,
+                 decode_on_device: bool = False):
         if not isinstance(sampler, DistributedIdentitySampler):
             raise TypeError(f"sampler must be a DistributedIdentitySampler, got {type(sampler).__name__}")
         if workers == "auto":
@@ -124,6 +172,7 @@ class MicroBatchLoader:
         self.flip, self.seed, self.workers, self.prefetch = bool(flip), seed, workers, prefetch
         self.device = torch.device("cpu" if device is None else device)
         self.dtype = dtype
+        self.decode_on_device = bool(decode_on_device)
         self.micro_batch = sampler.block_size
 
     def __len__(self) -> int:
@@ -132,12 +181,17 @@ class MicroBatchLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self.sampler.shard()[self.sampler.consumed:]
-        batches = _MicroBatches(self.dataset, order, self.micro_batch, self.flip, self.seed, self.sampler.epoch)
+        batches = _MicroBatches(self.dataset, order, self.micro_batch, self.flip, self.seed, self.sampler.epoch,
+                               keep_jpeg=self.decode_on_device)
         cuda = self.device.type == "cuda"
         loader = torch.utils.data.DataLoader(
             batches, batch_size=None, shuffle=False, num_workers=self.workers, pin_memory=cuda,
             prefetch_factor=self.prefetch if self.workers else None,
             multiprocessing_context="fork" if self.workers and "fork" in _start_methods() else None)
+        if self.decode_on_device:
+            for images, labels, mask in loader:
+                yield (_decode_on(images, mask, self.device).to(self.dtype), labels.to(self.device, non_blocking=cuda))
+            return
         for images, labels in loader:
             yield (images.to(self.device, self.dtype, non_blocking=cuda), labels.to(self.device, non_blocking=cuda))
 

@@ -9,6 +9,10 @@ decoder: the one passed in, else the one set with :func:`set_image_decoder`, els
 ``torchvision.io.decode_image`` if torchvision happens to be importable (that path
 is not exercised by the tests here), else Pillow if importable, else it raises
 ``RuntimeError``.
+
+:func:`decode_jpeg_batch` decodes a batch of JPEGs on an accelerator through
+``torchvision.io.decode_jpeg`` (nvJPEG on CUDA); the loader uses it when
+``data.decode`` is ``cuda``.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["normalize", "random_flip", "decode_image", "set_image_decoder"]
+__all__ = ["normalize", "random_flip", "decode_image", "set_image_decoder", "decode_jpeg_batch", "is_jpeg",
+           "device_decode_available"]
 
 Decoder = Callable[[bytes], torch.Tensor]
 _decoder: Decoder | None = None
@@ -94,3 +99,34 @@ def _pillow_decode(data: bytes) -> torch.Tensor:
         rgb = image.convert("RGB")
         out = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
         return out.view(rgb.height, rgb.width, 3).permute(2, 0, 1).contiguous()
+
+
+def is_jpeg(data) -> bool:
+    """Whether encoded bytes (or a uint8 1-D tensor of them) start with a JPEG marker."""
+    head = bytes(data[:3].tolist()) if isinstance(data, torch.Tensor) else bytes(data[:3])
+    return head == b"\xff\xd8\xff"
+
+
+def device_decode_available(device) -> str | None:
+    """``None`` when :func:`decode_jpeg_batch` can run on ``device``, else why not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the training device is {device.type}, not cuda"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        import torchvision.io  # noqa: F401
+    except ImportError:
+        return "torchvision is not installed"
+    return None
+
+
+def decode_jpeg_batch(payloads: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """JPEGs (uint8 1-D CPU tensors) -> uint8 ``[3, H, W]`` RGB tensors on ``device``,
+    decoded in one batched ``torchvision.io.decode_jpeg`` call. On CUDA (nvJPEG) pixels
+    may differ from a CPU decode (libjpeg) by a few levels."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+    if not payloads:
+        return []
+    out = decode_jpeg(list(payloads), mode=ImageReadMode.RGB, device=torch.device(device))
+    return list(out) if isinstance(out, (list, tuple)) else [out]
