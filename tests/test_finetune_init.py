@@ -259,7 +259,6 @@ def test_resume_compares_the_schedule_part_of_init_only(tmp_path):
 
 def _ranks_setup(rank, world_size, out, config):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ["DS_PFC_TEST_PORT"])
     trainer = _trainer(out, config)
