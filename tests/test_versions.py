@@ -42,16 +42,15 @@ def test_parse_version_refuses_garbage():
 
 
 def test_check_version_floor_ceiling_and_inside():
-    with pytest.raises(ImportError, match=r"deepspeed>=0\.19\.7,<0\.20.*installed: deepspeed 0\.19\.6"):
-        _versions.check_version("deepspeed", "0.19.6")
+    with pytest.raises(ImportError, match=r"deepspeed>=0\.19\.8,<0\.20.*installed: deepspeed 0\.19\.7"):
+        _versions.check_version("deepspeed", "0.19.7")
     with pytest.raises(ImportError, match=r"torch 2\.12\.1\+cu128"):
         _versions.check_version("torch", "2.12.1+cu128")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _versions.check_version("deepspeed", "0.19.7")
         _versions.check_version("deepspeed", "0.19.8")
         _versions.check_version("torch", "2.13.0+cpu")
-    with pytest.warns(RuntimeWarning, match=r"deepspeed>=0\.19\.7,<0\.20; installed: deepspeed 0\.20\.0"):
+    with pytest.warns(RuntimeWarning, match=r"deepspeed>=0\.19\.8,<0\.20; installed: deepspeed 0\.20\.0"):
         _versions.check_version("deepspeed", "0.20.0")
 
 
@@ -66,7 +65,7 @@ def _import_with_deepspeed_version(version):
 def test_import_refuses_an_old_deepspeed_naming_version_and_range():
     proc = _import_with_deepspeed_version("0.16.0")
     assert proc.returncode != 0
-    assert "installed: deepspeed 0.16.0" in proc.stderr and ">=0.19.7,<0.20" in proc.stderr, proc.stderr[-2000:]
+    assert "installed: deepspeed 0.16.0" in proc.stderr and ">=0.19.8,<0.20" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_import_warns_on_an_untested_newer_deepspeed():
