@@ -7,6 +7,7 @@ fails the calling test with that rank's traceback.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
@@ -45,3 +46,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_process_world():
+    """The ``env://`` variables of a one-process world on a free port, for running the
+    app in-process; afterwards the process group is destroyed, DeepSpeed's CPU
+    shared-memory buffers of that port are removed and the variables restored."""
+    import glob
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    port = free_port()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        yield port
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for name in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+            os.remove(name)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -10,14 +10,14 @@ from are compared with those drawn tensors.
 from __future__ import annotations
 
 import copy
-import glob
 import json
 import os
-import socket
 import warnings
 
 import pytest
 import torch
+
+from _dist import one_process_world
 
 pytest.importorskip("deepspeed")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -45,30 +45,10 @@ CONFIG = {
 }
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def single_process_group():
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in keys}
-    port = _free_port()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    for name in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
-        os.remove(name)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with one_process_world():
+        yield
 
 
 def _write_export(path, backbone_block=None, *, fmt="ds_pfc.model/1", seed=7):

@@ -11,19 +11,17 @@ the blake2b hash the sampler documents).
 from __future__ import annotations
 
 import copy
-import glob
 import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from _dist import run_ranks
+from _dist import one_process_world, run_ranks
 
 pytest.importorskip("deepspeed")
 
@@ -49,30 +47,10 @@ CONFIG = {
 STEPS_PER_EPOCH = 24 * 3 // 8        # 72 images, global batch 8
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def single_process_group():
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in keys}
-    port = _free_port()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    for name in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
-        os.remove(name)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with one_process_world():
+        yield
 
 
 def _trainer(out, config=None, logs=None, **options):
