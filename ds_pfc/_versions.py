@@ -2,12 +2,14 @@
 
 ``setup.cfg`` states the same ranges (a test keeps the two equal). Below a floor ds_pfc
 does not work: the import stops with an error naming the installed version and the
-range. Above the tested ceiling it may work, but nobody has run it: the import warns
-once, naming both, and ds_pfc's reads of DeepSpeed internals stop with an error rather
+range, unless ``DS_PFC_ALLOW_UNTESTED=1`` is set (for a GPU image whose preinstalled
+torch is older: the import then warns instead). Above the tested ceiling it may work,
+but nobody has run it: the import warns once, naming both, and ds_pfc's reads of DeepSpeed internals stop with an error rather
 than guess if one of them has gone.
 """
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
@@ -53,8 +55,12 @@ def check_version(package: str, installed: str) -> None:
     have = _pad(parse_version(installed))
     span = f">={low},<{high}"
     if have < _pad(parse_version(low)):
-        raise ImportError(f"ds_pfc needs {package}{span} ({_WHY[package]}); installed: {package} {installed}. "
-                          f"Install a supported release, e.g. pip install '{package}{span}'")
+        message = (f"ds_pfc needs {package}{span} ({_WHY[package]}); installed: {package} {installed}. "
+                   f"Install a supported release, e.g. pip install '{package}{span}'")
+        if os.environ.get("DS_PFC_ALLOW_UNTESTED") != "1":
+            raise ImportError(message + ", or set DS_PFC_ALLOW_UNTESTED=1 to run on it anyway")
+        warnings.warn(message + "; running anyway (DS_PFC_ALLOW_UNTESTED=1)", RuntimeWarning, stacklevel=3)
+        return
     if have >= _pad(parse_version(high)):
         warnings.warn(f"ds_pfc is tested with {package}{span}; installed: {package} {installed}, which has not "
                       "been tested. It may work; ds_pfc stops with an error if a DeepSpeed internal it relies on "

@@ -80,8 +80,9 @@ def _close(name, got, want, rtol):
 
 
 # --------------------------------------------------------------------- checks
-def check_exact_step(device, backend: str, compute=None) -> str:
-    """One head step (r = 1, ArcFace, 2 ranks' worth of classes on one) against float64."""
+def check_exact_step(device, backend: str, compute=torch.float32) -> str:
+    """One head step (r = 1, ArcFace, 2 ranks' worth of classes on one) against float64.
+    ``compute`` is given explicitly: ``None`` would mean bf16 products on CUDA."""
     from . import ArcFace, margin_cross_entropy
     gen = torch.Generator().manual_seed(0)
     n, d, c = 37, 64, 1021
@@ -97,7 +98,7 @@ def check_exact_step(device, backend: str, compute=None) -> str:
     # bf16 operands carry 2**-9 relative error: at scale 64 a logit moves by up to ~0.1,
     # which moves probabilities and gradients by a few percent (more on a CPU, whose
     # bf16 GEMM also rounds its output to bf16; CUDA writes it in float32).
-    rtol = 1e-4 if compute is None else 1e-1
+    rtol = 1e-4 if compute == torch.float32 else 1e-1
     errs = [_close("loss", loss, loss_ref, rtol), _close("d embeddings", xd.grad, dx_ref, rtol),
             _close("d centers", wd.grad, dw_ref, rtol)]
     return f"max relative error {max(errs):.1e} (allowed {rtol:.0e})"
@@ -255,10 +256,28 @@ def _time_step(device, case: dict, backend: str, steps: int = 3):
     return seconds, rows
 
 
-def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 2.0) -> str:
+def _saved_counts(path: str | None, case: dict, sms: int) -> list[dict] | None:
+    """The op counts of ``case`` from a ``launch/bench.py head --predict`` JSON, if it holds
+    that exact case counted for ``sms`` multiprocessors (counts do not depend on the GPU
+    that runs the step, only on the case and the tile plan)."""
+    if not path:
+        return None
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("gpu_constants", {}).get("sms") != sms:
+        return None
+    for result in doc.get("results", []):
+        if result.get("case") == case and result.get("counts"):
+            return result["counts"]
+    return None
+
+
+def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 2.0,
+                counts_from: str | None = None) -> str:
     """Each Triton kernel, the torch products, the other torch ops and the whole step of the
     standard case (scaled to fit this GPU) measured against ds_pfc.bench.model's prediction;
-    fails where they differ by more than ``factor``."""
+    fails where they differ by more than ``factor``. Counting a case takes minutes on the
+    CPU; ``counts_from`` (a ``bench.py head --predict`` JSON of the same case) skips it."""
     from .bench import model
     kind = gpu_model_key(torch.cuda.get_device_name(device))
     if kind is None:
@@ -268,7 +287,8 @@ def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 
     doc, bad = {"gpu": kind, "case": base, "factor": factor, "backends": {}}, []
     for backend in ("torch", "triton") if _triton_available() else ("torch",):
         case = dict(base, backend=backend)
-        counts = model._count_in_subprocess(case, model.GPUS[kind]["sms"])
+        sms = model.GPUS[kind]["sms"]
+        counts = _saved_counts(counts_from, case, sms) or model._count_in_subprocess(case, sms)
         pred = model.predict_case(case, kind, counts=counts)
         seconds, events = _time_step(device, case, backend)
         predicted = dict(group_predicted(pred), step=pred["step_s"])
@@ -364,16 +384,20 @@ def plan(device: torch.device, quick: bool) -> list[tuple[str, object]]:
     return checks
 
 
-def run_checks(device, quick: bool = False, results_dir: str | None = None, stamp: str | None = None) -> list[dict]:
+def run_checks(device, quick: bool = False, results_dir: str | None = None, stamp: str | None = None,
+               counts_from: str | None = None, benchmarks: bool = True) -> list[dict]:
     device = torch.device(device)
     gpu = torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else "cpu"
     results_dir = results_dir or os.path.join(ROOT, "benchmarks", "results")
     rows = []
     for name, what in plan(device, quick):
-        if what == "bench":
+        if what == "bench" and not benchmarks:
+            what = "skipped with --no-benchmarks"
+        elif what == "bench":
             what = (lambda: check_benchmarks(results_dir, stamp, gpu))
         elif what == "model":
-            what = (lambda: check_model(device, results_dir, stamp or time.strftime("%Y%m%d-%H%M%S"), gpu))
+            what = (lambda: check_model(device, results_dir, stamp or time.strftime("%Y%m%d-%H%M%S"), gpu,
+                                        counts_from=counts_from))
         if isinstance(what, str):
             rows.append({"check": name, "status": "skipped", "detail": what, "seconds": 0.0})
             print(f"  - {name}: skipped ({what})", flush=True)
@@ -411,7 +435,12 @@ def _plot(rows, path) -> str | None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_pfc.selfcheck", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="skip the benchmarks")
+    p.add_argument("--quick", action="store_true", help="skip the model check and the benchmarks")
+    p.add_argument("--no-benchmarks", action="store_true",
+                   help="skip the head and bank benchmarks (the model check still runs)")
+    p.add_argument("--counts", default=None, metavar="JSON",
+                   help="op counts for the model check from 'launch/bench.py head --predict' of the same case "
+                        "(saves the minutes of counting on this machine's CPU)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>-<date>.json)")
     args = p.parse_args(argv)
 
@@ -430,7 +459,8 @@ def main(argv=None) -> int:
               "On a GPU machine this command also runs the checks marked 'needs a CUDA device' below.")
     out = args.out or os.path.join(ROOT, "benchmarks", "results",
                                    f"{(gpu or 'cpu').replace(' ', '_')}-{stamp}.json")
-    rows = run_checks(device, quick=args.quick, results_dir=os.path.dirname(os.path.abspath(out)), stamp=stamp)
+    rows = run_checks(device, quick=args.quick, results_dir=os.path.dirname(os.path.abspath(out)), stamp=stamp,
+                      counts_from=args.counts, benchmarks=not args.no_benchmarks)
 
     from .bench import format_table, machine_info, versions
     print()

@@ -50,12 +50,13 @@ def _train(head, batches, lr=0.01, accum=1, prefetch=False, device=DEV, dtype=to
 
 
 @pytest.mark.parametrize("backend,compute,rtol", [
-    ("torch", None, 1e-5), ("torch", torch.bfloat16, 5e-2),
-    ("triton", None, 1e-5), ("triton", torch.bfloat16, 5e-2)])
+    ("torch", torch.float32, 1e-5), ("torch", torch.bfloat16, 5e-2),
+    ("triton", torch.float32, 1e-5), ("triton", torch.bfloat16, 5e-2)])
 def test_head_steps_on_the_gpu_follow_the_float64_cpu_head(backend, compute, rtol):
     """Sampled head (r = 0.3), PFC* filter, 3 steps with momentum: losses and centers on
     the GPU against the float64 CPU head. fp32: 1e-5; bf16 operands: 5e-2 (2**-9
-    relative error per operand, times a scale of 64 in the logits).
+    relative error per operand, times a scale of 64 in the logits). The compute dtype is
+    explicit: ``None`` means bf16 products on CUDA.
 
     Initial centers and sampled sets come from per-device random streams, so both heads
     start from the same float32 centers and the GPU head takes the CPU head's active set
@@ -76,8 +77,8 @@ def test_head_steps_on_the_gpu_follow_the_float64_cpu_head(backend, compute, rto
     gpu.active_set = cpu_active_set
     ref_losses = _train(ref, batches, device="cpu", dtype=torch.float64)
     gpu_losses = _train(gpu, batches)
-    torch.testing.assert_close(torch.tensor(gpu_losses, dtype=torch.float64), torch.tensor(ref_losses),
-                               rtol=rtol, atol=0)
+    torch.testing.assert_close(torch.tensor(gpu_losses, dtype=torch.float64),
+                               torch.tensor(ref_losses, dtype=torch.float64), rtol=rtol, atol=0)
     want = ref.centers()
     torch.testing.assert_close(gpu.centers().double(), want, rtol=rtol, atol=rtol * float(want.abs().max()))
 
@@ -86,7 +87,10 @@ def test_head_steps_on_the_gpu_follow_the_float64_cpu_head(backend, compute, rto
 def test_tiered_bank_with_prefetch_and_accumulation_on_the_gpu(placement):
     """Weight (and momentum) in pinned host memory, rows staged on side streams with
     prefetch and 2-step accumulation: the same trajectory as the device bank on the GPU
-    (the same kernels; bitwise in float32 unless the storage rounds)."""
+    (the same kernels). Not bitwise: on CUDA the device bank itself is not bitwise
+    reproducible with accumulation (two runs of it differed by ~1 ulp in a few rows on an
+    H200, most likely from the order of atomic additions), so centers are compared to 1e-6 of
+    their largest entry; a stale or lost row would differ by a whole step's update."""
     batches = _batches(8, 64, 32, 3001, seed=1)
     kw = dict(sample_rate=0.2, seed=5, data_parallel_grad=False, momentum=0.9, device=DEV)
     ref = ds_pfc.PartialFC(3001, 32, **kw)
@@ -98,8 +102,9 @@ def test_tiered_bank_with_prefetch_and_accumulation_on_the_gpu(placement):
     ref_losses = _train(ref, batches, accum=2)
     got = _train(tiered, batches, accum=2, prefetch=True)
     if placement == "host":
-        assert got == ref_losses
-        assert torch.equal(tiered.centers(), ref.centers())
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+        want = ref.centers()
+        torch.testing.assert_close(tiered.centers(), want, rtol=0, atol=1e-6 * float(want.abs().max()))
     else:
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=1e-2, atol=0)
     tiered.close()

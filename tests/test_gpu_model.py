@@ -339,3 +339,25 @@ def test_the_counted_sizes_lie_where_the_triton_grids_have_settled():
     # (The sampler's key kernel covers C_q + 1 keys in blocks of 1024: it grows with S up to rounding.)
     others = lambda g: {k: v for k, v in g.items() if k not in ("_lse_kernel", "_keys_kernel")}
     assert model._grids_agree(others(small), others(large), 2)
+
+
+def test_selfcheck_reuses_saved_counts_only_for_the_same_case_and_sm_count(tmp_path):
+    """The model check takes op counts from a --predict JSON only when the case and the SM
+    count match exactly; anything else is counted afresh (None here)."""
+    import json
+
+    from ds_pfc.selfcheck import _saved_counts, fitting_case
+    case = dict(fitting_case(139 << 30), backend="triton")
+    counts = [{"S": 1, "kernels": {}}]
+    path = tmp_path / "predict.json"
+    path.write_text(json.dumps({"gpu_constants": {"sms": 132},
+                                "results": [{"case": dict(case, backend="torch"), "counts": [{"other": 1}]},
+                                            {"case": case, "counts": counts}]}))
+    assert _saved_counts(str(path), case, 132) == counts
+    assert _saved_counts(str(path), dict(case, backend="torch"), 132) == [{"other": 1}]
+    assert _saved_counts(str(path), case, 108) is None
+    assert _saved_counts(str(path), dict(case, classes=case["classes"] + 1), 132) is None
+    assert _saved_counts(None, case, 132) is None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shipped = os.path.join(root, "benchmarks", "results", "predict-h200-d512-s800k-k1.json")
+    assert _saved_counts(shipped, case, 132), "the shipped counts no longer match the selfcheck's case"

@@ -72,3 +72,12 @@ def test_import_warns_on_an_untested_newer_deepspeed():
     proc = _import_with_deepspeed_version("0.21.2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "installed: deepspeed 0.21.2, which has not been tested" in proc.stderr
+
+
+def test_allow_untested_turns_the_floor_into_a_warning(monkeypatch):
+    monkeypatch.setenv("DS_PFC_ALLOW_UNTESTED", "1")
+    with pytest.warns(RuntimeWarning, match=r"installed: torch 2\.11\.0.*DS_PFC_ALLOW_UNTESTED=1"):
+        _versions.check_version("torch", "2.11.0+cu130")
+    monkeypatch.setenv("DS_PFC_ALLOW_UNTESTED", "0")
+    with pytest.raises(ImportError, match="DS_PFC_ALLOW_UNTESTED=1"):
+        _versions.check_version("torch", "2.11.0+cu130")
