@@ -1,19 +1,22 @@
 """ds_pfc: Partial FC heads for classifiers of millions of classes, on DeepSpeed."""
+from ._compat import install as _install_compat
 from ._versions import check_versions as _check_versions
 
 _check_versions()     # a torch or DeepSpeed outside the tested range: an error or a warning, now
 
 from .bank import ClassBank, DeviceBank, Placement, StaleRowError, TieredBank
-from .functional import margin_cross_entropy
-from .head import PartialFC
-from .margins import (AdaFace, ArcFace, CombinedMargin, CosFace, CurricularFace, ElasticArcFace, ElasticCosFace,
-                      MagFace, Margin)
-from .optim import RowAdamW, RowSGD
-from .partition import Partition
+from .core.functional import margin_cross_entropy
+from .core.head import PartialFC
+from .core.margins import (AdaFace, ArcFace, CombinedMargin, CosFace, CurricularFace, ElasticArcFace, ElasticCosFace,
+                           MagFace, Margin)
+from .core.optim import RowAdamW, RowSGD
+from .core.partition import Partition
 
 __all__ = [
     "PartialFC", "margin_cross_entropy", "ArcFace", "CosFace", "CombinedMargin", "Margin", "AdaFace", "MagFace",
     "CurricularFace", "ElasticArcFace", "ElasticCosFace",
     "ClassBank", "DeviceBank", "TieredBank", "Placement", "StaleRowError", "RowSGD", "RowAdamW", "Partition",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+_install_compat()     # old module paths (ds_pfc.head, ds_pfc.training, ...) name the moved modules

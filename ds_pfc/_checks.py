@@ -12,6 +12,12 @@ import torch
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+class ConfigError(ValueError):
+    """A ``ds_pfc`` config value or key is wrong; the message names it and the fix.
+    (Defined here, below every layer, so the launchers' errors can derive from it;
+    the app re-exports it as ``ds_pfc.app.config.ConfigError``.)"""
+
+
 def check_embeddings(embeddings, embedding_size: int | None = None, name: str = "embeddings") -> None:
     if not isinstance(embeddings, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(embeddings).__name__}")

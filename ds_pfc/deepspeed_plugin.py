@@ -53,7 +53,6 @@ DeepSpeed's commit before it writes the completion marker.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import os
@@ -66,14 +65,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import checkpoint as ckpt
-from . import checkpoint_tags as tags
-from . import universal
+from .checkpoint import files
+from .checkpoint import shards as ckpt
+from .checkpoint import tags
+from .checkpoint import universal
 from ._ds_internals import (DeepSpeedInternalsError, deepspeed_version, internal, none_is_missing,
                             require_internal)
-from .checkpoint_tags import CheckpointError, CheckpointIncompleteError
+from .checkpoint.tags import CheckpointError, CheckpointIncompleteError
 from .devices import collective_device
-from .head import PartialFC
+from .core.head import PartialFC
 
 __all__ = ["attach", "attached_heads", "head_spec", "HeadSpec", "init_distributed", "initialize", "PfcEngine",
            "loss_scale",
@@ -376,7 +376,7 @@ class _EngineGroups:
 
     @classmethod
     def of(cls, engine, mpu) -> "_EngineGroups":
-        from .collectives import group_ranks
+        from .core.collectives import group_ranks
         dp = internal(engine, "data_parallel_group", owner="engine", why="to build and check the heads' groups")
         tp = _tensor_parallel_group(engine, mpu)
         dp_ranks = sorted(group_ranks(dp))
@@ -408,7 +408,7 @@ class _EngineGroups:
 
     def check(self, name: str, head: PartialFC) -> None:
         """Refuse a head whose groups are not the engine's, by membership."""
-        from .collectives import group_ranks
+        from .core.collectives import group_ranks
         # Also without data_parallel_grad: a head gathering over other ranks than the
         # engine's data-parallel group trains on duplicated or missing samples.
         batch = sorted(group_ranks(head.batch_group))
@@ -607,7 +607,7 @@ class PfcEngine:
         """The learning rate of the next optimizer step that the heads follow (times
         their ratios): the engine's first parameter group's, or, where the engine's
         scheduler scales the backbone's apart (it has a ``head_lr()`` method, e.g.
-        :class:`ds_pfc.finetune.BackboneScaledLR`), the unscaled one it reports."""
+        :class:`ds_pfc.app.finetune.BackboneScaledLR`), the unscaled one it reports."""
         head_lr = getattr(getattr(self.engine, "lr_scheduler", None), "head_lr", None)
         if callable(head_lr):
             return float(head_lr())
@@ -854,7 +854,7 @@ class PfcEngine:
         checkpoint writer has committed them); after all ranks are done, rank 0
         writes the marker, renames the directory to ``tag``, fsyncs ``save_dir``,
         points ``save_dir/latest`` at the tag and deletes what interrupted saves left
-        (:mod:`ds_pfc.checkpoint_tags`). A crash or power loss at any point leaves
+        (:mod:`ds_pfc.checkpoint.tags`). A crash or power loss at any point leaves
         the previous complete checkpoints untouched and the new tag either absent or
         complete; files of another save never mix into it. A complete ``tag`` is
         replaced only with ``replace`` (FileExistsError otherwise). An error on any
@@ -905,16 +905,16 @@ class PfcEngine:
     def load_checkpoint(self, load_dir: str, tag: str | None = None, *, restore_rng: bool = True) -> dict | None:
         """Load checkpoint ``tag`` on every rank (a collective). Without ``tag``: the
         one ``load_dir/latest`` names, or the newest complete tag when ``latest`` is
-        missing or lags behind it (:func:`ds_pfc.checkpoint_tags.choose_tag`).
+        missing or lags behind it (:func:`ds_pfc.checkpoint.tags.choose_tag`).
 
         Rank 0 first checks that every file of the tag is there with the size its save
         wrote and a readable structure (headers only); then the ranks check the files'
         contents against their checksums, each its share
-        (:func:`~ds_pfc.checkpoint_tags.verify_share`: the ``torch.save`` files and
+        (:func:`~ds_pfc.checkpoint.tags.verify_share`: the ``torch.save`` files and
         the shards read in slices; a shard read whole is checked by its reader), and
         agree on the outcome before anything is loaded. A missing, truncated or
         corrupt file, a ``latest`` that names no complete tag or an unreadable marker
-        raises the same :class:`~ds_pfc.checkpoint_tags.CheckpointError` on every
+        raises the same :class:`~ds_pfc.checkpoint.tags.CheckpointError` on every
         rank, naming the file and the newest intact tag to load instead.
 
         Returns ``{"tag", "client_state", "rank_state", "world_size", "metadata",
@@ -1144,16 +1144,13 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _atomic_write(path: str, data: bytes) -> None:
-    """Temporary file, fsync, rename, directory fsync (:func:`ds_pfc.checkpoint_tags.atomic_write`)."""
-    tags.atomic_write(path, data)
+    """Temporary file, fsync, rename, directory fsync (:func:`ds_pfc.checkpoint.files.atomic_write`)."""
+    files.atomic_write(path, data)
 
 
 def _atomic_torch_save(obj, path: str) -> None:
-    """``torch.save`` with :func:`_atomic_write`'s guarantees (for small objects: it
-    is serialised in memory first)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    tags.atomic_write(path, buffer.getvalue())
+    """``torch.save`` with :func:`_atomic_write`'s guarantees (:func:`ds_pfc.checkpoint.files.atomic_torch_save`)."""
+    files.atomic_torch_save(obj, path)
 
 
 def remove_checkpoint(save_dir: str, tag: str) -> None:

@@ -47,7 +47,7 @@ import socket
 import zlib
 from dataclasses import dataclass, replace
 
-from .config import ConfigError
+from ._checks import ConfigError
 
 __all__ = ["Launch", "LaunchError", "discover", "export", "check_process_group", "expand_hostlist",
            "expand_task_counts", "TORCH_VARIABLES"]

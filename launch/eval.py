@@ -16,7 +16,7 @@ Models: a ds_pfc export or checkpoint directory; arcface_torch's ``model.pt`` (o
 narrower networks), rebuilt in memory as the ds_pfc backbone; an ``.onnx`` file run by
 onnxruntime (input ``[B, 3, H, W]`` RGB normalised as ``(x - 127.5) / 127.5``, a static
 batch size run in padded chunks). All are scored by the same protocols, flip-summed
-features included (``ds_pfc.eval.models``). Pair sets of models other than ds_pfc's
+features included (``ds_pfc.app.eval_models``). Pair sets of models other than ds_pfc's
 need ``--bins`` and report TAR at FAR 1e-4 and 1e-6.
 
 IJB (``--ijb ROOT``, insightface's packaged release with ``meta/`` and
@@ -176,7 +176,7 @@ def _ijb(args) -> dict:
 
 def _load_model(path: str, args):
     """``(model, config, kind)``; ``--network``/``--width`` go to the ``.pt`` models."""
-    from ds_pfc.eval.models import load_model, model_kind
+    from ds_pfc.app.eval_models import load_model, model_kind
     pt = model_kind(path) == "arcface_torch"
     return load_model(path, network=args.network if pt else None, width=args.width if pt else 1.0, tag=args.tag,
                       device=args.device)
@@ -223,7 +223,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.batch_size < 1:
         p.error(f"--batch_size must be >= 1, got {args.batch_size}")
-    from ds_pfc.eval.models import model_kind
+    from ds_pfc.app.eval_models import model_kind
     if (args.network is not None or args.width != 1.0) and \
             not any(model_kind(m) == "arcface_torch" for m in args.model):
         sys.exit(f"error: --network / --width are for arcface_torch .pt state dicts; no --model is one "
@@ -242,8 +242,8 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from ds_pfc.config import EvaluationConfig, split_config
-    from ds_pfc.training import _format_eval, build_eval_sets, evaluate
+    from ds_pfc.app.config import EvaluationConfig, split_config
+    from ds_pfc.app.training import _format_eval, build_eval_sets, evaluate
     try:
         backbone, config, _ = _load_model(args.model, args)
         if config is not None:

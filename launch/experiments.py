@@ -29,7 +29,7 @@ DEFAULT_OUT = os.path.join(_common.ROOT, "benchmarks", "results", "paper")
 
 
 def main(argv=None) -> int:
-    from ds_pfc.experiments import STUDIES, run_cell, write_report
+    from ds_pfc.app.experiments import STUDIES, run_cell, write_report
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("study", choices=sorted(STUDIES), help="which study")
@@ -59,8 +59,8 @@ def main(argv=None) -> int:
         p.error(f"--config runs need their own --out directory ({DEFAULT_OUT} holds the synthetic-faces studies)")
     base = None
     if args.config is not None:
-        from ds_pfc.experiments import scoring_set
-        from ds_pfc.training import load_config
+        from ds_pfc.app.experiments import scoring_set
+        from ds_pfc.app.training import load_config
         try:
             base = load_config(args.config)
             scoring_set(base, args.target)

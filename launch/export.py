@@ -28,7 +28,7 @@ checkpoint's backbone (one pass, in this process). ``import-arcface``: arcface_t
 backbone weights as ``<out>/model.safetensors`` (an export that ``launch/eval.py
 --model`` reads; with ``--head`` it holds the merged classifier too) and its Partial
 FC head files of any number of ranks as ds_pfc head shards for ``--world_size``
-ranks (``<out>/head-rank*-of-*.safetensors``); see :mod:`ds_pfc.arcface_import`.
+ranks (``<out>/head-rank*-of-*.safetensors``); see :mod:`ds_pfc.app.arcface_import`.
 """
 from __future__ import annotations
 
@@ -91,10 +91,10 @@ def main(argv=None) -> str:
 
     if args.command == "import-arcface":
         return _import_arcface(args)
-    from ds_pfc import export
+    from ds_pfc.app import export
     try:
         if args.command == "classifier":
-            from ds_pfc import checkpoint as ckpt
+            from ds_pfc.checkpoint import shards as ckpt
             tag_dir = export.resolve_tag(args.checkpoint, args.tag)
             dominant = export.dominant_subcenters(tag_dir, name=args.head, batch_size=args.batch_size,
                                                   device=args.device, log=print) if args.dominant else None
@@ -105,7 +105,7 @@ def main(argv=None) -> str:
             out = export.export_checkpoint(tag_dir, args.out, config=export.read_marker(tag_dir)
                                            .get("metadata", {}).get("config"))
         elif args.command == "universal":
-            from ds_pfc import universal
+            from ds_pfc.checkpoint import universal
             out = universal.to_universal(export.resolve_tag(args.checkpoint, args.tag), args.out,
                                          workers=args.workers, impl=args.impl)
         elif args.command == "reshard":
@@ -126,7 +126,7 @@ def main(argv=None) -> str:
 def _import_arcface(args):
     import json
 
-    from ds_pfc.arcface_import import import_arcface
+    from ds_pfc.app.arcface_import import import_arcface
     try:
         config = None
         if args.config is not None:

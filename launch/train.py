@@ -62,9 +62,9 @@ def main(argv=None) -> dict:
         p.error(f"--max_steps must be >= 1, got {args.max_steps}")
 
     _common.launch_env()
-    from ds_pfc.checkpoint_tags import CheckpointError, atomic_write
-    from ds_pfc.config import ConfigError
-    from ds_pfc.training import Trainer, load_config
+    from ds_pfc.checkpoint.tags import CheckpointError, atomic_write
+    from ds_pfc.app.config import ConfigError
+    from ds_pfc.app.training import Trainer, load_config
 
     # What a user's input can be wrong in: the config (its values, files, data paths)
     # and the checkpoints. Anything else is a bug and keeps its traceback.

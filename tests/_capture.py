@@ -2,7 +2,7 @@
 
 The public way to observe the centers' gradient: ``PartialFC(..., optimizer=CaptureRows())``.
 """
-from ds_pfc.optim import RowOptimizer
+from ds_pfc.core.optim import RowOptimizer
 
 
 class CaptureRows(RowOptimizer):

@@ -1,4 +1,4 @@
-"""Import of arcface_torch checkpoints (ds_pfc.arcface_import, launch/export.py import-arcface).
+"""Import of arcface_torch checkpoints (ds_pfc.app.arcface_import, launch/export.py import-arcface).
 
 The arcface_torch files are made here as its training script writes them: the
 backbone is a module of this file with arcface_torch's module names and registration
@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ds_pfc import PartialFC
-from ds_pfc import arcface_import as ai
-from ds_pfc import checkpoint as ckpt
-from ds_pfc.export import load_backbone
+from ds_pfc.app import arcface_import as ai
+from ds_pfc.checkpoint import shards as ckpt
+from ds_pfc.app.export import load_backbone
 from ds_pfc.models import build_backbone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_pfc.config import BackboneConfig, ConfigError
+from ds_pfc.app.config import BackboneConfig, ConfigError
 from ds_pfc.models import ALIASES, build_backbone
 
 # --- arcface_torch's layouts, from the architecture numbers ---------------------------

@@ -13,8 +13,8 @@ import torch
 
 from _dist import run_ranks
 from ds_pfc import PartialFC
-from ds_pfc import checkpoint as ckpt
-from ds_pfc.partition import Partition
+from ds_pfc.checkpoint import shards as ckpt
+from ds_pfc.core.partition import Partition
 
 C, D, SEED = 1021, 7, 3
 KW = dict(sample_rate=0.4, seed=SEED, optimizer="sgd", momentum=0.9)

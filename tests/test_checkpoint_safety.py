@@ -97,7 +97,7 @@ def _config(**checkpoint):
 
 
 def _trainer(out, *, config=None, max_steps=None, logs=None, **options):
-    from ds_pfc.training import Trainer
+    from ds_pfc.app.training import Trainer
     trainer = Trainer(config or _config(), output_dir=out, max_steps=max_steps,
                       log=(logs.append if logs is not None else (lambda line: None)), **options)
     trainer.setup()
@@ -247,7 +247,7 @@ def _marker_dir(save_dir, tag, steps, mtime):
 
 
 def test_tags_are_ordered_and_pruned_by_step_not_by_time(tmp_path):
-    from ds_pfc import checkpoint_tags as tags
+    from ds_pfc.checkpoint import tags
     from ds_pfc.deepspeed_plugin import list_checkpoints
     save_dir = str(tmp_path)
     # copied without their times: the newest step looks oldest
@@ -349,7 +349,7 @@ CORRUPTIONS = {
 
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
 def test_damaged_checkpoint_names_the_file_and_the_tag_to_fall_back_to(reference, trainer, tmp_path, case):
-    from ds_pfc.checkpoint_tags import CheckpointError
+    from ds_pfc.checkpoint.tags import CheckpointError
     damage, culprit, fallback = CORRUPTIONS[case]
     save_dir = _copy_checkpoints(reference, str(tmp_path))
     damage(save_dir)
@@ -407,7 +407,7 @@ def test_summary_covers_the_whole_run_across_resumes(reference, tmp_path):
 
 
 def test_head_shards_and_exports_get_the_usual_file_mode(reference, tmp_path):
-    from ds_pfc.export import reshard_checkpoint
+    from ds_pfc.app.export import reshard_checkpoint
     reshard_checkpoint(os.path.join(_ckpt(reference["out"]), TAG(6)), str(tmp_path), 2)
     paths = [os.path.join(reference["out"], "export", "model.safetensors"),
              os.path.join(_ckpt(reference["out"]), TAG(6), SHARD),
@@ -418,7 +418,7 @@ def test_head_shards_and_exports_get_the_usual_file_mode(reference, tmp_path):
 
 # ------------------------------------------------------------------------ 8. global batch
 def test_resuming_with_another_global_batch_is_refused_unless_allowed(reference, trainer, tmp_path):
-    from ds_pfc.config import ConfigError
+    from ds_pfc.app.config import ConfigError
     with open(os.path.join(_ckpt(reference["out"]), TAG(6), "ds_pfc_complete.json")) as f:
         meta = json.load(f)["metadata"]
     assert (meta["micro"], meta["gradient_accumulation_steps"], meta["world_size"], meta["global_batch"]) == \
@@ -539,7 +539,7 @@ def _two_ranks(rank, world_size, base, port):
     import deepspeed
 
     from ds_pfc import PartialFC
-    from ds_pfc import checkpoint_tags as tags
+    from ds_pfc.checkpoint import tags
     from ds_pfc.deepspeed_plugin import attach, initialize
     out = {}
     tags.check_shared_directory(os.path.join(base, "shared"))
@@ -602,7 +602,7 @@ def test_two_ranks_probe_the_directory_and_agree_on_damage(tmp_path):
 
 
 def test_resume_probes_the_checkpoint_directory(trainer, tmp_path, monkeypatch):
-    from ds_pfc import checkpoint_tags as tags
+    from ds_pfc.checkpoint import tags
     seen = []
 
     def probe(directory, **kwargs):

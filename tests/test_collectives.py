@@ -1,4 +1,4 @@
-"""Each crossing between ranks on its own (ds_pfc.collectives), plus the head and the
+"""Each crossing between ranks on its own (ds_pfc.core.collectives), plus the head and the
 functional entry point on an explicit process group.
 
 Expected values are written out in plain PyTorch from the per-rank inputs, which
@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ds_pfc
-from ds_pfc import collectives
+from ds_pfc.core import collectives
 from _capture import CaptureRows
 from _dist import run_ranks
 

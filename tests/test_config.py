@@ -8,7 +8,7 @@ import torch
 
 from ds_pfc import ArcFace, CombinedMargin, CosFace, PartialFC
 from ds_pfc.bank import TieredBank
-from ds_pfc.config import ConfigError, DsPfcConfig, from_dict, split_config
+from ds_pfc.app.config import ConfigError, DsPfcConfig, from_dict, split_config
 
 BASE = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0}
 

@@ -17,9 +17,9 @@ import deepspeed.comm
 from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from ds_pfc.config import ConfigError, split_config
+from ds_pfc.app.config import ConfigError, split_config
 from ds_pfc.models import ALIASES, BACKBONES
-from ds_pfc.training import Trainer, schedule_factor
+from ds_pfc.app.training import Trainer, schedule_factor
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 NAMES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(CONFIG_DIR, "*.json")))

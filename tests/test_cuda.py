@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ds_pfc
-from ds_pfc import checkpoint as ckpt
+from ds_pfc.checkpoint import shards as ckpt
 
 pytestmark = [
     pytest.mark.cuda,

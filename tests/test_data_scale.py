@@ -177,7 +177,7 @@ def test_default_workers(cpus, env, expect):
 
 
 def test_config_workers_auto_and_bad_values():
-    from ds_pfc.config import ConfigError, DataConfig
+    from ds_pfc.app.config import ConfigError, DataConfig
     assert DataConfig().workers == "auto" and DataConfig(workers=3).workers == 3
     for bad in ("many", -1, True, 1.5):
         with pytest.raises(ConfigError, match=r"ds_pfc\.data\.workers must be an integer >= 0 or \"auto\""):

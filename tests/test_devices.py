@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ds_pfc
-from ds_pfc import collectives, devices
+from ds_pfc.core import collectives
+from ds_pfc import devices
 from ds_pfc.bank.slots import Stager
 from _dist import run_ranks
 
@@ -133,7 +134,8 @@ def test_training_app_binds_the_gpu_after_the_process_group(monkeypatch):
     import json
     import os
 
-    from ds_pfc import launchers, training
+    from ds_pfc import launchers
+    from ds_pfc.app import training
     order = []
 
     class Stop(Exception):

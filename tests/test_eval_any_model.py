@@ -57,7 +57,7 @@ def files(tmp_path_factory):
     of PNG pairs, and the reference embeddings of the ``.bin`` images."""
     from PIL import Image
 
-    from ds_pfc import arcface_import as ai
+    from ds_pfc.app import arcface_import as ai
     tmp = tmp_path_factory.mktemp("any_model")
     ref = _randomize(ArcIResNet((2, 2, 2, 2), base=16, num_features=D), seed=11)
     pt = str(tmp / "model.pt")
@@ -110,7 +110,7 @@ def _check_result(out, want):
 
 def test_pt_with_network_and_native_export_score_like_the_reference(files):
     from ds_pfc.eval import embed
-    from ds_pfc.eval.models import load_model
+    from ds_pfc.app.eval_models import load_model
     model, config, kind = load_model(files["pt"], network="r18", width=0.25)
     assert kind == "arcface_torch" and config is None
     got = embed(model, files["x"].float(), 7, flip=True)
@@ -156,7 +156,7 @@ def test_onnx_default_export_follows_insightface_conventions_and_evaluates(files
     torch.testing.assert_close(got, files["raw"][:5], rtol=1e-4, atol=1e-4 * files["raw"].abs().max().item())
 
     from ds_pfc.eval import embed
-    from ds_pfc.eval.models import load_model
+    from ds_pfc.app.eval_models import load_model
     model, _, kind = load_model(path)
     assert kind == "onnx"
     torch.testing.assert_close(embed(model, files["x"].float(), 5), files["emb"].float(), rtol=0, atol=1e-5)
@@ -173,7 +173,7 @@ def test_onnx_static_batch_and_opset(files):
     torch.testing.assert_close(_session_outputs(path, x), files["raw"][:3], rtol=1e-4,
                                atol=1e-4 * files["raw"].abs().max().item())
     from ds_pfc.eval import embed
-    from ds_pfc.eval.models import load_model
+    from ds_pfc.app.eval_models import load_model
     model, _, _ = load_model(path)
     assert model.static_batch == 3                         # 24 images in batches of 7: chunks of 3, padded
     torch.testing.assert_close(embed(model, files["x"].float(), 7), files["emb"].float(), rtol=0, atol=1e-5)

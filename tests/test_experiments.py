@@ -75,7 +75,7 @@ def test_unknown_cell_is_refused(tmp_path):
 
 def _own_job(identities=24):
     """A job of one's own: the quick setup with other identities, data seed and lr."""
-    from ds_pfc.experiments import base_config
+    from ds_pfc.app.experiments import base_config
     job = base_config(quick=True)
     job["optimizer"]["params"]["lr"] = 0.05
     job["ds_pfc"]["head"]["num_classes"] = identities
@@ -107,7 +107,7 @@ def test_cells_run_on_a_job_of_ones_own(tmp_path):
         assert "runs under `deepspeed --num_gpus 1`" in f.read()
 
     # 8 of the 24 identities (4 images each) split into 3 pseudo-classes: 16 + 8 x 3
-    from ds_pfc.experiments import STUDIES, cell_config
+    from ds_pfc.app.experiments import STUDIES, cell_config
     cell = next(c for c in STUDIES["conflict"] if c.name == "PFC-0.1")
     run = cell_config(cell, 0, base=job)
     assert run["ds_pfc"]["head"]["num_classes"] == 16 + 8 * 3 and job["ds_pfc"]["head"]["num_classes"] == 24
@@ -121,7 +121,7 @@ def test_cells_run_on_a_job_of_ones_own(tmp_path):
 
 
 def test_the_scoring_set_is_the_jobs_own_and_must_be_named_when_ambiguous():
-    from ds_pfc.experiments import scoring_set
+    from ds_pfc.app.experiments import scoring_set
     job = _own_job()
     assert scoring_set(job) == "synthetic_held_out"
     job["ds_pfc"]["evaluation"]["bins"] = ["/data/lfw.bin", "/data/cfp_fp.bin"]

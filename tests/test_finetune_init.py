@@ -22,7 +22,7 @@ from _dist import one_process_world
 pytest.importorskip("deepspeed")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from ds_pfc.config import ConfigError, split_config  # noqa: E402
+from ds_pfc.app.config import ConfigError, split_config  # noqa: E402
 
 C, D = 24, 32
 CONFIG = {
@@ -54,7 +54,7 @@ def single_process_group():
 def _write_export(path, backbone_block=None, *, fmt="ds_pfc.model/1", seed=7):
     """A model export as the format defines it, of a backbone with weights drawn here
     (not the ones a run would initialise)."""
-    from ds_pfc.config import from_dict, BackboneConfig
+    from ds_pfc.app.config import from_dict, BackboneConfig
     block = backbone_block or CONFIG["ds_pfc"]["backbone"]
     torch.manual_seed(seed)
     model = from_dict(BackboneConfig, block, "b").build(D)
@@ -75,7 +75,7 @@ def _write_shards(directory, world_size, seed=3):
     """Centers (and SGD momentum) drawn here, in arcface_torch's 2-rank layout,
     imported as ``world_size`` ds_pfc shards. Returns the drawn ``[C, D]`` weight and
     momentum."""
-    from ds_pfc.arcface_import import ArcfaceHead, import_head
+    from ds_pfc.app.arcface_import import ArcfaceHead, import_head
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(C, D, generator=gen)
     momentum = torch.randn(C, D, generator=gen) * 0.01
@@ -94,7 +94,7 @@ def _config(**init):
 
 
 def _trainer(out, config, logs=None, **options):
-    from ds_pfc.training import Trainer
+    from ds_pfc.app.training import Trainer
     trainer = Trainer(config, output_dir=out, log=(logs.append if logs is not None else (lambda line: None)),
                       **options)
     trainer.setup()
@@ -168,7 +168,7 @@ def test_frozen_backbone_stays_for_its_steps_then_trains(tmp_path):
 
 
 def test_backbone_lr_scale_scales_the_backbone_alone(tmp_path):
-    from ds_pfc.training import schedule_factor
+    from ds_pfc.app.training import schedule_factor
     trainer = _trainer(str(tmp_path / "run"), _config(backbone_lr_scale=0.25, freeze_backbone_steps=1))
     try:
         optimizer = trainer.engine.engine.optimizer
@@ -200,7 +200,7 @@ def test_bad_init_is_a_config_error_naming_the_key(init, needle):
 
 
 def test_deepspeed_scheduler_block_with_a_frozen_backbone_is_refused(tmp_path):
-    from ds_pfc.training import Trainer
+    from ds_pfc.app.training import Trainer
     config = _config(freeze_backbone_steps=2)
     del config["ds_pfc"]["train"]["schedule"]
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
@@ -224,7 +224,7 @@ def test_files_that_do_not_fit_are_refused(tmp_path):
 
 
 def test_resume_compares_the_schedule_part_of_init_only(tmp_path):
-    from ds_pfc.resume_changes import differences, effective_config
+    from ds_pfc.app.resume_changes import differences, effective_config
     export = _write_export(str(tmp_path / "model.safetensors"))
     plain = copy.deepcopy(CONFIG)
     paths_only = _config(backbone=export)

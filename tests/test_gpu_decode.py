@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from ds_pfc.config import ConfigError, DataConfig
+from ds_pfc.app.config import ConfigError, DataConfig
 from ds_pfc.data import transforms
 from ds_pfc.data.loader import MicroBatchLoader, flip_mask
 from ds_pfc.data.sampler import DistributedIdentitySampler

@@ -271,7 +271,7 @@ def test_compare_flags_kernels_off_by_more_than_the_factor():
 
 # --------------------------------------------------------------------- the self-check's parts
 def test_selfcheck_groups_profiler_rows_and_predictions_alike():
-    from ds_pfc import selfcheck
+    from ds_pfc.bench import selfcheck
     events = [("aten::mm", False, 0.010), ("aten::addmm_", False, 0.002), ("aten::mul_", False, 0.003),
               ("aten::copy_", False, 0.001), ("_lse_kernel", True, 0.030), ("_lse_kernel", True, 0.001),
               ("sm90_xmma_gemm_bf16", True, 0.012), ("void at::native::kernel", True, 0.004),
@@ -289,7 +289,7 @@ def test_selfcheck_groups_profiler_rows_and_predictions_alike():
 
 
 def test_selfcheck_case_is_the_standard_rank_or_as_much_as_fits():
-    from ds_pfc import selfcheck
+    from ds_pfc.bench import selfcheck
     case = selfcheck.fitting_case(78 << 30)
     assert case["classes"] == 8_000_000 and case["batch"] == 2048 and case["dim"] == 512
     small = selfcheck.fitting_case(24 << 30)
@@ -346,7 +346,7 @@ def test_selfcheck_reuses_saved_counts_only_for_the_same_case_and_sm_count(tmp_p
     count match exactly; anything else is counted afresh (None here)."""
     import json
 
-    from ds_pfc.selfcheck import _saved_counts, fitting_case
+    from ds_pfc.bench.selfcheck import _saved_counts, fitting_case
     case = dict(fitting_case(139 << 30), backend="triton")
     counts = [{"S": 1, "kernels": {}}]
     path = tmp_path / "predict.json"

@@ -20,7 +20,7 @@ import torch
 import ds_pfc
 from ds_pfc.bench.counting import OpCounter
 from ds_pfc.bench.head import count_step
-from ds_pfc.softmax import CPU_BLOCK_BYTES, CUDA_BLOCK_BYTES, default_block_bytes, resolve_backend
+from ds_pfc.core.softmax import CPU_BLOCK_BYTES, CUDA_BLOCK_BYTES, default_block_bytes, resolve_backend
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -e .[dev])")

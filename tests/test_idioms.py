@@ -407,7 +407,7 @@ def _two_ranks(rank, world_size, port):
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from ds_pfc.collectives import group_ranks
+    from ds_pfc.core.collectives import group_ranks
     from ds_pfc.deepspeed_plugin import head_spec, initialize
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))

@@ -491,8 +491,8 @@ def exports(tmp_path_factory):
     ``ds_pfc.train.seed`` before building the backbone), written in the export format."""
     from safetensors.torch import save_file
 
-    from ds_pfc.config import split_config
-    from ds_pfc.export import EXPORT_FORMAT
+    from ds_pfc.app.config import split_config
+    from ds_pfc.app.export import EXPORT_FORMAT
     tmp = tmp_path_factory.mktemp("models")
     config = os.path.join(tmp, "tiny.json")
     with open(config, "w") as f:
@@ -528,7 +528,7 @@ def cli_run(ijb_dir, exports, tmp_path_factory):
 def test_cli_writes_json_and_roc_consistent_with_evaluate(ijb_dir, exports, cli_run):
     from PIL import Image
 
-    from ds_pfc.export import load_backbone
+    from ds_pfc.app.export import load_backbone
     result, out, stdout = cli_run
     root, summary = ijb_dir
     trained, untrained = exports

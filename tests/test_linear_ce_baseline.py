@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_pfc import softmax
+from ds_pfc.core import softmax
 from ds_pfc.bench import head as bench
 
 pytestmark = pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"),

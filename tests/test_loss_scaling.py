@@ -217,7 +217,7 @@ def test_guard_makes_the_embedding_gradient_nan_when_the_centers_overflow():
     (With fp16 products G is rounded relative to its largest coefficient, so a merely
     fp16-sized loss scale overflows nothing.)"""
     from ds_pfc import CosFace
-    from ds_pfc.softmax import margin_softmax_cross_entropy
+    from ds_pfc.core.softmax import margin_softmax_cross_entropy
     torch.manual_seed(0)
     x = (torch.randn(1, D).repeat(64, 1) + 0.01 * torch.randn(64, D)).requires_grad_(True)
     w = torch.randn(4, D, requires_grad=True)

@@ -100,7 +100,7 @@ def _check_classifier_export(out, path):
     import _margin_references as R
     from ds_pfc.data import SyntheticFaces
     from ds_pfc.data.transforms import normalize
-    from ds_pfc.export import load_backbone
+    from ds_pfc.app.export import load_backbone
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "export.py"), "classifier", "--checkpoint",
                            os.path.join(out, "checkpoints"), "--out", path, "--dominant"], env=env, cwd=ROOT,

@@ -26,7 +26,7 @@ import _margin_references as R
 from _capture import CaptureRows
 from _dist import run_ranks
 import ds_pfc
-from ds_pfc.margins import AdaFace, CurricularFace, ElasticArcFace, ElasticCosFace, MagFace
+from ds_pfc.core.margins import AdaFace, CurricularFace, ElasticArcFace, ElasticCosFace, MagFace
 
 D = 12
 
@@ -174,7 +174,7 @@ def test_curricularface_refuses_the_fused_backend_and_auto_uses_torch():
     ({"margin": "AdaFace", "t_alpha": 2.0}, "t_alpha"), ({"margin": "ElasticCosFace", "std": -1.0}, "std"),
     ({"margin": "CurricularFace", "m": 4.0}, "m must be <")])
 def test_bad_hyper_parameters_name_themselves(kwargs, match):
-    cls = getattr(ds_pfc.margins, kwargs.pop("margin"))
+    cls = getattr(ds_pfc, kwargs.pop("margin"))
     with pytest.raises((ValueError, TypeError), match=match):
         cls(**kwargs)
 
@@ -262,7 +262,7 @@ def test_state_dict_round_trip_continues_bitwise(margin):
 
 
 def test_checkpoint_shards_carry_the_state_and_reshard_with_sub_centers(tmp_path):
-    from ds_pfc import checkpoint as ckpt
+    from ds_pfc.checkpoint import shards as ckpt
     head = ds_pfc.PartialFC(23, D, margin=AdaFace(), sample_rate=0.5, seed=3, sub_centers=3)
     _train(head, 3)
     ckpt.save_head_shard(head, str(tmp_path / "one"))
@@ -281,7 +281,7 @@ def test_checkpoint_shards_carry_the_state_and_reshard_with_sub_centers(tmp_path
 def test_export_keeps_the_sub_centers_and_the_dominant_one(tmp_path):
     from safetensors.torch import load_file
 
-    from ds_pfc import checkpoint as ckpt
+    from ds_pfc.checkpoint import shards as ckpt
     head = ds_pfc.PartialFC(15, D, sub_centers=3, seed=2)
     ckpt.save_head_shard(head, str(tmp_path))
     x, y, _ = _case(5, 60, 15, k=3)

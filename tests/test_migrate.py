@@ -12,10 +12,10 @@ import textwrap
 
 import pytest
 
-from ds_pfc.config import ConfigError, split_config
-from ds_pfc.migrate import (ARCFACE_BASE_DEFAULTS, MigrateError, convert_arcface_config, main,
+from ds_pfc.app.config import ConfigError, split_config
+from ds_pfc.app.migrate import (ARCFACE_BASE_DEFAULTS, MigrateError, convert_arcface_config, main,
                             parse_arcface_config)
-from ds_pfc.training import load_config
+from ds_pfc.app.training import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""Contiguous class ownership: ``ds_pfc.partition.Partition(C, k)``.
+"""Contiguous class ownership: ``ds_pfc.core.partition.Partition(C, k)``.
 
 Every expectation is derived from a brute-force reference built here: the list of
 per-rank sizes from the definition (first ``C mod k`` ranks own ``ceil(C/k)``, the
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from ds_pfc.partition import Partition
+from ds_pfc.core.partition import Partition
 
 # (C, k): odd sizes, uneven splits, exact splits, C < k, k = 1, C = 1.
 CASES = [

@@ -110,7 +110,7 @@ def test_rows_of_each_new_rank_equal_the_concatenated_shards(tmp_path, src, dst,
     step, optimizer steps, margin state) comes through; only the overlapping shards
     are read: the tensor bytes of every other shard are damaged, and the read
     (checksums on) still succeeds."""
-    from ds_pfc import checkpoint as ckpt
+    from ds_pfc.checkpoint import shards as ckpt
     C, d = 1021 if sub_centers == 1 else 347, 6
     directory = str(tmp_path / "src")
     _write_checkpoint(directory, _states(C * sub_centers, d, seed=src * 10 + dst, optimizer=optimizer),
@@ -145,7 +145,7 @@ import sys
 import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from ds_pfc import PartialFC
-from ds_pfc.margins import CurricularFace
+from ds_pfc.core.margins import CurricularFace
 from ds_pfc.deepspeed_plugin import _load_resharded
 jobs, out = torch.load(sys.argv[1]), {}
 for key, (directory, src, dst, C, d, k, optimizer) in jobs.items():
@@ -200,7 +200,7 @@ def test_heads_of_every_new_rank_load_their_rows_and_the_run_state(tmp_path):
 def test_offline_reshard_matches_and_keeps_checksums(tmp_path):
     """``reshard`` (one new shard in memory at a time) writes shards that concatenate
     to the source and carry checksums that catch a changed byte."""
-    from ds_pfc import checkpoint as ckpt
+    from ds_pfc.checkpoint import shards as ckpt
     C, d = 1021, 5
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     _write_checkpoint(src, _states(C, d, seed=1), num_classes=C, world=4)
@@ -222,7 +222,7 @@ def test_damage_in_a_source_shard_is_caught_whether_or_not_its_rows_are_read(tmp
     """With checksums on, a reader notices damage anywhere in a shard it reads from,
     in the rows it reads or in others, and so does a merge of every shard; a
     truncated shard is refused by the header checks before any row is read."""
-    from ds_pfc import checkpoint as ckpt
+    from ds_pfc.checkpoint import shards as ckpt
     C, d = 1021, 6
     directory = str(tmp_path / "src")
     _write_checkpoint(directory, _states(C, d, seed=2), num_classes=C, world=4)
@@ -249,7 +249,7 @@ def test_content_checks_are_shared_out_and_cover_every_file(tmp_path):
     """The shares of ``verify_share`` over 3 ranks are disjoint and together cover
     every ``torch.save`` file and every shard of the heads read in slices; shards of
     heads read whole are left to their readers."""
-    from ds_pfc import checkpoint_tags as tags
+    from ds_pfc.checkpoint import tags
     tag_dir = str(tmp_path / "t")
     _write_checkpoint(tag_dir, _states(101, 3, seed=3), num_classes=101, world=4, name="a")
     _write_checkpoint(tag_dir, _states(50, 3, seed=4), num_classes=50, world=2, name="b")
@@ -322,8 +322,8 @@ def _save_worker(rank, world_size, base, port):
 
 
 def _load_worker(rank, world_size, base, port):
-    from ds_pfc import checkpoint as ckpt
-    from ds_pfc import checkpoint_tags as tags
+    from ds_pfc.checkpoint import shards as ckpt
+    from ds_pfc.checkpoint import tags
     engine = _engine(rank, world_size, port)
     checked, verified = [], []
     check, verify = tags.check_content, ckpt.verify_shard

@@ -54,7 +54,7 @@ def single_process_group():
 
 
 def _trainer(out, config=None, logs=None, **options):
-    from ds_pfc.training import Trainer
+    from ds_pfc.app.training import Trainer
     trainer = Trainer(copy.deepcopy(config or CONFIG), output_dir=out,
                       log=(logs.append if logs is not None else (lambda line: None)), **options)
     trainer.setup()
@@ -100,7 +100,7 @@ def _no_load(trainer, monkeypatch):
 
 
 def test_changed_training_settings_are_listed_and_refused_before_loading(three_steps, tmp_path, monkeypatch):
-    from ds_pfc.config import ConfigError
+    from ds_pfc.app.config import ConfigError
     out = _copy_run(three_steps, str(tmp_path))
     trainer = _trainer(out, config=_changed())
     try:
@@ -158,7 +158,7 @@ def test_with_the_flag_the_new_settings_take_effect(three_steps, tmp_path):
 
 
 def test_settings_the_checkpoint_cannot_take_are_refused_even_with_the_flag(three_steps, tmp_path, monkeypatch):
-    from ds_pfc.config import ConfigError
+    from ds_pfc.app.config import ConfigError
     out = _copy_run(three_steps, str(tmp_path))
     config = copy.deepcopy(CONFIG)
     config["ds_pfc"]["head"]["embedding_size"] = 16
@@ -175,7 +175,7 @@ def test_harmless_changes_and_another_batch_split_are_logged(three_steps, tmp_pa
     """Another split of the same global batch (4 x 2 instead of 8 x 1) and the
     logging cadence: resumed with the changes logged. Another global batch: refused
     before loading, with the setting that would keep it."""
-    from ds_pfc.config import ConfigError
+    from ds_pfc.app.config import ConfigError
     out = _copy_run(three_steps, str(tmp_path))
     config = copy.deepcopy(CONFIG)
     config["ds_pfc"]["train"]["log_every"] = 3

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_pfc import softmax
+from ds_pfc.core import softmax
 from test_exactness import ARC, COS, _lib_margin, _make_case, _ref_phi, _reference_ce
 
 C, N = 1021, 37

@@ -1,6 +1,6 @@
 """Positive-preserving sampler (paper Eq. local_sampling; DESIGN.md 3 "Sampler").
 
-References used here, all independent of ``ds_pfc.sampling``:
+References used here, all independent of ``ds_pfc.core.sampling``:
 - the budget ``floor(r * C_q)`` computed exactly with ``fractions.Fraction`` of the
   decimal ``r`` the user wrote;
 - the documented draw written again with Python integers (splitmix64 mod 2**64, the
@@ -23,7 +23,7 @@ import torch
 
 from ds_pfc import ArcFace, PartialFC
 from ds_pfc.bench.counting import OpCounter
-from ds_pfc.sampling import remap_labels, sample_active
+from ds_pfc.core.sampling import remap_labels, sample_active
 
 # A chi-square statistic is accepted while its Wilson-Hilferty z-score stays below
 # this (one-sided p ~ 1e-6). Deterministic seeds: no flakiness, only a margin.
@@ -351,7 +351,7 @@ def test_key_kernel_matches_the_torch_keys_bit_for_bit(num_local, seed, step, ra
     """The one-pass Triton kernel (used on CUDA and when a GPU step is counted) writes exactly the
     keys of the int64 torch ops, for an int step and a device-tensor step."""
     from ds_pfc.kernels._target import gpu_tiles
-    from ds_pfc.sampling import class_keys
+    from ds_pfc.core.sampling import class_keys
     expected = class_keys(num_local, seed, step, rank, "cpu", spare=spare)     # torch ops
     import ds_pfc.kernels.triton_keys  # noqa: F401  (imported before counting, so its launches are seen)
     with gpu_tiles(sms=132), OpCounter() as counter:                           # the kernel

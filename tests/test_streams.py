@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-import ds_pfc.head as head_module
+import ds_pfc.core.head as head_module
 from ds_pfc import ArcFace, PartialFC
 from ds_pfc.bank import StreamError, TieredBank, debug_streams_active
 from ds_pfc.bank import slots as slots_module

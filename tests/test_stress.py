@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from ds_pfc.config import ConfigError, split_config
+from ds_pfc.app.config import ConfigError, split_config
 from ds_pfc.data import StressedDataset, SyntheticFaces
 
 
@@ -148,7 +148,7 @@ def _job(**stress):
 
 
 def test_config_builds_the_stressed_training_set_and_leaves_evaluation_alone():
-    from ds_pfc.training import build_eval_sets, build_train_set
+    from ds_pfc.app.training import build_eval_sets, build_train_set
     _, clean = split_config(_job())
     _, noisy = split_config(_job(label_flip=0.3, long_tail={"tail_fraction": 0.5}, seed=4))
     train = build_train_set(noisy)
@@ -161,7 +161,7 @@ def test_config_builds_the_stressed_training_set_and_leaves_evaluation_alone():
 
 
 def test_conflict_needs_the_head_sized_for_the_pseudo_classes():
-    from ds_pfc.training import build_train_set
+    from ds_pfc.app.training import build_train_set
     job = _job(conflict={"fraction": 0.5, "splits": 3})
     job["ds_pfc"]["data"]["synthetic"]["identities"] = 400
     _, cfg = split_config(job)

@@ -246,7 +246,7 @@ def _script(name, *args):
 def test_export_reshard_round_trip_onnx_and_eval(two_rank_run, tmp_path):
     from safetensors.torch import load_file
 
-    from ds_pfc.checkpoint import merge_shards
+    from ds_pfc.checkpoint.shards import merge_shards
     out = two_rank_run[0]
     ckpt_dir = os.path.join(out, "checkpoints")
     tag = "step00000006"
@@ -291,7 +291,7 @@ def test_export_reshard_round_trip_onnx_and_eval(two_rank_run, tmp_path):
     with open(result) as f:
         acc = json.load(f)["synthetic_held_out"]["accuracy"]
     # Reference: the exported weights in a freshly built backbone, plain flip-TTA embeddings.
-    from ds_pfc.config import split_config
+    from ds_pfc.app.config import split_config
     from ds_pfc.data.faces import SyntheticFaces
     from ds_pfc.eval.verification import verification_metrics
     _, cfg = split_config(copy.deepcopy(TINY))

@@ -4,7 +4,7 @@ Without CUDA the kernels run on CPU tensors under Triton's interpreter.
 
 The reference is ``torch.optim.SGD`` / ``torch.optim.AdamW`` (float32, ``foreach=False``)
 on each row held as its own parameter and stepped only on the steps where the row is
-active, which is the lazy per-row semantics of ``ds_pfc.optim``. float32 rather than
+active, which is the lazy per-row semantics of ``ds_pfc.core.optim``. float32 rather than
 float64: the tables are float32, so a float64 reference would differ from any float32
 implementation by the storage rounding of the weight (~6e-8 absolute on weights ~1,
 i.e. ~1e-4 of an lr=1e-3 update); in float32 the only differences left are the order

@@ -287,8 +287,8 @@ def test_float16_keeps_initialisation_sized_gradients():
 def test_auto_never_picks_a_backend_that_refuses():
     """Whatever backend="auto" picks on a CUDA device for a compute dtype, center dtype, layout and
     width, the chosen kernels accept those inputs (run here in the interpreter)."""
-    from ds_pfc.margins import ArcFace
-    from ds_pfc.softmax import default_compute_dtype, resolve_backend
+    from ds_pfc.core.margins import ArcFace
+    from ds_pfc.core.softmax import default_compute_dtype, resolve_backend
     assert default_compute_dtype("cuda", torch.float32) == torch.bfloat16
     assert default_compute_dtype("cpu", torch.float32) == torch.float32
     assert default_compute_dtype("cuda", torch.float64) == torch.float64
@@ -584,8 +584,8 @@ def test_float16_products_keep_tiny_gradients_end_to_end(backend):
     """Both backends through margin_softmax_cross_entropy with float16 products: a loss scaled so
     that every negative's gradient is ~1e-9 (as at initialisation with millions of classes) still
     gets float16-accurate center and embedding gradients, against the same call in float64."""
-    from ds_pfc.margins import ArcFace
-    from ds_pfc.softmax import margin_softmax_cross_entropy
+    from ds_pfc.core.margins import ArcFace
+    from ds_pfc.core.softmax import margin_softmax_cross_entropy
     g = torch.Generator().manual_seed(3)
     n, s, d = 24, 300, 32
     x = torch.randn(n, d, generator=g, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Universal checkpoints (``ds_pfc.universal``): ZeRO tags saved on 2 CPU ranks resume on
+"""Universal checkpoints (``ds_pfc.checkpoint.universal``): ZeRO tags saved on 2 CPU ranks resume on
 1 and on 3 ranks.
 
 Each case (ZeRO 1, 2, 3; fp32, bf16, bf16 with DeepSpeed's BF16_Optimizer; SGD with
@@ -153,7 +153,7 @@ def _save_worker(rank, world, root):
 
 
 def _load_worker(rank, world, root):
-    from ds_pfc.universal import load_universal
+    from ds_pfc.checkpoint.universal import load_universal
     _init_deepspeed(rank, world)
     x, y, _ = _data()
     rows, out = _rows(rank, world), {}
@@ -207,7 +207,7 @@ def _reference_step(case, saved, world, dtype=torch.float32):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Save on 2 ranks, convert every tag, load on 1 and on 3 ranks."""
-    from ds_pfc.universal import to_universal
+    from ds_pfc.checkpoint.universal import to_universal
     root = str(tmp_path_factory.mktemp("universal"))
     saved = run_ranks(_save_worker, W_SAVE, root)
     for case in CASES:
@@ -269,7 +269,7 @@ def test_next_step_matches_plain_pytorch(runs, case, world):
 
 def test_converted_tag_is_a_complete_ds_pfc_tag(runs):
     from ds_pfc.deepspeed_plugin import COMPLETE_MARKER
-    from ds_pfc.universal import is_universal
+    from ds_pfc.checkpoint.universal import is_universal
     for case, (stage, _, optimizer) in CASES.items():
         src = os.path.join(runs["root"], case, TAG)
         dst = src + "-universal"
@@ -297,7 +297,7 @@ def test_converted_tag_is_a_complete_ds_pfc_tag(runs):
 
 @pytest.mark.parametrize("case", ["z1_sgd", "z3_sgd"])
 def test_universal_state_dict_holds_the_master_weights(runs, case):
-    from ds_pfc.universal import universal_state_dict
+    from ds_pfc.checkpoint.universal import universal_state_dict
     saved = runs["saved"][case]
     state = universal_state_dict(os.path.join(runs["root"], case, TAG + "-universal"))
     assert list(state) == list(Net(_norm(case)).state_dict())
@@ -307,7 +307,7 @@ def test_universal_state_dict_holds_the_master_weights(runs, case):
 
 def test_ds_pfc_converter_writes_what_deepspeeds_writes(runs, tmp_path):
     """On Adam's states both converters run: ds_pfc's must give DeepSpeed's files."""
-    from ds_pfc.universal import to_universal
+    from ds_pfc.checkpoint.universal import to_universal
     src = os.path.join(runs["root"], "z1_adamw_bf16", TAG)
     ours = to_universal(src, str(tmp_path / "ours"), impl="ds_pfc", progress=False)
     theirs = src + "-universal"
@@ -330,7 +330,7 @@ def test_ds_pfc_converter_writes_what_deepspeeds_writes(runs, tmp_path):
 
 def test_needs_universal_and_loadable_tag(runs, tmp_path):
     from ds_pfc.deepspeed_plugin import COMPLETE_MARKER
-    from ds_pfc.universal import UniversalCheckpointError, loadable_tag, needs_universal, to_universal
+    from ds_pfc.checkpoint.universal import UniversalCheckpointError, loadable_tag, needs_universal, to_universal
     root = os.path.join(runs["root"], "z1_sgd")
     src = os.path.join(root, TAG)
     assert needs_universal(src, 1) and needs_universal(src, 3) and not needs_universal(src, W_SAVE)
@@ -367,7 +367,7 @@ def test_needs_universal_and_loadable_tag(runs, tmp_path):
 
 def test_stage0_and_incomplete_tags_are_refused(tmp_path):
     from ds_pfc.deepspeed_plugin import COMPLETE_MARKER, CheckpointIncompleteError
-    from ds_pfc.universal import UniversalCheckpointError, needs_universal, to_universal
+    from ds_pfc.checkpoint.universal import UniversalCheckpointError, needs_universal, to_universal
     tag = tmp_path / "step1"
     os.makedirs(tag)
     torch.save({"module": {}, "optimizer": {}}, tag / "mp_rank_00_model_states.pt")

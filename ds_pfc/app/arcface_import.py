@@ -26,9 +26,9 @@ order. Two layouts are read:
 
 They become ds_pfc head shards (:mod:`ds_pfc.checkpoint`'s format) for any number of
 ranks: ``weight`` and the optimizer's states of it where they were saved, SGD's
-``momentum_buffer`` for :class:`~ds_pfc.optim.RowSGD` (torch's SGD buffer, the same
+``momentum_buffer`` for :class:`~ds_pfc.core.optim.RowSGD` (torch's SGD buffer, the same
 quantity), or AdamW's ``exp_avg``, ``exp_avg_sq`` and step for
-:class:`~ds_pfc.optim.RowAdamW`. A head of that world size loads its shard with
+:class:`~ds_pfc.core.optim.RowAdamW`. A head of that world size loads its shard with
 :func:`ds_pfc.checkpoint.load_head_shard`.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _load(path: str, what: str):
 
 
 def _resolve_network(network: str) -> tuple[str, dict]:
-    from .models import ALIASES, BACKBONES
+    from ..models import ALIASES, BACKBONES
     if not isinstance(network, str) or network not in NETWORKS:
         raise ArcfaceImportError(f"unknown arcface_torch network {network!r}; expected one of {sorted(NETWORKS)}")
     canonical, options = NETWORKS[network]
@@ -112,7 +112,7 @@ def _resolve_network(network: str) -> tuple[str, dict]:
 
 
 def _build(canonical: str, options: dict, embedding_size: int, device=None):
-    from .models import build_backbone
+    from ..models import build_backbone
     try:
         if device is not None:
             with torch.device(device):
@@ -245,13 +245,13 @@ def _check_vit_matches(model, canonical: str) -> None:
 def import_backbone(path: str, network: str, out_path: str, *, config: dict | None = None,
                     embedding_size: int | None = None, width: float = 1.0, head=None) -> str:
     """Write the backbone of :func:`read_backbone` as a ds_pfc model export
-    (:data:`ds_pfc.export.EXPORT_FORMAT`: ``backbone.<name>`` float32 weights, and
+    (:data:`ds_pfc.app.export.EXPORT_FORMAT`: ``backbone.<name>`` float32 weights, and
     ``heads.head.weight [C, d]`` when ``head`` (an :class:`ArcfaceHead`) is given),
-    which ``launch/eval.py --model`` and :func:`ds_pfc.export.load_backbone` read.
+    which ``launch/eval.py --model`` and :func:`ds_pfc.app.export.load_backbone` read.
     The export's job config is ``config`` (a full job config; its
     ``ds_pfc.backbone`` is set to the imported network) or a minimal one. Atomic.
     Returns ``out_path``."""
-    from . import checkpoint as ckpt
+    from ..checkpoint import shards as ckpt
     from .export import EXPORT_FORMAT
     model, block = read_backbone(path, network, embedding_size=embedding_size, width=width)
     d = _embedding_size(model.state_dict(), path)
@@ -441,7 +441,7 @@ def read_head(directory: str, *, num_classes: int | None = None) -> ArcfaceHead:
     arcface_torch's split of ``C`` (the sum, or ``num_classes`` when given) over
     the ranks found. The tensors are memory-mapped where torch can (files of
     ``torch.save``'s zip format): an import holds one destination shard in memory."""
-    from .partition import Partition
+    from ..core.partition import Partition
     kind, files = _rank_files(directory)
     world = len(files)
     per_rank = []
@@ -477,15 +477,15 @@ def import_head(head: ArcfaceHead | str, out_dir: str, world_size: int, *, name:
                 optimizer_states: str = "auto", num_classes: int | None = None) -> list[str]:
     """Write ``head`` (an :class:`ArcfaceHead`, or a directory :func:`read_head`
     reads) as ``world_size`` ds_pfc head shards of head ``name`` in ``out_dir``, rank
-    ``r`` holding :class:`~ds_pfc.partition.Partition`'s classes, one shard in memory
+    ``r`` holding :class:`~ds_pfc.core.partition.Partition`'s classes, one shard in memory
     at a time. ``optimizer_states``: ``"auto"`` writes the optimizer states saved
-    (SGD's ``momentum_buffer``, which a head with :class:`~ds_pfc.optim.RowSGD`
-    momentum loads, or AdamW's for :class:`~ds_pfc.optim.RowAdamW`);
+    (SGD's ``momentum_buffer``, which a head with :class:`~ds_pfc.core.optim.RowSGD`
+    momentum loads, or AdamW's for :class:`~ds_pfc.core.optim.RowAdamW`);
     ``"zero_momentum"`` the saved ones, or a zero ``momentum_buffer`` where none was
     saved; ``"none"`` the weights only (a head without optimizer state, e.g.
     RowSGD(momentum=0)). Sampler and step counters start at 0. Returns the paths."""
-    from . import checkpoint as ckpt
-    from .partition import Partition
+    from ..checkpoint import shards as ckpt
+    from ..core.partition import Partition
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if optimizer_states not in ("auto", "zero_momentum", "none"):

@@ -22,14 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._checks import ConfigError
+
 __all__ = ["MarginConfig", "OptimizerConfig", "BankConfig", "HeadConfig", "BackboneConfig", "SyntheticDataConfig",
            "DataConfig", "ScheduleConfig", "InitConfig", "TrainConfig", "EvaluationConfig", "CheckpointConfig",
            "DsPfcConfig", "split_config",
            "from_dict", "DEEPSPEED_TOP_LEVEL_KEYS", "DEEPSPEED_REMOVED_KEYS", "ConfigError"]
-
-
-class ConfigError(ValueError):
-    """A ``ds_pfc`` config value or key is wrong; the message names it and the fix."""
 
 
 # Top-level keys DeepSpeed 0.19 reads; anything else is most likely a typo.
@@ -167,7 +165,7 @@ class MarginConfig:
         return out
 
     def build(self):
-        from . import margins
+        from ..core import margins
         p = self.params()
         try:
             if self.type == "arcface":
@@ -238,7 +236,7 @@ class BankConfig:
     """Reopen existing NVMe bank files instead of creating them."""
 
     def _placement(self, value, where):
-        from .bank.tiered import TIERS
+        from ..bank.tiered import TIERS
         if isinstance(value, str):
             tier, dtype = value, None
         elif isinstance(value, (list, tuple)) and len(value) == 2:
@@ -263,7 +261,7 @@ class BankConfig:
         """The ``bank=`` factory for PartialFC (None: the device bank)."""
         if self.is_default():
             return None
-        from .bank import TieredBank
+        from ..bank import TieredBank
         try:
             return TieredBank.factory(
                 {n: self._placement(v, n) for n, v in self.placements.items()},
@@ -318,13 +316,13 @@ class HeadConfig:
                               f"got {self.block_bytes!r}")
         if isinstance(self.sub_centers, bool) or not isinstance(self.sub_centers, int) or self.sub_centers < 1:
             raise ConfigError(f"ds_pfc.head.sub_centers must be a positive integer, got {self.sub_centers!r}")
-        from .softmax import BACKENDS
+        from ..core.softmax import BACKENDS
         if self.backend not in BACKENDS:
             raise ConfigError(f"ds_pfc.head.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
 
     def build(self, *, group=None, device=None, data_parallel_grad: bool = True):
         """A :class:`~ds_pfc.PartialFC` for this config."""
-        from .head import PartialFC
+        from ..core.head import PartialFC
         compute = None if self.compute_dtype == "auto" else _dtype(self.compute_dtype, "ds_pfc.head.compute_dtype")
         return PartialFC(self.num_classes, self.embedding_size, sample_rate=self.sample_rate,
                          margin=self.margin.build(), filter_threshold=self.filter_threshold, group=group,
@@ -351,7 +349,7 @@ class BackboneConfig:
     activations in backward instead of keeping them."""
 
     def __post_init__(self):
-        from .models import ALIASES, BACKBONES
+        from ..models import ALIASES, BACKBONES
         if ALIASES.get(self.name, self.name) not in BACKBONES:
             raise ConfigError(f"ds_pfc.backbone.name must be one of {list(BACKBONES)} or {list(ALIASES)}, "
                               f"got {self.name!r}")
@@ -359,7 +357,7 @@ class BackboneConfig:
         _number(self.dropout, "ds_pfc.backbone.dropout", low=0, high=1)
 
     def build(self, embedding_size: int):
-        from .models import build_backbone
+        from ..models import build_backbone
         try:
             return build_backbone(self.name, embedding_size=embedding_size, width=self.width, dropout=self.dropout,
                                   **self.options)
@@ -446,18 +444,6 @@ class StressConfig:
     def active(self) -> bool:
         return bool(self.label_flip or self.conflict is not None or self.long_tail is not None)
 
-    def wrap(self, dataset):
-        """``dataset`` with this corruption (the dataset itself when nothing is set)."""
-        if not self.active:
-            return dataset
-        from .data.stress import StressedDataset
-        return StressedDataset(dataset, label_flip=self.label_flip,
-                               conflict=self.conflict.fraction if self.conflict else 0.0,
-                               conflict_splits=self.conflict.splits if self.conflict else 3,
-                               long_tail=self.long_tail.tail_fraction if self.long_tail else None,
-                               tail_images=tuple(self.long_tail.tail_images) if self.long_tail else (2, 4),
-                               seed=self.seed)
-
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -515,7 +501,7 @@ class DataConfig:
     def decode_on(self, device) -> bool:
         """Whether ``decode`` puts JPEG decoding on ``device`` (the rank's training
         device); ``cuda`` that cannot run there raises :class:`ConfigError`."""
-        from .data.transforms import device_decode_available
+        from ..data.transforms import device_decode_available
         if self.decode == "cpu":
             return False
         why = device_decode_available(device)

@@ -3,9 +3,9 @@
 :func:`load_model` gives a callable ``torch.nn.Module`` for
 
 - a ds_pfc model export (``.safetensors``) or checkpoint directory
-  (:func:`ds_pfc.export.load_backbone`);
+  (:func:`ds_pfc.app.export.load_backbone`);
 - arcface_torch's ``model.pt`` (or a ``checkpoint_gpu_*.pt``) with its network name,
-  rebuilt in memory as the ds_pfc backbone by :func:`ds_pfc.arcface_import.read_backbone`;
+  rebuilt in memory as the ds_pfc backbone by :func:`ds_pfc.app.arcface_import.read_backbone`;
 - an ONNX file (``.onnx``) run by onnxruntime (:class:`OnnxBackbone`; ``pip install
   ds_pfc[eval]``).
 
@@ -114,12 +114,12 @@ def load_model(path: str, *, network: str | None = None, width: float = 1.0, tag
     if kind == "onnx":
         return OnnxBackbone(path, device=device), None, kind
     if kind == "arcface_torch":
-        from ..arcface_import import NETWORKS, read_backbone
+        from .arcface_import import NETWORKS, read_backbone
         if network is None:
             raise ValueError(f"{path} is an arcface_torch state dict: pass --network, its arcface_torch network "
                              f"name (one of {sorted(NETWORKS)})")
         model, _ = read_backbone(path, network, width=width)
         return model, None, kind
-    from ..export import load_backbone
+    from .export import load_backbone
     model, config = load_backbone(path, tag)
     return model, config, kind

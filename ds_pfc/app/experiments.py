@@ -184,9 +184,9 @@ def _stressed_classes(config: dict, stress: dict, num_classes: int) -> int:
     """Classes of ``config``'s training set under ``stress``: exactly that for
     synthetic faces (the app requires equality), at least ``num_classes`` otherwise."""
     from .config import StressConfig, from_dict, split_config
-    from .training import build_train_set
+    from .datasets import build_train_set, stressed
     _, cfg = split_config(config)
-    wrapped = from_dict(StressConfig, stress, "ds_pfc.data.stress").wrap(build_train_set(cfg))
+    wrapped = stressed(from_dict(StressConfig, stress, "ds_pfc.data.stress"), build_train_set(cfg))
     if cfg.data.source == "synthetic":
         return wrapped.num_classes
     return max(num_classes, wrapped.num_classes)
@@ -200,7 +200,7 @@ def _find_cell(study: str, name: str) -> Cell:
 
 
 def _machine() -> dict:
-    from .bench import machine_info, versions
+    from ..bench import machine_info, versions
     return {**machine_info(), **versions()}
 
 
@@ -231,7 +231,7 @@ _THREAD_LOCK = threading.Lock()
 
 
 def _save_results(path: str, data: dict) -> None:
-    from .checkpoint_tags import atomic_write
+    from ..checkpoint.tags import atomic_write
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write(path, (json.dumps(data, indent=1) + "\n").encode())
 

@@ -83,7 +83,7 @@ def load_head_weights(head, directory: str, *, seed: int | None = None) -> None:
     (:func:`ds_pfc.checkpoint.load_head_shard`); the shards must be written for
     ``head.world_size`` ranks. ``seed``: the head's sampling seed afterwards (the
     job's, not the one stored with the shards)."""
-    from . import checkpoint as ckpt
+    from ..checkpoint import shards as ckpt
     where = f"{_KEY}.head"
     if not os.path.isdir(directory):
         raise ConfigError(f"{where}: no such directory {directory!r}")

@@ -13,7 +13,7 @@ unless ``--skip-unknown`` is given. Every key is then mapped to DeepSpeed's conf
 the ``ds_pfc`` block; keys without a ds_pfc counterpart are listed with the reason,
 and the differences in what the mapped settings compute are printed.
 
-The result is checked with ds_pfc's own parser (:func:`ds_pfc.config.split_config`)
+The result is checked with ds_pfc's own parser (:func:`ds_pfc.app.config.split_config`)
 before it is written.
 """
 from __future__ import annotations
@@ -319,7 +319,7 @@ def _steps(micro_steps: int, gradient_acc: int) -> int:
 
 
 def _network(name: str):
-    from .models import ALIASES, BACKBONES
+    from ..models import ALIASES, BACKBONES
     if name not in _NETWORKS:
         return None, {}, f"arcface_torch has no network {name!r} (its names: {', '.join(_NETWORKS)})"
     candidates, options = _NETWORKS[name]

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError, DsPfcConfig, ScheduleConfig, split_config
-from .data.loader import MicroBatchLoader
-from .data.sampler import DistributedIdentitySampler
-from . import checkpoint_tags as tags
+from .datasets import build_eval_sets, build_train_set
+from ..data.loader import MicroBatchLoader
+from ..data.sampler import DistributedIdentitySampler
+from ..checkpoint import tags
 from . import resume_changes
-from .deepspeed_plugin import PfcEngine, init_distributed, initialize, list_checkpoints
-from .devices import bind_local_device
-from . import launchers
+from ..deepspeed_plugin import PfcEngine, init_distributed, initialize, list_checkpoints
+from ..devices import bind_local_device
+from .. import launchers
 
 __all__ = ["Trainer", "load_config", "schedule_factor", "build_eval_sets", "evaluate"]
 
@@ -64,52 +65,6 @@ def schedule_factor(schedule: ScheduleConfig, steps_per_epoch: int, total_steps:
     return factor
 
 
-# ---------------------------------------------------------------------------- data
-def build_train_set(cfg: DsPfcConfig):
-    data = cfg.data
-    if data.source == "synthetic":
-        from .data.faces import SyntheticFaces
-        s = data.synthetic
-        dataset = data.stress.wrap(SyntheticFaces(s.identities, s.images_per_identity, image_size=s.image_size,
-                                                  seed=s.seed))
-        if dataset.num_classes != cfg.head.num_classes:
-            raise ConfigError(f"ds_pfc.head.num_classes must be {dataset.num_classes} (the classes of the synthetic "
-                              f"training set after ds_pfc.data.stress), got {cfg.head.num_classes}")
-        return dataset
-    if not os.path.exists(data.path):
-        raise FileNotFoundError(f"ds_pfc.data.path {data.path!r} does not exist")
-    if data.source == "recordio":
-        from .data.recordio import InsightFaceRecord
-        dataset = InsightFaceRecord(data.path)
-    else:
-        from .data.hf import load_image_dataset
-        dataset = load_image_dataset(data.path, split=data.split, image_column=data.image_column,
-                                     label_column=data.label_column)
-    dataset = data.stress.wrap(dataset)
-    if dataset.num_classes > cfg.head.num_classes:
-        raise ConfigError(f"the data has labels up to {dataset.num_classes - 1} but ds_pfc.head.num_classes is "
-                          f"{cfg.head.num_classes}")
-    return dataset
-
-
-def build_eval_sets(cfg: DsPfcConfig) -> dict[str, tuple[torch.Tensor, list[bool]]]:
-    """Verification pair sets: ``name -> (uint8 images [2P, 3, H, W], issame)``."""
-    sets = {}
-    ev = cfg.evaluation
-    if cfg.data.source == "synthetic" and ev.synthetic_pairs:
-        from .data.faces import SyntheticFaces
-        s = cfg.data.synthetic
-        held = SyntheticFaces(s.held_out_identities, s.images_per_identity, image_size=s.image_size,
-                              first_identity=s.identities, seed=s.seed)
-        sets["synthetic_held_out"] = held.pairs(ev.synthetic_pairs, seed=s.seed)
-    for path in ev.bins:
-        from .data.transforms import decode_image
-        from .eval.verification import load_bin
-        images, issame = load_bin(path, decode=decode_image)
-        sets[os.path.splitext(os.path.basename(path))[0]] = (torch.stack(images), issame)
-    return sets
-
-
 @torch.no_grad()
 def evaluate(model, sets: dict, *, batch_size: int, flip: bool, far: list, device, dtype,
              rank: int = 0, world_size: int = 1, group=None) -> dict[str, dict]:
@@ -132,8 +87,8 @@ def evaluate(model, sets: dict, *, batch_size: int, flip: bool, far: list, devic
 
 
 def _evaluate_set(model, images, issame, *, batch_size, flip, far, device, dtype, rank, world_size, group):
-    from .data.transforms import normalize
-    from .eval.verification import embed, verification_metrics
+    from ..data.transforms import normalize
+    from ..eval.verification import embed, verification_metrics
     total = images.shape[0]
     per_rank = math.ceil(total / world_size)
     index = (torch.arange(per_rank) * world_size + rank) % total
@@ -333,7 +288,7 @@ class Trainer:
         start-up (a collective). Returns whether a checkpoint was loaded.
 
         First checks that every rank sees the files rank 0 writes there
-        (:func:`ds_pfc.checkpoint_tags.check_shared_directory`). Loads ``resume_from``
+        (:func:`ds_pfc.checkpoint.tags.check_shared_directory`). Loads ``resume_from``
         if set, else the tag ``latest`` names, or the newest complete tag when
         ``latest`` is missing or lags behind one (logged, and ``latest`` moved). After
         an explicit ``resume_from`` of an older tag, the newer ones move to
@@ -342,7 +297,7 @@ class Trainer:
 
         Before anything is loaded (from the checkpoint's marker alone), the run's job
         config is compared with the one the checkpoint was trained with
-        (:mod:`ds_pfc.resume_changes`); every difference is listed by dotted key.
+        (:mod:`ds_pfc.app.resume_changes`); every difference is listed by dotted key.
         Settings that change training stop the run unless ``allow_config_change``
         (the new values then take effect: the optimizer's settings, the learning
         rate and its schedule from the next step on, a new margin starting from its
@@ -536,8 +491,8 @@ class Trainer:
     def _convert_for_world_size(self, tag: str) -> None:
         """A ZeRO 1-3 checkpoint saved on another number of ranks: rank 0 converts it
         once to DeepSpeed's universal checkpoint (``<tag>-universal``, see
-        :mod:`ds_pfc.universal`), which the load then uses."""
-        from . import universal
+        :mod:`ds_pfc.checkpoint.universal`), which the load then uses."""
+        from ..checkpoint import universal
 
         def convert():
             tag_dir = os.path.join(self.checkpoint_dir, tag)
@@ -714,7 +669,7 @@ class Trainer:
         """Write ``export/model.safetensors`` (backbone + merged classifier) from
         checkpoint ``tag_dir`` on rank 0; every rank calls it and an error raises on
         every rank. The file gets the usual mode (0644 under the default umask)."""
-        from .export import export_checkpoint
+        from ..checkpoint.export import export_checkpoint
         out = os.path.join(self.output_dir, "export", "model.safetensors")
         tags.on_rank0(lambda: export_checkpoint(tag_dir, out, config=self.raw_config))
         self.log(f"export {out}")

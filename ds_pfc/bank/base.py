@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..sampling import generator_for
+from .._rng import generator_for
 
 __all__ = ["ClassBank", "initial_centers", "INIT_BLOCK"]
 

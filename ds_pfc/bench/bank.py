@@ -39,7 +39,7 @@ def _window(kind: str, ms: float, device) -> None:
 
 
 def run_case(case: dict) -> dict:
-    from .. import PartialFC
+    from ..core.head import PartialFC
     from ..bank import TieredBank
     device = torch.device(case["device"])
     tier, prefetch = case["tier"], case["prefetch"]
@@ -97,7 +97,8 @@ def run_case(case: dict) -> dict:
 def storage_effect(steps: int = 300, classes: int = 5000, seed: int = 0) -> list[dict]:
     """Train the synthetic-identity task with each storage dtype placement and report
     the final loss and held-out verification accuracy (same data, same seed)."""
-    from .. import CosFace, PartialFC
+    from ..core.margins import CosFace
+    from ..core.head import PartialFC
     from ..bank import TieredBank
     from ..data import SyntheticIdentities, verification_accuracy
     variants = [("float32 (device bank)", None),

@@ -93,7 +93,7 @@ def _write_dataset(folder: str, records: int, classes: int) -> None:
 
 
 def _case(case: dict) -> dict:
-    from ds_pfc.data.recordio import InsightFaceRecord, RecordIOReader
+    from ..data.recordio import InsightFaceRecord, RecordIOReader
     folder, kind = case["folder"], case["kind"]
     calls = [0]
     real = RecordIOReader._pread
@@ -142,9 +142,9 @@ class _Repeat(torch.utils.data.Dataset):
 
 
 def _throughput(folder: str, images: int, workers_list: list[int], batch: int, seconds: float) -> list[dict]:
-    from ds_pfc.data.loader import MicroBatchLoader
-    from ds_pfc.data.recordio import InsightFaceRecord
-    from ds_pfc.data.sampler import DistributedIdentitySampler
+    from ..data.loader import MicroBatchLoader
+    from ..data.recordio import InsightFaceRecord
+    from ..data.sampler import DistributedIdentitySampler
     os.makedirs(folder, exist_ok=True)
     rec, idx = os.path.join(folder, "train.rec"), os.path.join(folder, "train.idx")
     if not os.path.isfile(idx):

@@ -73,8 +73,8 @@ class DenseHead(torch.nn.Module):
         self.steps = 0
 
     def forward(self, x, y):
-        from ..sampling import remap_labels, sample_active
-        from ..softmax import margin_softmax_cross_entropy
+        from ..core.sampling import remap_labels, sample_active
+        from ..core.softmax import margin_softmax_cross_entropy
         active = sample_active(torch.unique(y), self.weight.shape[0], self.sample_rate,
                                seed=self.seed, step=self.steps, rank=0)
         self.steps += 1
@@ -158,7 +158,7 @@ class LinearCEHead(torch.nn.Module):
 
 def make_margin(name: str):
     """``"arcface"``: ``ArcFace()``; ``"cos"``: ``CosFace(margin=0)``, plain scaled cosine logits."""
-    from .. import ArcFace, CosFace
+    from ..core.margins import ArcFace, CosFace
     if name == "arcface":
         return ArcFace()
     if name == "cos":
@@ -169,7 +169,8 @@ def make_margin(name: str):
 # --------------------------------------------------------------------- one case
 def make_head(case: dict, num_classes: int):
     """The head of ``case`` (its ``impl``, margin, backend, variant) with ``num_classes``."""
-    from .. import ArcFace, PartialFC
+    from ..core.margins import ArcFace
+    from ..core.head import PartialFC
     device = torch.device(case["device"])
     dim, rate, compute = case["dim"], case["sample_rate"], _DTYPES[case["compute"]]
     if case["impl"] == "ds_pfc":
@@ -276,7 +277,8 @@ def count_step(num_classes: int, dim: int, batch: int = 512, sample_rate: float 
     a CPU; each kernel launch counts as one op. Returns
     ``{"ops", "syncs", "sync_ops", "top_ops", "launches", "active"}``.
     """
-    from .. import ArcFace, PartialFC
+    from ..core.margins import ArcFace
+    from ..core.head import PartialFC
     head = PartialFC(num_classes, dim, sample_rate=sample_rate, margin=ArcFace(), device=device,
                      compute_dtype=None if compute == "fp32" else _DTYPES[compute], optimizer=optimizer,
                      data_parallel_grad=False, block_bytes=block_bytes, backend=backend, seed=seed, fused=fused,
@@ -429,7 +431,7 @@ def main(argv=None) -> int:
     memory = info.get("gpu_memory_bytes") if device.type == "cuda" else info.get("memory_bytes")
     impls = set(args.impl.split(","))
     if args.backends is None:
-        from ..softmax import _triton_available
+        from ..core.softmax import _triton_available
         args.backends = "torch,triton" if device.type == "cuda" and _triton_available() else "torch"
     backends = tuple(args.backends.split(","))
     if args.lce_options is None:

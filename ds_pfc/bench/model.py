@@ -457,7 +457,8 @@ def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str
     CPU tensors; Triton kernels need ``TRITON_INTERPRET=1`` set before triton was imported.
     Returns ``{"kernels": {name: counts}, "S": S, "blocks": B}``.
     """
-    from .. import ArcFace, PartialFC
+    from ..core.margins import ArcFace
+    from ..core.head import PartialFC
     from ..kernels._target import gpu_tiles
     num_classes = max(S, math.ceil(S / sample_rate - 1e-9))
     while max(math.floor(sample_rate * num_classes + 1e-9), 1) < S:
@@ -491,7 +492,7 @@ def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str
         loss.backward()
         head.step(0.1)
     head.close()
-    from ..softmax import class_blocks
+    from ..core.softmax import class_blocks
     return {"kernels": counter.kernels(), "S": S, "blocks": class_blocks(backend, batch, S, compute_dtype, block_bytes),
             "block_rows": rows}
 
@@ -790,7 +791,7 @@ def predict_case(case: dict, gpu_name: str, *, counts: list[dict] | None = None,
                              compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"],
                              block_rows=b, world=case["world"], sms=gpu["sms"])
                   for s, b in _standard_runs(dict(case, sms=gpu["sms"], S=S))]
-    from ..softmax import class_blocks
+    from ..core.softmax import class_blocks
     fitted = fit_counts(counts, S, class_blocks(case["backend"], case["batch"], S, _DTYPES[case["compute"]],
                                                 block_bytes))
     out = predict(fitted, gpu, S=S, batch=case["batch"], dim=case["dim"], compile_code=compile_code)

@@ -83,7 +83,8 @@ def _close(name, got, want, rtol):
 def check_exact_step(device, backend: str, compute=torch.float32) -> str:
     """One head step (r = 1, ArcFace, 2 ranks' worth of classes on one) against float64.
     ``compute`` is given explicitly: ``None`` would mean bf16 products on CUDA."""
-    from . import ArcFace, margin_cross_entropy
+    from ..core.margins import ArcFace
+    from ..core.functional import margin_cross_entropy
     gen = torch.Generator().manual_seed(0)
     n, d, c = 37, 64, 1021
     w = torch.randn(c, d, generator=gen)
@@ -106,7 +107,7 @@ def check_exact_step(device, backend: str, compute=torch.float32) -> str:
 
 def check_fused_optimizer(device) -> str:
     """The fused Triton row update against the torch row update, 3 sampled steps."""
-    from . import PartialFC
+    from ..core.head import PartialFC
     states = []
     for fused in (False, True):
         head = PartialFC(4099, 64, sample_rate=0.2, device=device, seed=1, data_parallel_grad=False, fused=fused,
@@ -126,7 +127,7 @@ def check_fused_optimizer(device) -> str:
 def check_budget(device) -> str:
     """Launches and host syncs of a step at C = 1M (d = 512, B = 512, r = 0.1) on the
     GPU, or the same op sequence counted on the CPU with a smaller C."""
-    from .bench.head import count_step
+    from .head import count_step
     classes = 1_000_000 if device.type == "cuda" else 100_000
     res = count_step(classes, 512, device=device, backend="torch")
     out = f"torch backend: {res['ops']} ops, {res['syncs']} syncs at C={classes:,}"
@@ -141,7 +142,7 @@ def check_budget(device) -> str:
 def check_no_sync_step(device) -> str:
     """r = 1, validate=False: a whole step (forward, backward, row update) with host
     synchronisation turned into an error."""
-    from . import PartialFC
+    from ..core.head import PartialFC
     head = PartialFC(100_003, 256, sample_rate=1.0, device=device, validate=False, data_parallel_grad=False)
     x = torch.randn(256, 256, device=device, requires_grad=True)
     y = torch.randint(0, 100_003, (256,), device=device)
@@ -219,7 +220,8 @@ def group_predicted(prediction: dict) -> dict:
 
 def _time_step(device, case: dict, backend: str, steps: int = 3):
     """``(seconds per step, profiler rows per step)`` of the case's head step on ``device``."""
-    from . import ArcFace, PartialFC
+    from ..core.margins import ArcFace
+    from ..core.head import PartialFC
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[case["compute"]]
     head = PartialFC(case["classes"], case["dim"], sample_rate=case["sample_rate"], margin=ArcFace(), device=device,
                      compute_dtype=compute, momentum=0.9, weight_decay=5e-4, data_parallel_grad=False,
@@ -278,7 +280,7 @@ def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 
     standard case (scaled to fit this GPU) measured against ds_pfc.bench.model's prediction;
     fails where they differ by more than ``factor``. Counting a case takes minutes on the
     CPU; ``counts_from`` (a ``bench.py head --predict`` JSON of the same case) skips it."""
-    from .bench import model
+    from . import model
     kind = gpu_model_key(torch.cuda.get_device_name(device))
     if kind is None:
         return f"skipped: the model has no constants for {torch.cuda.get_device_name(device)}"
@@ -462,7 +464,7 @@ def main(argv=None) -> int:
     rows = run_checks(device, quick=args.quick, results_dir=os.path.dirname(os.path.abspath(out)), stamp=stamp,
                       counts_from=args.counts, benchmarks=not args.no_benchmarks)
 
-    from .bench import format_table, machine_info, versions
+    from . import format_table, machine_info, versions
     print()
     print(format_table(["check", "status", "detail"], [[r["check"], r["status"], r["detail"][:90]] for r in rows]))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -1,4 +1,4 @@
-"""Per-rank safetensors checkpoints of the :class:`~ds_pfc.head.PartialFC` bank.
+"""Per-rank safetensors checkpoints of the :class:`~ds_pfc.core.head.PartialFC` bank.
 
 Each rank writes its own shard ``{name}-rank{rank:05d}-of-{world:05d}.safetensors``
 holding every bank state (``weight`` and the row optimizer's states, e.g.
@@ -7,7 +7,7 @@ holding every bank state (``weight`` and the row optimizer's states, e.g.
 size, sampler state, step counter, optimizer, dtypes, format version).
 
 Shards never go through DeepSpeed's ``client_state`` (that is written by one rank
-only). Because ownership is contiguous (:class:`~ds_pfc.partition.Partition`),
+only). Because ownership is contiguous (:class:`~ds_pfc.core.partition.Partition`),
 resharding is exact and offline: concatenate the shards in ``class_start`` order and
 re-split with ``num_local = C // W + (r < C % W)`` (:func:`reshard`). A reader of
 another world size needs only the shards that overlap its classes, and of them only
@@ -21,20 +21,18 @@ file or the new complete file under the final name, never a partial one.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import stat
 import struct
 import zlib
-import uuid
 
 import safetensors
 import safetensors.torch
 import torch
 
-from .partition import Partition
+from ..core.partition import Partition
+from .files import atomic_file as _atomic_file, fsync_dir as _fsync_dir
 
 __all__ = ["save_head_shard", "load_head_shard", "merge_shards", "reshard", "export_classifier",
            "shard_file_name", "SubcenterCounter", "class_rows", "FORMAT", "open_shards", "ShardSet", "verify_shard",
@@ -73,48 +71,6 @@ def _list_shards(directory: str, name: str) -> dict[int, dict[int, str]]:
         if m:
             found.setdefault(int(m.group(2)), {})[int(m.group(1))] = os.path.join(directory, entry)
     return found
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:   # e.g. platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _atomic_file(path: str):
-    """Yields a temporary name next to ``path`` to write; on success fsyncs it, renames
-    it to ``path`` and fsyncs the directory; on any error removes it. ``path`` is
-    therefore either the old file or the complete new one, never a torn one. The
-    file gets the mode of any new file under the process umask (0644 by default),
-    also when the writer creates its own file: safetensors' ``save_file`` writes a
-    private (0600) temporary file and renames it over the name it is given."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        mode = stat.S_IMODE(os.stat(tmp).st_mode)
-        yield tmp
-        if stat.S_IMODE(os.stat(tmp).st_mode) != mode:
-            os.chmod(tmp, mode)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> str:
@@ -522,7 +478,7 @@ def open_shards(directory: str, *, name: str = "head", world_size: int | None = 
     ``world_size`` when given, ignoring others), ranks ``0..W-1`` all there, the
     shards agreeing on C, d, world size, seed, sampler/step counters, optimizer,
     states and dtypes, and their class ranges tiling ``[0, C)`` contiguously in the
-    :class:`~ds_pfc.partition.Partition` layout. A truncated file or unreadable
+    :class:`~ds_pfc.core.partition.Partition` layout. A truncated file or unreadable
     header raises :class:`ShardReadError`, a mismatch ValueError, naming the file."""
     shards = _list_shards(directory, name)
     if world_size is not None:
@@ -601,7 +557,7 @@ def class_rows(meta: dict, start: int, end: int) -> slice:
 def reshard(src_dir: str, dst_dir: str, world_size: int, *, name: str = "head") -> list[str]:
     """Rewrite the checkpoint in ``src_dir`` as ``world_size`` shards in ``dst_dir``.
 
-    Exact: each new shard is the rows :class:`~ds_pfc.partition.Partition` gives it,
+    Exact: each new shard is the rows :class:`~ds_pfc.core.partition.Partition` gives it,
     read from the source shards that hold them (:meth:`ShardSet.read_rows`), so
     centers and optimizer states are bitwise those of the original run. Every source
     file is checked against its checksums first; one new shard is in memory at a

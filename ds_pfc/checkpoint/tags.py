@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
+from . import shards as ckpt
+from .files import atomic_write, fsync_dir, fsync_file
 
 __all__ = ["COMPLETE_MARKER", "LATEST", "SUPERSEDED", "CheckpointError", "CheckpointIncompleteError",
            "CheckpointCorruptError", "SharedDirectoryError", "TagInfo", "Choice", "check_tag_name", "read_marker",
@@ -94,38 +95,6 @@ class SharedDirectoryError(CheckpointError):
 
 
 # ------------------------------------------------------------------------ files
-def fsync_file(path: str) -> None:
-    """Flush ``path``'s data to stable storage (errors propagate: the data is not safe)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(directory: str) -> None:
-    """Make renames and new entries in ``directory`` durable (best effort where a
-    filesystem cannot fsync directories)."""
-    ckpt._fsync_dir(directory)
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """``path`` holds ``data`` or its previous content, also after a power loss:
-    temporary file, fsync, rename, directory fsync."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}{TMP_INFIX}{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-    fsync_dir(directory)
-
-
 def _remove_quietly(path: str) -> None:
     try:
         os.remove(path)

@@ -58,10 +58,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint as ckpt
-from ._ds_internals import internal, require_internal
-# Attributes read at call time: deepspeed_plugin may import this module while it initialises.
-from . import deepspeed_plugin as _plugin
+from .._ds_internals import internal, require_internal
+from .files import atomic_write, fsync_dir
+from .tags import COMPLETE_MARKER, read_marker
 
 __all__ = ["to_universal", "load_universal", "needs_universal", "is_universal", "loadable_tag",
            "universal_state_dict", "UniversalCheckpointError", "UNIVERSAL_SUFFIX", "IMPLS"]
@@ -112,12 +111,7 @@ class _Source:
 def _read_marker(tag_dir: str) -> dict:
     if not os.path.isdir(tag_dir):
         raise FileNotFoundError(f"{tag_dir} is not a directory")
-    path = os.path.join(tag_dir, _plugin.COMPLETE_MARKER)
-    if not os.path.isfile(path):
-        raise _plugin.CheckpointIncompleteError(f"{tag_dir} has no {_plugin.COMPLETE_MARKER}: the save did not "
-                                                "finish; convert an earlier tag")
-    with open(path) as f:
-        return json.load(f)
+    return read_marker(tag_dir)
 
 
 def _optim_files(tag_dir: str) -> dict[int, str]:
@@ -179,7 +173,7 @@ def _inspect(tag_dir: str) -> _Source:
     if marker.get("universal"):
         raise UniversalCheckpointError(f"{tag_dir} is already universal (converted from "
                                        f"{marker['universal'].get('source_tag')!r}); load it with "
-                                       "ds_pfc.universal.load_universal")
+                                       "ds_pfc.checkpoint.universal.load_universal")
     files = _optim_files(tag_dir)
     if not files:
         raise UniversalCheckpointError(
@@ -254,7 +248,7 @@ def loadable_tag(load_dir: str, tag: str, world_size: int) -> tuple[str, bool]:
         return tag, False
     sibling = tag + UNIVERSAL_SUFFIX
     sibling_dir = os.path.join(load_dir, sibling)
-    if os.path.isfile(os.path.join(sibling_dir, _plugin.COMPLETE_MARKER)):
+    if os.path.isfile(os.path.join(sibling_dir, COMPLETE_MARKER)):
         made_from = _read_marker(sibling_dir).get("universal") or {}
         if made_from.get("source_tag") != tag or made_from.get("source_marker_sha256") != _marker_digest(tag_dir):
             raise UniversalCheckpointError(f"{sibling_dir} was not converted from the current {tag_dir} (saved "
@@ -265,7 +259,7 @@ def loadable_tag(load_dir: str, tag: str, world_size: int) -> tuple[str, bool]:
         f"{tag_dir} holds ZeRO optimizer partitions of {saved} ranks, which DeepSpeed cannot load on "
         f"{world_size}. Convert it once to a universal checkpoint, which loads on any number of ranks:\n"
         f"    python launch/export.py universal --checkpoint {load_dir} --tag {tag}\n"
-        f"(or ds_pfc.universal.to_universal({tag_dir!r})); the next load on {world_size} ranks then uses "
+        f"(or ds_pfc.checkpoint.universal.to_universal({tag_dir!r})); the next load on {world_size} ranks then uses "
         f"{sibling}. Or resume on {saved} ranks.")
 
 
@@ -456,8 +450,8 @@ def _convert_deepspeed(src: _Source, out_dir: str, workers: int, progress: bool)
 def _ds_pfc_files(src: _Source) -> list[str]:
     """The head shards (each head's own number of them) and the per-rank state files
     of the tag's world size."""
-    from . import checkpoint as ckpt
-    from .checkpoint_tags import head_world_sizes
+    from . import shards as ckpt
+    from .tags import head_world_sizes
     world = len(src.optim_files)
     names = [ckpt.shard_file_name(head, r, k) for head, k in head_world_sizes(src.marker).items()
              for r in range(k)] + [f"rank_state-{r:05d}-of-{world:05d}.pt" for r in range(world)]
@@ -474,13 +468,13 @@ def _engine_files(tag_dir: str, own: list[str]) -> dict[str, int]:
     for directory, _, files in os.walk(tag_dir):
         for name in files:
             rel = os.path.relpath(os.path.join(directory, name), tag_dir)
-            if rel not in own and rel != _plugin.COMPLETE_MARKER:
+            if rel not in own and rel != COMPLETE_MARKER:
                 found[rel] = os.path.getsize(os.path.join(directory, name))
     return found
 
 
 def _marker_digest(tag_dir: str) -> str:
-    with open(os.path.join(tag_dir, _plugin.COMPLETE_MARKER), "rb") as f:
+    with open(os.path.join(tag_dir, COMPLETE_MARKER), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
 
@@ -501,7 +495,7 @@ def _fsync_tree(root: str) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        ckpt._fsync_dir(directory)
+        fsync_dir(directory)
 
 
 
@@ -559,7 +553,7 @@ def to_universal(tag_dir: str, out_dir: str | None = None, *, workers: int = 4, 
 
     def say(message):
         if progress:
-            print(f"[ds_pfc.universal] {message}", file=sys.stderr, flush=True)
+            print(f"[ds_pfc.checkpoint.universal] {message}", file=sys.stderr, flush=True)
 
     # DeepSpeed's converter writes 'latest_universal' beside its output folder: give
     # it a private parent, removed afterwards.
@@ -580,17 +574,17 @@ def to_universal(tag_dir: str, out_dir: str | None = None, *, workers: int = 4, 
             "source_tag": os.path.basename(tag_dir), "source_marker_sha256": _marker_digest(tag_dir),
             "zero_stage": src.zero_stage, "optimizer_states": list(src.states + src.scalars),
             "converter": converter, "deepspeed_version": deepspeed.__version__})
-        marker_path = os.path.join(work, _plugin.COMPLETE_MARKER)
-        _plugin._atomic_write(marker_path, json.dumps(marker, indent=1).encode())
+        marker_path = os.path.join(work, COMPLETE_MARKER)
+        atomic_write(marker_path, json.dumps(marker, indent=1).encode())
         # As old as the source's: listings ordered by marker time keep the two together.
-        source_marker = os.stat(os.path.join(tag_dir, _plugin.COMPLETE_MARKER))
+        source_marker = os.stat(os.path.join(tag_dir, COMPLETE_MARKER))
         os.utime(marker_path, ns=(source_marker.st_atime_ns, source_marker.st_mtime_ns))
         say("syncing to disk")
         _fsync_tree(work)
         if os.path.exists(out_dir):
             raise FileExistsError(f"{out_dir} appeared during the conversion")
         os.rename(work, out_dir)
-        ckpt._fsync_dir(parent)
+        fsync_dir(parent)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     say(f"done: {out_dir}")
@@ -626,7 +620,7 @@ def _universal_layout(tag_dir: str) -> tuple[int, set[str]]:
     optim_path = os.path.join(tag_dir, "zero", "optimizer_state.pt")
     if not os.path.isfile(optim_path):
         raise UniversalCheckpointError(f"{tag_dir} is not a universal checkpoint (no zero/optimizer_state.pt); "
-                                       "convert it with ds_pfc.universal.to_universal")
+                                       "convert it with ds_pfc.checkpoint.universal.to_universal")
     stage = 3 if _OPTIMIZER_STATE_DICT in torch.load(optim_path, map_location="cpu", weights_only=False) else 2
     states = set()
     for entry in os.scandir(os.path.join(tag_dir, "zero")):

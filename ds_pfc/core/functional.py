@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 
 from . import collectives
-from ._checks import check_embeddings, check_labels, check_values
+from .._checks import check_embeddings, check_labels, check_values
 from .margins import Margin
 from .softmax import check_block_bytes, default_compute_dtype, margin_softmax_cross_entropy, resolve_backend
 
@@ -100,7 +100,7 @@ def margin_cross_entropy(
         x, y, sizes = collectives.all_gather_batch(embeddings, labels.long(), group, sizes)
         me = collectives.rank(group)
     else:
-        from .devices import collective_device
+        from ..devices import collective_device
         small = collective_device(group, device)
         layout = collectives.batch_layout(group, batch_group, small)
         sizes = collectives.gather_batch_sizes(rows, group, layout, device, error, what="embeddings/labels")

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from . import collectives
-from ._checks import batch_probe, check_batch_table, check_embeddings, check_labels, check_peers
-from .bank import ClassBank, DeviceBank, TieredBank, initial_centers
-from .bank.slots import SlotBank, Stager, merge_slots
-from .devices import collective_device, head_device
+from .._checks import batch_probe, check_batch_table, check_embeddings, check_labels, check_peers
+from ..bank import ClassBank, DeviceBank, TieredBank, initial_centers
+from ..bank.slots import SlotBank, Stager, merge_slots
+from ..devices import collective_device, head_device
 from .functional import CrossEntropyOutput, check_filter_threshold
 from .margins import ArcFace, Margin
 from .optim import RowOptimizer, make_row_optimizer
@@ -86,7 +86,7 @@ class PartialFC(nn.Module):
         embedding_size: ``d``.
         sample_rate: ``r`` in (0, 1]; each rank activates its positives plus uniform
             negatives up to ``floor(r * C_q)``. ``1.0`` is exact model parallelism.
-        margin: an :class:`~ds_pfc.margins.Margin`; default ``ArcFace(64, 0.5)``.
+        margin: an :class:`~ds_pfc.core.margins.Margin`; default ``ArcFace(64, 0.5)``.
         filter_threshold: PFC* conflict filter ``tau`` (None: off).
         group: process group the classes are sharded over (None: the default group
             if initialised, else a single process).

@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ._checks import check_number as _number
-from .bank.base import ClassBank
+from .._checks import check_number as _number
+from ..bank.base import ClassBank
 from .softmax import default_block_bytes
 
 __all__ = ["RowOptimizer", "RowSGD", "RowAdamW", "make_row_optimizer"]
@@ -70,7 +70,7 @@ class RowOptimizer(ABC):
         if self.fused is False or (self.fused is None and not grad.is_cuda):
             return None
         tables = bank.state_tensors() if hasattr(bank, "state_tensors") else None
-        from .kernels import triton_optim
+        from ..kernels import triton_optim
         usable = tables is not None and triton_optim.available() and grad.dtype == torch.float32 and all(
             t.dtype == dtype for (name, _, dtype) in (("weight", "d", torch.float32),) + tuple(self.state_specs)
             for t in [tables[name]])
@@ -115,7 +115,7 @@ class RowSGD(RowOptimizer):
         return {"momentum": self.momentum, "weight_decay": self.weight_decay, "nesterov": self.nesterov}
 
     def fused_update(self, tables, rows, grad, lr):
-        from .kernels.triton_optim import sgd_rows_
+        from ..kernels.triton_optim import sgd_rows_
         sgd_rows_(tables["weight"], tables.get("momentum_buffer"), rows, grad, lr=lr, momentum=self.momentum,
                   weight_decay=self.weight_decay, nesterov=self.nesterov)
 
@@ -148,7 +148,7 @@ class RowAdamW(RowOptimizer):
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
 
     def fused_update(self, tables, rows, grad, lr):
-        from .kernels.triton_optim import adamw_rows_
+        from ..kernels.triton_optim import adamw_rows_
         adamw_rows_(tables["weight"], tables["exp_avg"], tables["exp_avg_sq"], tables["step"], rows, grad, lr=lr,
                     beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay)
 

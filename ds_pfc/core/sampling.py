@@ -55,37 +55,9 @@ import torch
 __all__ = ["activation_budget", "sample_active", "remap_labels", "generator_for", "class_keys",
            "POSITIVE_KEY"]
 
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-_MUL1, _MUL2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+from .._rng import _GAMMA, _MASK64, _MUL1, _MUL2, _chain, _signed, _splitmix64, generator_for  # noqa: F401
+
 POSITIVE_KEY = 1 << 62      # every random key lies in [0, 2**62)
-
-
-def _splitmix64(value: int) -> int:
-    value = (value + _GAMMA) & _MASK64
-    value = ((value ^ (value >> 30)) * _MUL1) & _MASK64
-    value = ((value ^ (value >> 27)) * _MUL2) & _MASK64
-    return value ^ (value >> 31)
-
-
-def _signed(value: int) -> int:
-    """The int64 with the bit pattern of the uint64 ``value``."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def generator_for(seed: int, *keys: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator seeded from a hash of ``(seed, *keys)``; equal inputs give equal streams."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(_chain(seed, *keys) >> 1)  # manual_seed wants a value < 2**63
-    return gen
-
-
-def _chain(seed: int, *keys: int) -> int:
-    state = _splitmix64(int(seed) & _MASK64)
-    for key in keys:
-        state = _splitmix64(state ^ (int(key) & _MASK64))
-    return state
 
 
 # ----------------------------------------------------------------- int64 tensor hash
@@ -114,7 +86,7 @@ def _keys_kernel_usable(device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         return True
-    from .kernels import _target
+    from ..kernels import _target
     return device.type == "cpu" and _target.active() and os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -129,7 +101,7 @@ def class_keys(num_local: int, seed: int, step, rank: int, device=None, spare: i
     base = _chain(seed, rank)
     if _keys_kernel_usable(torch.device(device) if device is not None else torch.device("cpu")):
         # One pass (ds_pfc.kernels.triton_keys), the same bits as the torch ops below.
-        from .kernels.triton_keys import class_keys_
+        from ..kernels.triton_keys import class_keys_
         out = torch.empty(num_local + spare, dtype=torch.int64, device=device)
         if isinstance(step, torch.Tensor):
             step_t = step.to(device=device, dtype=torch.int64).reshape(())
@@ -169,7 +141,7 @@ def sample_active(
 
     ``labels``: local ids of the positives, in any order and with repeats; ``-1``
     marks a label another rank owns (the gathered labels through
-    :meth:`~ds_pfc.partition.Partition.to_local` qualify as they are). ``step``: an
+    :meth:`~ds_pfc.core.partition.Partition.to_local` qualify as they are). ``step``: an
     int or a 0-d integer tensor (same draw). Every positive is active, negatives are
     uniform without replacement, ``|S_q| = max(floor(r C_q), |P_q|)``. With ``r = 1``
     every class is active and nothing is drawn.

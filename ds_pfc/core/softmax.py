@@ -103,7 +103,7 @@ def class_blocks(backend: str, n: int, s: int, compute_dtype: torch.dtype, block
     if s <= 0:
         return 0
     if backend == "triton":
-        from .kernels import triton_softmax as kernels
+        from ..kernels import triton_softmax as kernels
         step = kernels.block_classes(n, s, compute_dtype, block_bytes, interpret=False)
     else:
         step = max(1, min(s, block_bytes // max(1, n * 4)))
@@ -466,7 +466,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         if backend == "triton":
             # One pass over w: the norms and the normalised centers in the compute dtype, which
             # the backward reuses (S d compute-dtype bytes kept, half of a float32 w).
-            from .kernels import triton_softmax as kernels
+            from ..kernels import triton_softmax as kernels
             w_hat_c, w_inv = kernels.prepare(w, compute)
         else:
             w_inv = w.to(acc).norm(dim=1).clamp_min(_NORM_EPS).reciprocal()
@@ -563,7 +563,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         if pre is not None and grad_per_sample is None and grad_loss is not None:
             dx_hat, dw = pre[0].mul_(grad_loss), pre[1].mul_(grad_loss)
         elif ctx.backend == "triton":
-            from .kernels import triton_softmax as kernels
+            from ..kernels import triton_softmax as kernels
             dx_hat, dw = kernels.grad(x_hat, w, w_inv, target_col, coef, row_max, scale=margin.scale,
                                       threshold=ctx.threshold, compute_dtype=compute, w_hat=w_hat_c,
                                       block_bytes=ctx.block_bytes)

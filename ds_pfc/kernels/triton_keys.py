@@ -1,4 +1,4 @@
-"""The sampler's class keys (:func:`ds_pfc.sampling.class_keys`) in one Triton kernel.
+"""The sampler's class keys (:func:`ds_pfc.core.sampling.class_keys`) in one Triton kernel.
 
 The torch form is 14 elementwise int64 passes over the rank's ``C_q`` classes; this kernel
 reads the step from the device and writes each key once (8 bytes per class). Bit for bit the
@@ -36,7 +36,7 @@ def _keys_kernel(out_ptr, step_ptr, num_local, total, base_plus_gamma, gamma, mu
 def class_keys_(out: torch.Tensor, step: torch.Tensor, num_local: int, base_plus_gamma: int, gamma: int,
                 mul1: int, mul2: int) -> torch.Tensor:
     """Fill int64 ``out`` with the keys of classes ``0 .. len(out) - 1`` at the device step
-    ``step`` (0-d int64); the constants are int64 bit patterns (see ds_pfc.sampling)."""
+    ``step`` (0-d int64); the constants are int64 bit patterns (see ds_pfc.core.sampling)."""
     total = out.numel()
     if total:
         with on_device(out.device):

@@ -1,7 +1,7 @@
 """Fused Triton row optimizers: one pass over memory for the rows a step activated.
 
 :func:`sgd_rows_` and :func:`adamw_rows_` apply, in place, the update of
-:class:`ds_pfc.optim.RowSGD` / :class:`ds_pfc.optim.RowAdamW` to the rows ``rows`` of a
+:class:`ds_pfc.core.optim.RowSGD` / :class:`ds_pfc.core.optim.RowAdamW` to the rows ``rows`` of a
 ``[C, d]`` weight table and its optimizer state. The unfused path gathers the rows,
 runs several elementwise ops and scatters them back; here each program loads a tile of
 row ids once, reads gradient, weight and state for that tile, and writes weight and

@@ -1,0 +1,70 @@
+"""The datasets of a job: the training set (synthetic faces, RecordIO or a Hugging Face
+dataset, with the configured stress transforms) and the verification pair sets. Used
+by the training app, the paper studies and the dominant sub-center export."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import ConfigError, DsPfcConfig, StressConfig
+
+__all__ = ["build_train_set", "build_eval_sets", "stressed"]
+
+
+def stressed(stress: StressConfig, dataset):
+    """``dataset`` with the corruption of ``stress`` (the dataset itself when nothing is set)."""
+    if not stress.active:
+        return dataset
+    from ..data.stress import StressedDataset
+    return StressedDataset(dataset, label_flip=stress.label_flip,
+                           conflict=stress.conflict.fraction if stress.conflict else 0.0,
+                           conflict_splits=stress.conflict.splits if stress.conflict else 3,
+                           long_tail=stress.long_tail.tail_fraction if stress.long_tail else None,
+                           tail_images=tuple(stress.long_tail.tail_images) if stress.long_tail else (2, 4),
+                           seed=stress.seed)
+
+
+def build_train_set(cfg: DsPfcConfig):
+    data = cfg.data
+    if data.source == "synthetic":
+        from ..data.faces import SyntheticFaces
+        s = data.synthetic
+        dataset = stressed(data.stress, SyntheticFaces(s.identities, s.images_per_identity,
+                                                       image_size=s.image_size, seed=s.seed))
+        if dataset.num_classes != cfg.head.num_classes:
+            raise ConfigError(f"ds_pfc.head.num_classes must be {dataset.num_classes} (the classes of the synthetic "
+                              f"training set after ds_pfc.data.stress), got {cfg.head.num_classes}")
+        return dataset
+    if not os.path.exists(data.path):
+        raise FileNotFoundError(f"ds_pfc.data.path {data.path!r} does not exist")
+    if data.source == "recordio":
+        from ..data.recordio import InsightFaceRecord
+        dataset = InsightFaceRecord(data.path)
+    else:
+        from ..data.hf import load_image_dataset
+        dataset = load_image_dataset(data.path, split=data.split, image_column=data.image_column,
+                                     label_column=data.label_column)
+    dataset = stressed(data.stress, dataset)
+    if dataset.num_classes > cfg.head.num_classes:
+        raise ConfigError(f"the data has labels up to {dataset.num_classes - 1} but ds_pfc.head.num_classes is "
+                          f"{cfg.head.num_classes}")
+    return dataset
+
+
+def build_eval_sets(cfg: DsPfcConfig) -> dict[str, tuple[torch.Tensor, list[bool]]]:
+    """Verification pair sets: ``name -> (uint8 images [2P, 3, H, W], issame)``."""
+    sets = {}
+    ev = cfg.evaluation
+    if cfg.data.source == "synthetic" and ev.synthetic_pairs:
+        from ..data.faces import SyntheticFaces
+        s = cfg.data.synthetic
+        held = SyntheticFaces(s.held_out_identities, s.images_per_identity, image_size=s.image_size,
+                              first_identity=s.identities, seed=s.seed)
+        sets["synthetic_held_out"] = held.pairs(ev.synthetic_pairs, seed=s.seed)
+    for path in ev.bins:
+        from ..data.transforms import decode_image
+        from ..eval.verification import load_bin
+        images, issame = load_bin(path, decode=decode_image)
+        sets[os.path.splitext(os.path.basename(path))[0]] = (torch.stack(images), issame)
+    return sets
