@@ -1,4 +1,6 @@
-"""Shared bits of the launch scripts (not part of the library)."""
+"""Shared bits of the launch scripts (not part of the library): puts the checkout on
+``sys.path``, so ``python launch/x.py`` and ``deepspeed launch/x.py`` work from a checkout
+without installing ds_pfc."""
 from __future__ import annotations
 
 import os
@@ -8,28 +10,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:    # run from a checkout without installing
     sys.path.insert(0, ROOT)
 
-
-def launch_env():
-    """Present the launcher's world to torch.distributed: rank, world size and local
-    rank from whichever launcher started this process (torchrun, deepspeed, srun,
-    mpirun, ...; none: a world of one process on a free port), checked against the
-    scheduler's task count. Exits with ``error: ...`` when they disagree. Returns the
-    :class:`ds_pfc.launchers.Launch`."""
-    from ds_pfc.launchers import LaunchError, export
-    try:
-        return export()
-    except LaunchError as err:
-        sys.exit(f"error: {err}")
-
+from ds_pfc.cli._launch import launch_env, leave_process_groups  # noqa: E402,F401
 
 single_process_env = launch_env     # the former name
-
-
-def leave_process_groups() -> None:
-    """At the end of a script run by a launcher: wait for every rank, then destroy the
-    process groups. gloo's worker threads still alive at interpreter teardown abort
-    the process ("terminate called without an active exception")."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

@@ -1,17 +1,6 @@
-"""Benchmarks: ``python launch/bench.py {head,bank,accuracy,data} [options]`` (``--help`` per benchmark)."""
-import sys
-
-BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accuracy": "ds_pfc.bench.accuracy",
-              "data": "ds_pfc.bench.data"}
-
-
-def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
-        print(f"usage: python launch/bench.py {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
-        return 2
-    module = __import__(BENCHMARKS[sys.argv[1]], fromlist=["main"])
-    return module.main(sys.argv[2:])
-
+"""``python launch/bench.py`` from a checkout: the ``ds-pfc-bench`` command (:mod:`ds_pfc.cli.bench`)."""
+import _common  # noqa: F401  (puts the checkout on sys.path)
+from ds_pfc.cli.bench import build_parser, main  # noqa: F401
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

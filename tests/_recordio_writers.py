@@ -1,8 +1,8 @@
 """Writers of ``.rec``/``.idx`` files for the RecordIO tests.
 
-Written with ``struct.pack`` straight from the format description
-(notes/insightface.md 4.1), sharing no code with ``ds_pfc.data.recordio``: physical
-records, the split at 4-byte-aligned magic words, the IRHeader, the insightface
+Written with ``struct.pack`` straight from the format (dmlc-core's ``recordio.h``
+records as insightface's datasets use them), sharing no code with
+``ds_pfc.data.recordio``: physical records, the split at 4-byte-aligned magic words, the IRHeader, the insightface
 header/identity layout with its ``property`` file, and ``im2rec``'s records.
 """
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -363,14 +362,9 @@ def test_damaged_checkpoint_names_the_file_and_the_tag_to_fall_back_to(reference
 
 
 def _launch_train(argv):
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    try:
-        spec = importlib.util.spec_from_file_location("ds_pfc_launch_train", os.path.join(ROOT, "launch", "train.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.main(argv)
-    finally:
-        sys.path.remove(os.path.join(ROOT, "launch"))
+    """What ``launch/train.py`` runs, in this process (its ``run`` returns the summary)."""
+    from ds_pfc.cli.train import run
+    return run(argv)
 
 
 def test_resume_from_an_older_tag_after_damage(reference, tmp_path):

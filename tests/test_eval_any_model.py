@@ -29,14 +29,9 @@ PAIRS = 16
 
 
 def _cli(name):
-    """``main`` of a launch script, run in this process."""
-    import importlib.util
-    if LAUNCH not in sys.path:
-        sys.path.insert(0, LAUNCH)
-    spec = importlib.util.spec_from_file_location(f"_launch_{name}", os.path.join(LAUNCH, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    """What ``launch/<name>.py`` runs, in this process: ``ds_pfc.cli.<name>.run`` (returns the result)."""
+    import importlib
+    return importlib.import_module(f"ds_pfc.cli.{name}").run
 
 
 def _run(script, *args):

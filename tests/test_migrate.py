@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 from ds_pfc.app.config import ConfigError, split_config
-from ds_pfc.app.migrate import (ARCFACE_BASE_DEFAULTS, MigrateError, convert_arcface_config, main,
-                            parse_arcface_config)
+from ds_pfc.app.migrate import ARCFACE_BASE_DEFAULTS, MigrateError, convert_arcface_config, parse_arcface_config
+from ds_pfc.cli.migrate import main
 from ds_pfc.app.training import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,7 +2,7 @@
 
 Four studies (``STUDIES``), each a list of cells; a cell is one training setting (a
 sample rate, the PFC* filter or not, a stress transform of the training data) and is
-run for several seeds. Every run is the training app (``launch/train.py``) on the
+run for several seeds. Every run is the training app (``python -m ds_pfc.cli.train``) on the
 built-in synthetic faces, in its own process with a fixed number of threads, and is
 scored by 1:1 verification on held-out identities (identities never trained on,
 untouched by any stress transform):
@@ -273,7 +273,13 @@ def run_cell(study: str, cell_name: str, seed: int, *, out_dir: str, threads: in
         return None
     scored_on = scoring_set(setup, target)
     config = cell_config(cell, seed, quick=quick, base=base)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The directory that holds the ds_pfc package (a source checkout, or site-packages):
+    # each run imports this same library.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "launch", "train.py")
+    if launcher and not os.path.isfile(script):
+        raise ValueError(f"a launcher ({' '.join(launcher)}) runs a script: it needs the source checkout's "
+                         f"launch/train.py, which {root} does not hold")
     with tempfile.TemporaryDirectory(prefix=f"ds_pfc-{study}-") as tmp:
         cfg_path = os.path.join(tmp, "job.json")
         with open(cfg_path, "w") as f:
@@ -282,8 +288,7 @@ def run_cell(study: str, cell_name: str, seed: int, *, out_dir: str, threads: in
                    PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
-        train = os.path.join(root, "launch", "train.py")
-        cmd = ([*launcher, train] if launcher else [sys.executable, train]) + [
+        cmd = ([*launcher, script] if launcher else [sys.executable, "-m", "ds_pfc.cli.train"]) + [
             "--deepspeed_config", cfg_path, "--output_dir", os.path.join(tmp, "run")]
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)

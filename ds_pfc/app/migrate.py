@@ -18,7 +18,6 @@ before it is written.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import operator
@@ -28,7 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 
 __all__ = ["MigrateError", "ParsedConfig", "Conversion", "parse_arcface_config", "convert_arcface_config",
-           "ARCFACE_BASE_DEFAULTS", "main"]
+           "ARCFACE_BASE_DEFAULTS"]
 
 
 class MigrateError(ValueError):
@@ -675,28 +674,3 @@ def _config_command(args) -> int:
         sys.stdout.write(text)
         print(_report(parsed, conv, None), file=sys.stderr)
     return 0
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ds_pfc.migrate",
-                                description="Convert insightface arcface_torch files for ds_pfc.")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("config", help="an arcface_torch configs/*.py -> a ds_pfc job JSON (read, never executed)")
-    c.add_argument("config", help="the arcface_torch config (.py)")
-    c.add_argument("-o", "--output", default=None, help="write the JSON here (default: stdout; the report goes "
-                                                         "to stderr then)")
-    c.add_argument("--world-size", type=int, default=None,
-                   help="GPUs the recipe ran on (only to turn save_all_states' per-epoch checkpoints into steps)")
-    c.add_argument("--skip-unknown", action="store_true",
-                   help="convert even if some statements are not literal config assignments (they are skipped)")
-    c.add_argument("--force", action="store_true", help="overwrite --output")
-    args = p.parse_args(argv)
-    try:
-        return _config_command(args)
-    except MigrateError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,9 @@
-"""Class banks: where the persistent centers and their optimizer state live."""
+"""Class banks: where the persistent centers and their optimizer state live (device,
+host, NVMe tiers; the copy streams and slots that move rows between them).
+
+May import: ds_pfc._checks, ds_pfc._rng, ds_pfc.devices; torch; deepspeed only inside
+ds_pfc.bank.nvme's functions.
+Never: ds_pfc.core and any layer above it, the root package."""
 from .base import ClassBank, initial_centers
 from .device import DeviceBank
 from .streams import StreamError, debug_streams_active

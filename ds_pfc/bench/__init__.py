@@ -1,7 +1,12 @@
-"""Benchmark harness shared by ``launch/bench.py``: machine facts, timing, JSON sink.
+"""Benchmarks and the GPU self-check's checks (``ds-pfc-bench``, ``launch/bench.py``,
+``ds_pfc.bench.selfcheck``): machine facts, timing, JSON sink, the GPU step model.
 
 Each case runs in its own subprocess so that peak memory is the case's own; times
 are medians over measured steps after warm-up, with min and max as the spread.
+
+May import: ds_pfc._checks, ds_pfc.devices, ds_pfc.kernels, ds_pfc.bank, ds_pfc.core,
+ds_pfc.data; torch.
+Never: ds_pfc.checkpoint, ds_pfc.deepspeed_plugin, ds_pfc.app, ds_pfc.cli, the root package.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""GPU self-check: ``python -m ds_pfc.selfcheck``.
+"""GPU self-check: ``python -m ds_pfc.selfcheck`` (or ``ds-pfc-selfcheck``; the command is
+:mod:`ds_pfc.cli.selfcheck`, the checks are here).
 
 Confirms on the user's machine what the project's CPU-only development and CI could
 not: that the head is exact on the GPU, that a step stays within its launch and
@@ -25,8 +26,6 @@ lists what it would run on a GPU.
 """
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
 import json
 import math
 import os
@@ -38,9 +37,11 @@ import traceback
 
 import torch
 
-__all__ = ["main", "run_checks"]
+__all__ = ["run_checks", "ROOT"]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the source checkout, if any
+# The directory that holds the ds_pfc package: the source checkout when run from one
+# (then it also holds tests/ and launch/, see _has_tests), else site-packages.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _has_tests() -> bool:
@@ -433,52 +434,3 @@ def _plot(rows, path) -> str | None:
     fig.tight_layout()
     fig.savefig(path)
     return path
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ds_pfc.selfcheck", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="skip the model check and the benchmarks")
-    p.add_argument("--no-benchmarks", action="store_true",
-                   help="skip the head and bank benchmarks (the model check still runs)")
-    p.add_argument("--counts", default=None, metavar="JSON",
-                   help="op counts for the model check from 'launch/bench.py head --predict' of the same case "
-                        "(saves the minutes of counting on this machine's CPU)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>-<date>.json)")
-    args = p.parse_args(argv)
-
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        # The kernels then run in Triton's interpreter, chosen when triton is imported.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    gpu = torch.cuda.get_device_name(device) if cuda else None
-    if cuda:
-        print(f"ds_pfc self-check on {gpu} ({torch.cuda.device_count()} GPU(s)), torch {torch.__version__}, "
-              f"CUDA {torch.version.cuda}")
-    else:
-        print("No CUDA device here: running the CPU subset (the Triton kernels in Triton's interpreter). "
-              "On a GPU machine this command also runs the checks marked 'needs a CUDA device' below.")
-    out = args.out or os.path.join(ROOT, "benchmarks", "results",
-                                   f"{(gpu or 'cpu').replace(' ', '_')}-{stamp}.json")
-    rows = run_checks(device, quick=args.quick, results_dir=os.path.dirname(os.path.abspath(out)), stamp=stamp,
-                      counts_from=args.counts, benchmarks=not args.no_benchmarks)
-
-    from . import format_table, machine_info, versions
-    print()
-    print(format_table(["check", "status", "detail"], [[r["check"], r["status"], r["detail"][:90]] for r in rows]))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    doc = {"selfcheck": rows, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine_info(), "versions": versions(), "cuda": cuda}
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=2)
-    png = _plot(rows, os.path.splitext(out)[0] + ".png")
-    failed = [r["check"] for r in rows if r["status"] == "FAIL"]
-    print(f"\nwrote {out}" + (f" and {png}" if png else " (install matplotlib for a PNG)"))
-    print(f"{sum(r['status'] == 'pass' for r in rows)} passed, {len(failed)} failed, "
-          f"{sum(r['status'] == 'skipped' for r in rows)} skipped")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,9 @@
-"""Datasets, sampling and transforms."""
+"""Datasets, sampling and transforms: synthetic faces, RecordIO and Hugging Face
+datasets, the identity sampler, the micro-batch loader, stress transforms, decoders.
+
+May import: ds_pfc._checks, ds_pfc._rng, ds_pfc.devices; torch, datasets.
+Never: ds_pfc.core, ds_pfc.checkpoint, ds_pfc.deepspeed_plugin, ds_pfc.bench, ds_pfc.app,
+ds_pfc.cli, the root package."""
 from .faces import SyntheticFaces
 from .hf import load_image_dataset
 from .loader import MicroBatchLoader

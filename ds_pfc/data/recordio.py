@@ -1,7 +1,7 @@
 """Insightface RecordIO (``.rec`` + ``.idx``) read directly, without MXNet.
 
-Format (dmlc-core ``recordio.h``; notes/insightface.md 4.1), written here from the
-description, not from MXNet's code:
+Format (dmlc-core ``recordio.h``, as insightface's ``.rec`` datasets use it), written
+here from the format as described below, not from MXNet's code:
 
 - ``.idx`` is text, one ``key<TAB>byte_offset`` line per logical record; the offset
   points at the record's first magic word.

@@ -1,6 +1,6 @@
 """Distributed sampler whose every epoch is a pure function of ``(seed, epoch)``.
 
-Insightface (notes/insightface.md 1.4) broadcasts a seed from rank 0 and pads by
+Insightface's arcface_torch sampler broadcasts a seed from rank 0 and pads by
 repetition. Here each rank builds the same permutation from a generator seeded by
 ``(seed, epoch)`` alone, so no communication is needed, and takes a strided shard of
 it in blocks: with ``block_size = b`` the permutation is cut into blocks of ``b`` and

@@ -1,5 +1,5 @@
 """Tensor-only image transforms matching insightface's training pipeline
-(notes/insightface.md 1.4: decode RGB, random horizontal flip, ``(x/255 - 0.5)/0.5``).
+(arcface_torch's: decode RGB, random horizontal flip, ``(x/255 - 0.5)/0.5``).
 
 Images are ``[3, H, W]`` or ``[B, 3, H, W]`` in pixel units (0..255), uint8 or float.
 

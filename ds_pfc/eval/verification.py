@@ -1,6 +1,6 @@
 """1:1 face verification on insightface ``.bin`` pair sets (LFW, CFP-FP, AgeDB-30, ...).
 
-Protocol (notes/insightface.md 1.6, reimplemented from its description):
+Protocol (insightface's ``.bin`` verification, reimplemented from its description):
 
 - A ``.bin`` holds ``2N`` encoded images; pair ``i`` is images ``2i`` and ``2i+1``.
 - Embedding = L2-normalise(f(x) + f(flip_width(x))) ("Accuracy-Flip").

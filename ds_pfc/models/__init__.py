@@ -9,6 +9,9 @@ Precision is left to the caller (DeepSpeed's fp16/bf16 casting, or ``torch.autoc
 the modules have no fp16 switch of their own. Their BatchNorm layers
 (:mod:`ds_pfc.models.norm`) run with 16-bit parameters beside float32 running
 statistics, the state DeepSpeed's fp16/bf16 modes leave a module in.
+
+May import: ds_pfc._checks, ds_pfc.devices; torch.
+Never: ds_pfc.core and any layer above it, ds_pfc.data, the root package.
 """
 from __future__ import annotations
 

@@ -1,0 +1,30 @@
+"""Benchmarks: ``ds-pfc-bench {head,bank,accuracy,data} [options]`` (``python launch/bench.py``
+from a checkout; ``--help`` after the benchmark's name lists its options)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accuracy": "ds_pfc.bench.accuracy",
+              "data": "ds_pfc.bench.data"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's name, then its own options (checked by the benchmark's parser)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("benchmark", choices=list(BENCHMARKS), help="which benchmark")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in BENCHMARKS:
+        build_parser().parse_args(argv)     # --help, or a usage error naming the benchmarks (exits)
+    module = importlib.import_module(BENCHMARKS[argv[0]])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":     # python -m ds_pfc.cli.bench
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Train a face-recognition backbone with a Partial FC head (DeepSpeed).
+
+    deepspeed --num_gpus 8 launch/train.py --deepspeed_config configs/ms1mv2_r100_8gpu_fp16.json
+    python launch/train.py                       # the CPU quickstart, one process (from a checkout)
+    ds-pfc-train --deepspeed_config job.json     # the installed command
+
+The config is DeepSpeed's JSON plus a ``ds_pfc`` block (see ds_pfc/app/config.py and the
+README's configs table). Checkpoints, the csv monitor, the summary and the
+safetensors export go to ``ds_pfc.train.output_dir``; a rerun resumes from the
+newest complete checkpoint there (``--resume_from TAG`` picks another one); a
+rerun with changed settings is refused, listing them, unless
+``--allow_config_change`` (or ``--allow_batch_change`` for another global batch).
+``summary.json`` covers the whole run, across resumes: the loss of every step and
+every evaluation since step 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import checkout_root
+from ._launch import launch_env, leave_process_groups
+
+
+def default_config() -> str | None:
+    """The CPU quickstart config of the source checkout, or None for an installed package."""
+    root = checkout_root()
+    path = os.path.join(root, "configs", "cpu_quickstart.json") if root else None
+    return path if path and os.path.isfile(path) else None
+
+
+def _evaluation_json(results) -> dict:
+    """One evaluation (``name -> VerificationResult``, or its plain form restored from a
+    checkpoint) as JSON."""
+    out = {}
+    for name, r in results.items():
+        if isinstance(r, dict):
+            out[name] = {"accuracy": r["accuracy"], "accuracy_std": r["accuracy_std"],
+                         "tar_at_far": {str(k): v for k, v in r["tar_at_far"].items()}}
+        else:
+            out[name] = {"accuracy": r.accuracy, "accuracy_std": r.accuracy_std,
+                         "tar_at_far": {str(k): v for k, v in r.tar_at_far.items()}}
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--deepspeed_config", default=None,
+                   help="job JSON (default in a source checkout: configs/cpu_quickstart.json, the CPU quickstart)")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="accepted for DeepSpeed's usual command line; the app always trains through DeepSpeed")
+    p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    p.add_argument("--output_dir", default=None, help="overrides ds_pfc.train.output_dir")
+    p.add_argument("--max_steps", type=int, default=None, help="overrides ds_pfc.train.max_steps")
+    p.add_argument("--no_resume", action="store_true", help="start fresh (refused if checkpoints exist)")
+    p.add_argument("--resume_from", default=None, metavar="TAG",
+                   help="resume this checkpoint tag (e.g. step00004000) instead of the newest; newer tags move to "
+                        "checkpoints/superseded/")
+    p.add_argument("--allow_batch_change", action="store_true",
+                   help="resume a checkpoint trained with another global batch (micro x accumulation x ranks)")
+    p.add_argument("--allow_config_change", action="store_true",
+                   help="resume a checkpoint trained with other settings that change training (head, margin, "
+                        "sample rate, optimizer, lr/schedule, data, seeds, ...); the new values take effect")
+    return p
+
+
+def run(argv=None) -> dict:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.no_resume and args.resume_from is not None:
+        p.error("--no_resume and --resume_from exclude each other")
+    if args.max_steps is not None and args.max_steps < 1:
+        p.error(f"--max_steps must be >= 1, got {args.max_steps}")
+    if args.deepspeed_config is None:
+        args.deepspeed_config = default_config()
+        if args.deepspeed_config is None:
+            sys.exit("error: no job config: pass --deepspeed_config JOB.json (the CPU quickstart default, "
+                     "configs/cpu_quickstart.json, exists only in a source checkout)")
+
+    launch_env()
+    from ds_pfc.checkpoint.tags import CheckpointError, atomic_write
+    from ds_pfc.app.config import ConfigError
+    from ds_pfc.app.training import Trainer, load_config
+
+    # What a user's input can be wrong in: the config (its values, files, data paths)
+    # and the checkpoints. Anything else is a bug and keeps its traceback.
+    user_errors = (ConfigError, CheckpointError, FileNotFoundError)
+    trainer = None
+
+    def refuse(err):
+        # every rank meets the same error; rank 0 says it
+        rank = trainer.rank if hasattr(trainer, "world_size") else int(os.environ.get("RANK", "0") or 0)
+        sys.exit(f"error: {err}" if rank == 0 else 1)
+
+    try:
+        config = load_config(args.deepspeed_config)
+        if args.no_resume:
+            config.setdefault("ds_pfc", {}).setdefault("checkpoint", {})["resume"] = False
+        trainer = Trainer(config, output_dir=args.output_dir, max_steps=args.max_steps,
+                          resume_from=args.resume_from, allow_batch_change=args.allow_batch_change,
+                          allow_config_change=args.allow_config_change)
+        trainer.setup()
+    except user_errors as err:
+        if trainer is not None:
+            trainer.close()
+        refuse(err)
+    try:
+        summary = trainer.run()
+    except user_errors as err:
+        refuse(err)
+    finally:
+        trainer.close()
+    if trainer.rank == 0:
+        history = trainer.history
+        losses = summary["losses"]
+        out = {"steps": history["start_step"] + len(losses), "first_loss_step": history["start_step"] + 1,
+               "final_loss": losses[-1] if losses else None, "losses": losses,
+               "elapsed_s": summary["elapsed_s"], "resumed": summary["resumed"],
+               "train_elapsed_s": summary["train_elapsed_s"], "train_samples": summary["train_samples"],
+               "checkpoint": summary["checkpoint"], "export": summary.get("export"),
+               "evaluations": {str(step): _evaluation_json(results)
+                               for step, results in sorted(summary["evaluations"].items())}}
+        path = os.path.join(trainer.output_dir, "summary.json")
+        atomic_write(path, json.dumps(out, indent=1).encode())
+        print(f"summary {path}", flush=True)
+    return summary
+
+
+def main(argv=None) -> int:
+    """``ds-pfc-train`` / ``launch/train.py``: train, then leave the process groups."""
+    run(argv)
+    leave_process_groups()
+    return 0
+
+
+if __name__ == "__main__":     # python -m ds_pfc.cli.train
+    sys.exit(main())
