@@ -401,7 +401,7 @@ def test_summary_covers_the_whole_run_across_resumes(reference, tmp_path):
 
 
 def test_head_shards_and_exports_get_the_usual_file_mode(reference, tmp_path):
-    from ds_pfc.app.export import reshard_checkpoint
+    from ds_pfc.checkpoint.export import reshard_checkpoint
     reshard_checkpoint(os.path.join(_ckpt(reference["out"]), TAG(6)), str(tmp_path), 2)
     paths = [os.path.join(reference["out"], "export", "model.safetensors"),
              os.path.join(_ckpt(reference["out"]), TAG(6), SHARD),

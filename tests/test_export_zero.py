@@ -195,7 +195,8 @@ def _result(ranks, case):
 
 @pytest.mark.parametrize("precision, stage", EXPORT_CASES, ids=[f"{p}-zero{s}" for p, s in EXPORT_CASES])
 def test_export_loads_strictly_and_equals_the_engine_weights(ranks, tmp_path, precision, stage):
-    from ds_pfc.app.export import export_checkpoint, load_backbone
+    from ds_pfc.app.export import load_backbone
+    from ds_pfc.checkpoint.export import export_checkpoint
     rank0 = _result(ranks, (precision, stage))[0]
     live, masters = rank0["live"], rank0["masters"]
     out = export_checkpoint(rank0["tag_dir"], os.path.join(tmp_path, "model.safetensors"),
@@ -223,7 +224,7 @@ def test_export_loads_strictly_and_equals_the_engine_weights(ranks, tmp_path, pr
 def test_zero_exports_agree_with_stage_0(ranks):
     """Same seeds, same data: the fp32 runs at ZeRO 1-3 end where ZeRO 0 does (up to
     the order of the gradient reduction)."""
-    from ds_pfc.app.export import backbone_state_dict
+    from ds_pfc.checkpoint.export import backbone_state_dict
     reference = backbone_state_dict(_result(ranks, ("fp32", 0))[0]["tag_dir"])
     for stage in (1, 2, 3):
         state = backbone_state_dict(_result(ranks, ("fp32", stage))[0]["tag_dir"])

@@ -492,7 +492,7 @@ def exports(tmp_path_factory):
     from safetensors.torch import save_file
 
     from ds_pfc.app.config import split_config
-    from ds_pfc.app.export import EXPORT_FORMAT
+    from ds_pfc.checkpoint.export import EXPORT_FORMAT
     tmp = tmp_path_factory.mktemp("models")
     config = os.path.join(tmp, "tiny.json")
     with open(config, "w") as f:

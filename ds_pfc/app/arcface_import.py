@@ -245,14 +245,14 @@ def _check_vit_matches(model, canonical: str) -> None:
 def import_backbone(path: str, network: str, out_path: str, *, config: dict | None = None,
                     embedding_size: int | None = None, width: float = 1.0, head=None) -> str:
     """Write the backbone of :func:`read_backbone` as a ds_pfc model export
-    (:data:`ds_pfc.app.export.EXPORT_FORMAT`: ``backbone.<name>`` float32 weights, and
+    (:data:`ds_pfc.checkpoint.export.EXPORT_FORMAT`: ``backbone.<name>`` float32 weights, and
     ``heads.head.weight [C, d]`` when ``head`` (an :class:`ArcfaceHead`) is given),
     which ``launch/eval.py --model`` and :func:`ds_pfc.app.export.load_backbone` read.
     The export's job config is ``config`` (a full job config; its
     ``ds_pfc.backbone`` is set to the imported network) or a minimal one. Atomic.
     Returns ``out_path``."""
     from ..checkpoint import shards as ckpt
-    from .export import EXPORT_FORMAT
+    from ..checkpoint.export import EXPORT_FORMAT
     model, block = read_backbone(path, network, embedding_size=embedding_size, width=width)
     d = _embedding_size(model.state_dict(), path)
     if head is not None and head.embedding_size != d:

@@ -28,7 +28,7 @@ def read_backbone_weights(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     """``(backbone state dict, job config)`` of a model export ``path``: its
     ``backbone.*`` tensors, prefix removed, and the job config stored with it."""
     from safetensors import SafetensorError, safe_open
-    from .export import EXPORT_FORMAT
+    from ..checkpoint.export import EXPORT_FORMAT
     where = f"{_KEY}.backbone"
     if not os.path.isfile(path):
         raise ConfigError(f"{where}: no such file {path!r} (a model export, export/model.safetensors)")
