@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from . import checkpoint as ckpt
-from ._ds_internals import internal, require_internal
+from .deepspeed_plugin.internals import internal, require_internal
 # Attributes read at call time: deepspeed_plugin may import this module while it initialises.
 from . import deepspeed_plugin as _plugin
 
