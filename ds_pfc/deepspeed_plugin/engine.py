@@ -62,6 +62,7 @@ def initialize(*, model: nn.Module, config: dict, heads: dict | None = None, mod
         layout.check(name, entry.head)
     return PfcEngine(engine, found)
 
+
 class PfcEngine:
     """A DeepSpeed engine plus the Partial FC heads it must not touch.
 

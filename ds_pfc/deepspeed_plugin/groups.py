@@ -55,6 +55,7 @@ def init_distributed(dist_backend: str | None = None, environ=os.environ, **kwar
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(_SHM_DIR, name))
 
+
 @dataclass
 class _EngineGroups:
     """The engine's data-parallel and tensor-parallel groups, and their ranks."""

@@ -99,6 +99,7 @@ def attached_heads(module: nn.Module) -> dict[str, _Attached]:
             found[f"{prefix}.{name}" if prefix else name] = entry
     return found
 
+
 def _checked_heads(model: nn.Module, heads: dict | None) -> dict[str, _Attached]:
     found = attached_heads(model)
     for name, value in (heads or {}).items():
