@@ -148,6 +148,7 @@ def _internals():
     from deepspeed.utils import groups
 
     from ds_pfc import deepspeed_plugin as plugin
+    from ds_pfc.deepspeed_plugin import checkpointing, groups as plugin_groups, heads, loss_scaling
     out = {}
 
     autocast = {**_config(0, "fp32", gas=1), "torch_autocast": {"enabled": True, "dtype": "float16"}}
@@ -167,7 +168,7 @@ def _internals():
     engine = plugin.initialize(model=torch.nn.Linear(D_IN, D), config=_config(0, "fp16", gas=1),
                                heads={"identity": _head()})
     with _without(engine.engine.optimizer, "_update_scale"):
-        out["_update_scale"] = _error(lambda: plugin._lower_loss_scale(engine.engine))
+        out["_update_scale"] = _error(lambda: loss_scaling._lower_loss_scale(engine.engine))
 
     head = _head()
     engine = plugin.initialize(model=torch.nn.Linear(D_IN, D), config=_config(0, "fp32", gas=1),
@@ -177,22 +178,22 @@ def _internals():
     engine.backward(head(engine(x), y))
     with _without(inner, "managed_gradient_accumulation"):
         out["managed_gradient_accumulation"] = _error(engine.step)
-    entries = {"identity": plugin._Attached(head, 1.0)}
+    entries = {"identity": heads._Attached(head, 1.0)}
     for name in ("gradient_average", "sequence_parallel_size"):
         with _without(inner, name):
-            out[name] = _error(lambda: plugin._check_engine(inner, entries))
+            out[name] = _error(lambda: plugin_groups._check_engine(inner, entries))
     for name in ("data_parallel_group", "mpu"):
         with _without(inner, name):
-            out[name] = _error(lambda: plugin._EngineGroups.of(inner, None))
+            out[name] = _error(lambda: plugin_groups._EngineGroups.of(inner, None))
     with _without(groups, "_TENSOR_MODEL_PARALLEL_GROUP"):
-        out["_TENSOR_MODEL_PARALLEL_GROUP"] = _error(lambda: plugin._tensor_parallel_group(inner, None))
+        out["_TENSOR_MODEL_PARALLEL_GROUP"] = _error(lambda: plugin_groups._tensor_parallel_group(inner, None))
     with _without(inner, "checkpoint_engine"):
-        out["checkpoint_engine"] = _error(lambda: plugin._wait_for_commit(inner))
+        out["checkpoint_engine"] = _error(lambda: checkpointing._wait_for_commit(inner))
     with _without(inner.checkpoint_engine, "is_decoupled"):
-        out["is_decoupled"] = _error(lambda: plugin._wait_for_commit(inner))
+        out["is_decoupled"] = _error(lambda: checkpointing._wait_for_commit(inner))
     inner.checkpoint_engine.is_decoupled = lambda: True
     with _without(DeepSpeedEngine, "_commit_decoupled_checkpoint"):
-        out["_commit_decoupled_checkpoint"] = _error(lambda: plugin._wait_for_commit(inner))
+        out["_commit_decoupled_checkpoint"] = _error(lambda: checkpointing._wait_for_commit(inner))
     del inner.checkpoint_engine.is_decoupled
     return out
 

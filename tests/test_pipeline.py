@@ -64,7 +64,8 @@ def _worker(rank, world_size, port, declared, ckpt_dir=None):
     from deepspeed.pipe import PipelineModule
 
     from ds_pfc import PartialFC
-    from ds_pfc.deepspeed_plugin import _Attached, _last_stage_heads, attach, head_spec, initialize
+    from ds_pfc.deepspeed_plugin import attach, head_spec, initialize
+    from ds_pfc.deepspeed_plugin.heads import _Attached, _last_stage_heads
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     deepspeed.init_distributed(dist_backend="gloo")

@@ -146,7 +146,7 @@ import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from ds_pfc import PartialFC
 from ds_pfc.core.margins import CurricularFace
-from ds_pfc.deepspeed_plugin import _load_resharded
+from ds_pfc.deepspeed_plugin.checkpointing import _load_resharded
 jobs, out = torch.load(sys.argv[1]), {}
 for key, (directory, src, dst, C, d, k, optimizer) in jobs.items():
     for rank in range(dst):
@@ -428,7 +428,7 @@ tag_dir, rank, world, src, C, D = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]
     int(sys.argv[5]), int(sys.argv[6])
 dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())   # one rank of `world`, alone
 from ds_pfc import PartialFC
-from ds_pfc.deepspeed_plugin import _load_resharded
+from ds_pfc.deepspeed_plugin.checkpointing import _load_resharded
 
 def status(key):
     with open("/proc/self/status") as f:
