@@ -265,3 +265,15 @@ def test_strict_json_turns_non_finite_numbers_into_null():
                                                  "e": None, "f": "NaN"}
     with pytest.raises(ValueError):
         _strict_loads(json.dumps({"a": math.nan}))      # what the summary held before: the parser refuses it
+
+
+def test_study_results_are_strict_json(tmp_path):
+    from ds_pfc.experiments import _save_results, load_results
+    path = str(tmp_path / "sample_rate.json")
+    data = {"experiment": "sample_rate",
+            "cells": [{"cell": "PFC-0.1", "seeds": [{"seed": 0, "tar_at_far": {"0.0001": math.nan, "0.1": 0.5}}]}]}
+    _save_results(path, data)
+    with open(path) as f:
+        saved = _strict_loads(f.read())
+    assert saved["cells"][0]["seeds"][0]["tar_at_far"] == {"0.0001": None, "0.1": 0.5}
+    assert load_results(path, "sample_rate") == saved
