@@ -15,7 +15,8 @@ DeepSpeed's TensorBoard and W&B monitors under the output directory.
   missing is refused before anything is built.
 - :func:`loss_scale_text`: the loss scale for the progress line under fp16.
 
-Uses the standard library, torch and DeepSpeed only.
+Part of the training app (it names config keys and reads the engine); imports
+ds_pfc.config and ds_pfc.deepspeed_plugin inside the functions that need them.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ __all__ = ["TrainingLog", "LOG_NAME", "strict_json", "finite_or_none", "monitor_
 LOG_NAME = "training.log"
 
 # DeepSpeed's monitor blocks that need a package of their own: block -> (module, pip command).
-_MONITOR_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard  (or: pip install 'ds_pfc[tensorboard]')"),
+_MONITOR_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard (or pip install 'ds_pfc[tensorboard]')"),
                      "wandb": ("wandb", "pip install wandb")}
 
 
@@ -50,9 +51,10 @@ def finite_or_none(value):
 
 
 def strict_json(value, *, indent: int | None = 1) -> str:
-    """``value`` as standard JSON (RFC 8259): non-finite floats become ``null``, and
-    ``allow_nan=False`` makes any other non-finite number that slips through (a
-    float subclass this function does not see) an error instead of a bare ``NaN``."""
+    """``value`` as standard JSON (RFC 8259): non-finite floats become ``null``
+    (:func:`finite_or_none`). The encoder runs with ``allow_nan=False``, so a
+    non-finite number that ever reaches it by another way raises instead of being
+    written as a bare ``NaN``."""
     return json.dumps(finite_or_none(value), indent=indent, allow_nan=False)
 
 
@@ -60,7 +62,7 @@ def strict_json(value, *, indent: int | None = 1) -> str:
 def versions_line() -> str:
     """``ds_pfc X, torch Y, deepspeed Z``."""
     import torch
-    from . import __version__
+    from ds_pfc import __version__
     try:
         import deepspeed
         ds = getattr(deepspeed, "__version__", "unknown")
@@ -93,7 +95,7 @@ def check_monitor_packages(ds_config: dict) -> None:
     """Refuse an enabled ``tensorboard`` / ``wandb`` block whose package is not
     installed, naming the key and the pip command (DeepSpeed would only fail inside
     ``deepspeed.initialize``). Every rank checks, so every rank stops alike."""
-    from .config import ConfigError
+    from ds_pfc.config import ConfigError
     for block, (module, pip) in _MONITOR_PACKAGES.items():
         sub = ds_config.get(block)
         if not (isinstance(sub, dict) and sub.get("enabled")):
@@ -146,5 +148,5 @@ def loss_scale_text(ds_engine) -> str:
     static loss scaling) is on; empty under bf16 and fp32."""
     if not ds_engine.fp16_enabled():
         return ""
-    from .deepspeed_plugin import loss_scale
+    from ds_pfc.deepspeed_plugin import loss_scale
     return f" loss_scale {loss_scale(ds_engine):g}"
