@@ -17,6 +17,6 @@ __all__ = [
     "CurricularFace", "ElasticArcFace", "ElasticCosFace",
     "ClassBank", "DeviceBank", "TieredBank", "Placement", "StaleRowError", "RowSGD", "RowAdamW", "Partition",
 ]
-__version__ = "0.2.0"
+from ._version import __version__  # noqa: E402
 
 _install_compat()     # old module paths (ds_pfc.head, ds_pfc.training, ...) name the moved modules

@@ -5,7 +5,7 @@ neither deepspeed nor triton, and every module imports on its own.
 
 Layers (a package may import its own modules, and the modules of the layers named):
 
-  L0  _checks _rng devices launchers _versions _ds_internals     other L0 modules
+  L0  _checks _rng devices launchers _versions _version _ds_internals    other L0 modules
   L1  kernels bank data models eval                              L0 (eval also data)
   L2  core                                                       L0, bank, kernels
   L3  checkpoint                                                 L0, core
@@ -31,7 +31,7 @@ from ds_pfc._compat import MOVED
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "ds_pfc")
 
-L0 = {"_checks", "_rng", "devices", "launchers", "_versions", "_ds_internals"}
+L0 = {"_checks", "_rng", "devices", "launchers", "_versions", "_version", "_ds_internals"}
 LAYER = {**{name: 0 for name in L0},
          "kernels": 1, "bank": 1, "data": 1, "models": 1, "eval": 1,
          "core": 2, "checkpoint": 3, "deepspeed_plugin": 4, "bench": 5, "app": 6, "cli": 7,

@@ -131,6 +131,15 @@ def test_two_rank_launcher_run_trains_checkpoints_and_exports(two_rank_run):
     assert [float(r[1]) for r in rows] == pytest.approx(summary["losses"], rel=1e-6)
     acc = summary["evaluations"][str(STEPS)]["synthetic_held_out"]["accuracy"]
     assert 0.0 <= acc <= 1.0
+    # training.log: rank 0's lines once (not one copy per rank), under one header; no
+    # loss scale in an fp32 run's progress lines
+    with open(os.path.join(out, "training.log")) as f:
+        log = f.read().splitlines()
+    assert len([line for line in log if line.startswith("=== ")]) == 1 and "world size 2" in log[0]
+    step_lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == STEPS and [line for line in log if line.startswith("step ")] == step_lines
+    assert not any("loss_scale" in line for line in step_lines)
+    assert log[-1] == f"summary {os.path.join(out, 'summary.json')}"
 
 
 def test_one_rank_matches_two_ranks_and_the_golden_losses(two_rank_run, one_rank_run):

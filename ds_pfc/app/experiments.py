@@ -231,9 +231,10 @@ _THREAD_LOCK = threading.Lock()
 
 
 def _save_results(path: str, data: dict) -> None:
-    from ..checkpoint.tags import atomic_write
+    from ..checkpoint.files import atomic_write
+    from .run_outputs import strict_json
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write(path, (json.dumps(data, indent=1) + "\n").encode())
+    atomic_write(path, (strict_json(data) + "\n").encode())      # NaN -> null: any JSON parser reads it
 
 
 def _record(data: dict, cell: Cell, quick: bool) -> dict:

@@ -131,11 +131,16 @@ class Trainer:
         allow_batch_change: resume a checkpoint trained with another global batch.
         allow_config_change: resume a checkpoint trained with other settings that
             change training (see :meth:`resume`); the new values take effect.
+        config_path: the file ``config`` was read from, named in ``training.log``.
+
+    Rank 0's progress lines also go to ``<output_dir>/training.log`` (appended across
+    resumes; see :class:`ds_pfc.app.run_outputs.TrainingLog`).
     """
 
     def __init__(self, config: dict, *, output_dir: str | None = None, max_steps: int | None = None, log=None,
-                 resume_from: str | None = None, allow_batch_change: bool = False, allow_config_change: bool = False):
-        self.raw_config = config
+                 resume_from: str | None = None, allow_batch_change: bool = False, allow_config_change: bool = False,
+                 config_path: str | None = None):
+        self.raw_config, self.config_path = config, config_path
         self.resume_from, self.allow_batch_change = resume_from, bool(allow_batch_change)
         self.allow_config_change = bool(allow_config_change)
         self.ds_config, self.cfg = split_config(config)
@@ -171,12 +176,23 @@ class Trainer:
         if isinstance(ds.get("checkpoint"), dict) and ds["checkpoint"].get("use_node_local_storage"):
             raise ConfigError("checkpoint.use_node_local_storage is not supported: the checkpoints need one output "
                               "directory that every rank reads and writes")
+        from .run_outputs import check_monitor_packages
+        check_monitor_packages(ds)          # tensorboard / wandb enabled without their package
 
     rank = 0
+
+    _training_log = None
 
     def log(self, line: str) -> None:
         if self.rank == 0:
             self._log(line)
+            self.record(line)
+
+    def record(self, line: str) -> None:
+        """Add ``line`` to ``training.log`` only (rank 0; once the log is open), e.g. an
+        error the launch script prints itself."""
+        if self.rank == 0 and self._training_log is not None:
+            self._training_log.write(line)
 
     # -- set-up -----------------------------------------------------------------------
     def setup(self) -> None:
@@ -200,6 +216,11 @@ class Trainer:
         self.micro, self.gas = _batch_geometry(self.ds_config)
         self.output_dir = cfg.train.output_dir
         self.checkpoint_dir = os.path.join(self.output_dir, "checkpoints")
+        if self.rank == 0 and self._training_log is None:
+            from .run_outputs import TrainingLog, versions_line
+            self._training_log = TrainingLog(self.output_dir, config_path=self.config_path,
+                                             world_size=self.world_size)
+            self.log(versions_line())
 
         self.sampler = DistributedIdentitySampler(len(self.dataset), rank=self.rank, world_size=self.world_size,
                                                   seed=cfg.data.seed, shuffle=cfg.data.shuffle, drop_last=True,
@@ -237,10 +258,9 @@ class Trainer:
 
             def scheduler(optimizer):
                 return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        ds_config = dict(self.ds_config)
-        monitor = ds_config.get("csv_monitor")
-        if isinstance(monitor, dict) and monitor.get("enabled") and "output_path" not in monitor:
-            ds_config["csv_monitor"] = dict(monitor, output_path=os.path.join(self.output_dir, "monitor"))
+        from .run_outputs import monitor_config
+        # csv / TensorBoard / W&B under the output directory unless the blocks say otherwise
+        ds_config = monitor_config(self.ds_config, self.output_dir, rank=self.rank)
         self.engine: PfcEngine = initialize(model=backbone, config=ds_config, lr_scheduler=scheduler,
                                             heads={"head": (head, cfg.head.optimizer.lr_ratio)})
         self.head = head
@@ -588,7 +608,13 @@ class Trainer:
                            device=self.device, dtype=self.engine.dtype, rank=self.rank, world_size=self.world_size)
         self.log(f"eval step {self.engine.global_steps}: {_format_eval(results)} "
                  f"({time.perf_counter() - start:.1f} s)")
-        self._monitor([(f"Eval/Samples/{name}_accuracy", r.accuracy) for name, r in results.items()])
+        events = []
+        for name, r in results.items():
+            events.append((f"Eval/Samples/{name}_accuracy", r.accuracy))
+            # a TAR that cannot be measured (too few pairs for the FAR) is left out
+            events += [(f"Eval/Samples/{name}_tar_at_far_{far:g}", tar) for far, tar in r.tar_at_far.items()
+                       if math.isfinite(tar)]
+        self._monitor(events)
         return results
 
     def _monitor(self, events: list[tuple[str, float]]) -> None:
@@ -642,10 +668,13 @@ class Trainer:
                 # The learning rate the last optimizer step applied (the engine's
                 # get_lr() already holds the next step's).
                 lr = engine.last_lr if engine.last_lr is not None else engine.get_lr()
+                from .run_outputs import loss_scale_text
                 self.log(f"step {step}/{self.total_steps} epoch {self.sampler.epoch} loss "
                          f"{sum(w[0] for w in window) / len(window):.4f} acc "
                          f"{sum(w[1] for w in window) / len(window):.4f} lr {lr:.3e} {rate:.1f} samples/s "
-                         f"eta {_duration(eta)}" + (f" skipped {engine.skipped_steps}" if engine.skipped_steps else ""))
+                         f"eta {_duration(eta)}" + loss_scale_text(engine.engine)
+                         + (f" skipped {engine.skipped_steps}" if engine.skipped_steps else ""))
+                self._monitor([("Train/Samples/samples_per_second", rate)])
                 window = []
             if cfg.evaluation.every_steps and step % cfg.evaluation.every_steps == 0 and step < self.total_steps:
                 summary["evaluations"][step] = self.run_evaluation()

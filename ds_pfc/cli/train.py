@@ -11,7 +11,9 @@ newest complete checkpoint there (``--resume_from TAG`` picks another one); a
 rerun with changed settings is refused, listing them, unless
 ``--allow_config_change`` (or ``--allow_batch_change`` for another global batch).
 ``summary.json`` covers the whole run, across resumes: the loss of every step and
-every evaluation since step 1.
+every evaluation since step 1 (strict JSON: ``null`` where a value is not a finite
+number, e.g. a TAR the pairs cannot measure). ``training.log`` there holds rank 0's
+console lines of every run, each under a header line.
 """
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ def run(argv=None) -> dict:
     launch_env()
     from ds_pfc.checkpoint.tags import CheckpointError, atomic_write
     from ds_pfc.app.config import ConfigError
+    from ds_pfc.app.run_outputs import strict_json
     from ds_pfc.app.training import Trainer, load_config
 
     # What a user's input can be wrong in: the config (its values, files, data paths)
@@ -92,6 +95,8 @@ def run(argv=None) -> dict:
     def refuse(err):
         # every rank meets the same error; rank 0 says it
         rank = trainer.rank if hasattr(trainer, "world_size") else int(os.environ.get("RANK", "0") or 0)
+        if trainer is not None:
+            trainer.record(f"error: {err}")        # training.log, once it is open
         sys.exit(f"error: {err}" if rank == 0 else 1)
 
     try:
@@ -100,7 +105,7 @@ def run(argv=None) -> dict:
             config.setdefault("ds_pfc", {}).setdefault("checkpoint", {})["resume"] = False
         trainer = Trainer(config, output_dir=args.output_dir, max_steps=args.max_steps,
                           resume_from=args.resume_from, allow_batch_change=args.allow_batch_change,
-                          allow_config_change=args.allow_config_change)
+                          allow_config_change=args.allow_config_change, config_path=args.deepspeed_config)
         trainer.setup()
     except user_errors as err:
         if trainer is not None:
@@ -123,8 +128,8 @@ def run(argv=None) -> dict:
                "evaluations": {str(step): _evaluation_json(results)
                                for step, results in sorted(summary["evaluations"].items())}}
         path = os.path.join(trainer.output_dir, "summary.json")
-        atomic_write(path, json.dumps(out, indent=1).encode())
-        print(f"summary {path}", flush=True)
+        atomic_write(path, strict_json(out).encode())     # a TAR that cannot be measured: null
+        trainer.log(f"summary {path}")
     return summary
 
 

@@ -1,0 +1,152 @@
+"""What a training run leaves in its output directory besides checkpoints and the
+export: ``training.log``, strict JSON (``summary.json``), and the defaults that put
+DeepSpeed's TensorBoard and W&B monitors under the output directory.
+
+- :class:`TrainingLog`: rank 0's console lines, appended to
+  ``<output_dir>/training.log`` across resumes, each run opened by a header line
+  (ds_pfc, torch and DeepSpeed versions, the config path, the world size).
+- :func:`strict_json`: JSON that any parser reads: NaN and infinities (a TAR that
+  cannot be measured, a diverged loss) become ``null``; anything else that is not
+  JSON raises.
+- :func:`monitor_config` / :func:`check_monitor_packages`: DeepSpeed's
+  ``tensorboard`` block writes to ``<output_dir>/tensorboard/<job_name>`` unless it
+  names an ``output_path``; the ``wandb`` block's run directory is
+  ``<output_dir>/wandb`` unless ``WANDB_DIR`` is set; a monitor whose package is
+  missing is refused before anything is built.
+- :func:`loss_scale_text`: the loss scale for the progress line under fp16.
+
+Part of the training app (it names config keys and reads the engine); imports
+ds_pfc.app.config and ds_pfc.deepspeed_plugin inside the functions that need them.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import math
+import os
+import sys
+
+__all__ = ["TrainingLog", "LOG_NAME", "strict_json", "finite_or_none", "monitor_config", "check_monitor_packages",
+           "loss_scale_text", "versions_line"]
+
+LOG_NAME = "training.log"
+
+# DeepSpeed's monitor blocks that need a package of their own: block -> (module, pip command).
+_MONITOR_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard (or pip install 'ds_pfc[tensorboard]')"),
+                     "wandb": ("wandb", "pip install wandb")}
+
+
+# ---------------------------------------------------------------------------- JSON
+def finite_or_none(value):
+    """``value`` with every non-finite float (NaN, +-inf) replaced by ``None``, through
+    dicts, lists and tuples (tuples become lists, as JSON has them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def strict_json(value, *, indent: int | None = 1) -> str:
+    """``value`` as standard JSON (RFC 8259): non-finite floats become ``null``
+    (:func:`finite_or_none`). The encoder runs with ``allow_nan=False``, so a
+    non-finite number that ever reaches it by another way raises instead of being
+    written as a bare ``NaN``."""
+    return json.dumps(finite_or_none(value), indent=indent, allow_nan=False)
+
+
+# ---------------------------------------------------------------------------- training.log
+def versions_line() -> str:
+    """``ds_pfc X, torch Y, deepspeed Z``."""
+    import torch
+    from .._version import __version__
+    try:
+        import deepspeed
+        ds = getattr(deepspeed, "__version__", "unknown")
+    except ImportError:       # pragma: no cover - the app needs DeepSpeed
+        ds = "not installed"
+    return f"ds_pfc {__version__}, torch {torch.__version__}, deepspeed {ds}"
+
+
+class TrainingLog:
+    """Append-only ``training.log`` of rank 0: :meth:`write` appends one line (the file
+    is opened and closed for each, so nothing written is lost to a crash and nothing
+    stays open). Creating it appends a header line naming the start time, the
+    versions, the config path and the world size, so a resumed run's lines follow
+    the earlier ones under their own header."""
+
+    def __init__(self, output_dir: str, *, config_path: str | None, world_size: int):
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, LOG_NAME)
+        started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.write(f"=== {started} {versions_line()}, config {config_path or '(in-process dict)'}, "
+                   f"world size {world_size}")
+
+    def write(self, line: str) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line.rstrip("\n") + "\n")
+
+
+# ---------------------------------------------------------------------------- monitors
+def check_monitor_packages(ds_config: dict) -> None:
+    """Refuse an enabled ``tensorboard`` / ``wandb`` block whose package is not
+    installed, naming the key and the pip command (DeepSpeed would only fail inside
+    ``deepspeed.initialize``). Every rank checks, so every rank stops alike."""
+    from .config import ConfigError
+    for block, (module, pip) in _MONITOR_PACKAGES.items():
+        sub = ds_config.get(block)
+        if not (isinstance(sub, dict) and sub.get("enabled")):
+            continue
+        if not _importable(module):
+            raise ConfigError(f"{block}.enabled is true but the {module} package is not installed: {pip}; "
+                              f"or set {block}.enabled to false")
+
+
+def _importable(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def monitor_config(ds_config: dict, output_dir: str, *, rank: int) -> dict:
+    """``ds_config`` with DeepSpeed's monitors writing under ``output_dir`` (a copy;
+    the blocks a user filled in keep their values):
+
+    - ``csv_monitor``: ``output_path`` ``<output_dir>/monitor``;
+    - ``tensorboard``: ``output_path`` ``<output_dir>/tensorboard`` and ``job_name``
+      ``train`` (the events go to ``<output_dir>/tensorboard/train``);
+    - ``wandb``: DeepSpeed's block has no directory key, so on rank 0 (the only rank
+      that starts W&B) ``WANDB_DIR`` is set to ``output_dir`` unless already set: W&B
+      keeps its run files in ``<output_dir>/wandb``. ``WANDB_MODE=offline`` runs
+      without a W&B server (``wandb sync`` uploads later)."""
+    out = dict(ds_config)
+    csv = out.get("csv_monitor")
+    if isinstance(csv, dict) and csv.get("enabled") and "output_path" not in csv:
+        out["csv_monitor"] = dict(csv, output_path=os.path.join(output_dir, "monitor"))
+    tb = out.get("tensorboard")
+    if isinstance(tb, dict) and tb.get("enabled"):
+        tb = dict(tb)
+        tb.setdefault("output_path", os.path.join(output_dir, "tensorboard"))
+        tb.setdefault("job_name", "train")
+        out["tensorboard"] = tb
+    wb = out.get("wandb")
+    if isinstance(wb, dict) and wb.get("enabled") and rank == 0 and not os.environ.get("WANDB_DIR"):
+        os.makedirs(output_dir, exist_ok=True)
+        os.environ["WANDB_DIR"] = os.path.abspath(output_dir)
+    return out
+
+
+# ---------------------------------------------------------------------------- progress line
+def loss_scale_text(ds_engine) -> str:
+    """`` loss_scale 65536`` for the progress line when DeepSpeed's fp16 (dynamic or
+    static loss scaling) is on; empty under bf16 and fp32."""
+    if not ds_engine.fp16_enabled():
+        return ""
+    from ..deepspeed_plugin import loss_scale
+    return f" loss_scale {loss_scale(ds_engine):g}"
