@@ -338,7 +338,9 @@ class BackboneConfig:
     ``head.embedding_size``."""
 
     name: str = "iresnet50"
-    """iresnet18/34/50/100/200, mobilefacenet(_large), vit_t/s/b/l (or r18...r200, mbf, mbf_large)."""
+    """iresnet18/34/50/100/200, mobilefacenet(_large), vit_t/s/b/l (or r18...r200, mbf, mbf_large);
+    ``mlp`` for feature vectors (``data.source: features``; options ``input_dim`` = the
+    feature dimension, ``hidden``, ``depth``)."""
     width: float = 1.0
     """Channel multiplier: 1.0 is the published network; smaller for CPU runs."""
     dropout: float = 0.0
@@ -349,9 +351,10 @@ class BackboneConfig:
     activations in backward instead of keeping them."""
 
     def __post_init__(self):
-        from ..models import ALIASES, BACKBONES
-        if ALIASES.get(self.name, self.name) not in BACKBONES:
-            raise ConfigError(f"ds_pfc.backbone.name must be one of {list(BACKBONES)} or {list(ALIASES)}, "
+        from ..models import ALIASES, BACKBONES, FEATURE_BACKBONES
+        if ALIASES.get(self.name, self.name) not in BACKBONES + FEATURE_BACKBONES:
+            raise ConfigError(f"ds_pfc.backbone.name must be one of {list(BACKBONES + FEATURE_BACKBONES)} or "
+                              f"{list(ALIASES)}, "
                               f"got {self.name!r}")
         _number(self.width, "ds_pfc.backbone.width", low=0, low_open=True)
         _number(self.dropout, "ds_pfc.backbone.dropout", low=0, high=1)
@@ -386,6 +389,53 @@ class SyntheticDataConfig:
         for key in ("identities", "images_per_identity", "held_out_identities", "image_size"):
             if getattr(self, key) is not None:
                 _positive_int(getattr(self, key), f"ds_pfc.data.synthetic.{key}")
+
+
+@dataclass(kw_only=True)
+class FeaturesDataConfig:
+    """The built-in identity-feature set (``ds_pfc.data.IdentityFeatures``): a
+    feature vector per image instead of a face, for many-class runs on a CPU."""
+
+    identities: int | None = None
+    """Training identities (default and only allowed value: head.num_classes, or the
+    identities that ``data.stress.conflict`` splits into head.num_classes pseudo-classes)."""
+    images_per_identity: int = 8
+    """Images of each training identity per epoch."""
+    held_out_identities: int = 1000
+    """Further identities never trained on; verification pairs are drawn from them."""
+    feature_dim: int = 96
+    """Values per vector, a multiple of 3 (``ds_pfc.backbone.options.input_dim`` of the mlp)."""
+    latent_dim: int = 32
+    """Size of an identity's latent (and of an image's nuisance)."""
+    nuisance: float = 1.0
+    """Strength of the per-image nuisance (0: images of an identity differ only by noise)."""
+    noise: float = 0.3
+    """Strength of the per-value noise."""
+    seed: int = 0
+    """Defines the identities and their images."""
+
+    def __post_init__(self):
+        for key in ("identities", "images_per_identity", "held_out_identities", "feature_dim", "latent_dim"):
+            if getattr(self, key) is not None:
+                _positive_int(getattr(self, key), f"ds_pfc.data.features.{key}")
+        if self.feature_dim % 3:
+            raise ConfigError(f"ds_pfc.data.features.feature_dim must be a multiple of 3 (a vector travels as "
+                              f"[3, 1, feature_dim / 3]), got {self.feature_dim}")
+        if self.held_out_identities < 2:
+            raise ConfigError(f"ds_pfc.data.features.held_out_identities must be >= 2 (verification pairs of "
+                              f"different identities), got {self.held_out_identities}")
+        _number(self.nuisance, "ds_pfc.data.features.nuisance", low=0)
+        _number(self.noise, "ds_pfc.data.features.noise", low=0)
+
+    def build(self, *, held_out: bool = False):
+        """The training set, or (``held_out``) the held-out identities past it."""
+        from ..data.features import IdentityFeatures
+        kwargs = dict(feature_dim=self.feature_dim, latent_dim=self.latent_dim, nuisance=self.nuisance,
+                      noise=self.noise, seed=self.seed)
+        if held_out:
+            return IdentityFeatures(self.held_out_identities, self.images_per_identity,
+                                    first_identity=self.identities, **kwargs)
+        return IdentityFeatures(self.identities, self.images_per_identity, **kwargs)
 
 
 @dataclass(kw_only=True)
@@ -450,8 +500,9 @@ class DataConfig:
     """Training data, sampling and augmentation."""
 
     source: str = "synthetic"
-    """synthetic, recordio (insightface ``train.rec`` + ``train.idx``) or hf (a ``datasets``
-    ``save_to_disk`` directory, parquet files or an image folder)."""
+    """synthetic, features (identity feature vectors for the ``mlp`` backbone: many
+    classes on a CPU), recordio (insightface ``train.rec`` + ``train.idx``) or hf (a
+    ``datasets`` ``save_to_disk`` directory, parquet files or an image folder)."""
     path: str | None = None
     """recordio: the dataset directory (``train.rec``, ``train.idx``, optional ``property``)
     or the ``.rec`` file (``.idx`` beside it); hf: the dataset directory/files."""
@@ -462,6 +513,8 @@ class DataConfig:
     label_column: str | None = None
     """hf: label column (default: the only integer column)."""
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    features: FeaturesDataConfig = field(default_factory=FeaturesDataConfig)
+    """source features: the identity-feature set."""
     flip: bool = True
     """Random horizontal flip (a pure function of seed, epoch and sample index)."""
     shuffle: bool = True
@@ -485,9 +538,18 @@ class DataConfig:
     """Label flips, inter-class conflicts or a long tail applied to the training set."""
 
     def __post_init__(self):
-        if self.source not in ("synthetic", "recordio", "hf"):
-            raise ConfigError(f"ds_pfc.data.source must be synthetic, recordio or hf, got {self.source!r}")
-        if self.source != "synthetic" and not self.path:
+        if self.source not in ("synthetic", "features", "recordio", "hf"):
+            raise ConfigError(f"ds_pfc.data.source must be synthetic, features, recordio or hf, got {self.source!r}")
+        if self.source != "features" and self.features != FeaturesDataConfig():
+            raise ConfigError(f"ds_pfc.data.features is set but ds_pfc.data.source is {self.source!r} "
+                              "(the block configures source \"features\")")
+        if self.source == "features" and self.path:
+            raise ConfigError("ds_pfc.data.path is set but ds_pfc.data.source is \"features\" (built in: it reads "
+                              "no files)")
+        if self.source == "features" and self.flip:
+            raise ConfigError("ds_pfc.data.flip must be false for ds_pfc.data.source \"features\" (a flip would "
+                              "permute a feature vector's values)")
+        if self.source not in ("synthetic", "features") and not self.path:
             raise ConfigError(f"ds_pfc.data.path is required for source {self.source!r}")
         if isinstance(self.prefetch_batches, bool) or not isinstance(self.prefetch_batches, int) or \
                 self.prefetch_batches < 1:
@@ -622,7 +684,7 @@ class EvaluationConfig:
     bins: list = field(default_factory=list)
     """insightface ``.bin`` pair sets (lfw.bin, cfp_fp.bin, agedb_30.bin, ...)."""
     synthetic_pairs: int = 1000
-    """synthetic data: pairs drawn from the held-out identities (0: none)."""
+    """synthetic faces or identity features: pairs drawn from the held-out identities (0: none)."""
     batch_size: int = 64
     """Images per forward pass."""
     flip: bool = True
@@ -683,15 +745,41 @@ class DsPfcConfig:
         synthetic = self.data.synthetic
         if synthetic.identities is None:
             synthetic.identities = self.head.num_classes
+        conflict = self.data.stress.conflict is not None and self.data.stress.conflict.fraction > 0
+        self._check_features(conflict)
         backbone_size = self.backbone.options.get("image_size", 112)
         if self.data.source == "synthetic" and synthetic.image_size != backbone_size:
             raise ConfigError(f"ds_pfc.data.synthetic.image_size ({synthetic.image_size}) must equal the backbone's "
                               f"input size ({backbone_size}; set ds_pfc.backbone.options.image_size, which "
                               "mobilefacenet accepts)")
-        conflict = self.data.stress.conflict is not None and self.data.stress.conflict.fraction > 0
         if self.data.source == "synthetic" and synthetic.identities != self.head.num_classes and not conflict:
             raise ConfigError(f"ds_pfc.head.num_classes ({self.head.num_classes}) must equal "
                               f"ds_pfc.data.synthetic.identities ({self.data.synthetic.identities})")
+
+    def _check_features(self, conflict: bool) -> None:
+        """The identity-feature source goes with the mlp backbone (and only it), unflipped."""
+        from ..models import ALIASES, FEATURE_BACKBONES
+        features, backbone = self.data.features, self.backbone
+        feature_backbone = ALIASES.get(backbone.name, backbone.name) in FEATURE_BACKBONES
+        if self.data.source != "features":
+            if feature_backbone:
+                raise ConfigError(f"ds_pfc.backbone.name {backbone.name!r} reads feature vectors: it needs "
+                                  f"ds_pfc.data.source \"features\", got {self.data.source!r}")
+            return
+        if not feature_backbone:
+            raise ConfigError(f"ds_pfc.data.source \"features\" needs a feature backbone: ds_pfc.backbone.name must "
+                              f"be one of {list(FEATURE_BACKBONES)}, got {backbone.name!r}")
+        if features.identities is None:
+            features.identities = self.head.num_classes
+        if backbone.options.get("input_dim") != features.feature_dim:
+            raise ConfigError(f"ds_pfc.backbone.options.input_dim must equal ds_pfc.data.features.feature_dim "
+                              f"({features.feature_dim}), got {backbone.options.get('input_dim')!r}")
+        if self.evaluation.flip:
+            raise ConfigError("ds_pfc.evaluation.flip must be false for ds_pfc.data.source \"features\" (a flip "
+                              "would permute a feature vector's values)")
+        if features.identities != self.head.num_classes and not conflict:
+            raise ConfigError(f"ds_pfc.head.num_classes ({self.head.num_classes}) must equal "
+                              f"ds_pfc.data.features.identities ({features.identities})")
 
 
 def _positive_int(value, where: str) -> None:

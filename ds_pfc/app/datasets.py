@@ -1,5 +1,5 @@
-"""The datasets of a job: the training set (synthetic faces, RecordIO or a Hugging Face
-dataset, with the configured stress transforms) and the verification pair sets. Used
+"""The datasets of a job: the training set (synthetic faces, identity features, RecordIO
+or a Hugging Face dataset, with the configured stress transforms) and the verification pair sets. Used
 by the training app, the paper studies and the dominant sub-center export."""
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ def build_train_set(cfg: DsPfcConfig):
             raise ConfigError(f"ds_pfc.head.num_classes must be {dataset.num_classes} (the classes of the synthetic "
                               f"training set after ds_pfc.data.stress), got {cfg.head.num_classes}")
         return dataset
+    if data.source == "features":
+        dataset = stressed(data.stress, data.features.build())
+        if dataset.num_classes != cfg.head.num_classes:
+            raise ConfigError(f"ds_pfc.head.num_classes must be {dataset.num_classes} (the classes of the feature "
+                              f"training set after ds_pfc.data.stress), got {cfg.head.num_classes}")
+        return dataset
     if not os.path.exists(data.path):
         raise FileNotFoundError(f"ds_pfc.data.path {data.path!r} does not exist")
     if data.source == "recordio":
@@ -62,6 +68,10 @@ def build_eval_sets(cfg: DsPfcConfig) -> dict[str, tuple[torch.Tensor, list[bool
         held = SyntheticFaces(s.held_out_identities, s.images_per_identity, image_size=s.image_size,
                               first_identity=s.identities, seed=s.seed)
         sets["synthetic_held_out"] = held.pairs(ev.synthetic_pairs, seed=s.seed)
+    if cfg.data.source == "features" and ev.synthetic_pairs:
+        # the held-out identities of the feature set, under the same name: it is scored as the faces' set
+        f = cfg.data.features
+        sets["synthetic_held_out"] = f.build(held_out=True).pairs(ev.synthetic_pairs, seed=f.seed)
     for path in ev.bins:
         from ..data.transforms import decode_image
         from ..eval.verification import load_bin

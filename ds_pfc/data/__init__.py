@@ -5,6 +5,7 @@ May import: ds_pfc._checks, ds_pfc._rng, ds_pfc.devices; torch, datasets.
 Never: ds_pfc.core, ds_pfc.checkpoint, ds_pfc.deepspeed_plugin, ds_pfc.bench, ds_pfc.app,
 ds_pfc.cli, the root package."""
 from .faces import SyntheticFaces
+from .features import IdentityFeatures
 from .hf import load_image_dataset
 from .loader import MicroBatchLoader
 from .recordio import InsightFaceRecord, RecordIOReader, unpack_header
@@ -14,5 +15,5 @@ from .synthetic import SyntheticIdentities, verification_accuracy
 from .transforms import decode_image, normalize, random_flip, set_image_decoder
 
 __all__ = ["InsightFaceRecord", "RecordIOReader", "unpack_header", "DistributedIdentitySampler",
-           "load_image_dataset", "StressedDataset", "StressSummary", "SyntheticFaces", "MicroBatchLoader", "SyntheticIdentities", "verification_accuracy", "decode_image", "normalize",
+           "load_image_dataset", "StressedDataset", "StressSummary", "SyntheticFaces", "IdentityFeatures", "MicroBatchLoader", "SyntheticIdentities", "verification_accuracy", "decode_image", "normalize",
            "random_flip", "set_image_decoder"]

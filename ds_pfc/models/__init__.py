@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from .iresnet import INPUT_SHAPE, IResNet
+from .mlp import MLP
 from .mobilefacenet import MobileFaceNet
 from .vit import ViT
 
-__all__ = ["build_backbone", "count_macs", "count_flops", "BACKBONES", "ALIASES", "INPUT_SHAPE",
-           "IResNet", "MobileFaceNet", "ViT"]
+__all__ = ["build_backbone", "count_macs", "count_flops", "BACKBONES", "FEATURE_BACKBONES", "ALIASES", "INPUT_SHAPE",
+           "IResNet", "MLP", "MobileFaceNet", "ViT"]
 
 # name -> (class, fixed architecture, defaults the options may override). The numbers
 # are insightface's (arcface_torch ``get_model``); vit_b and vit_l default to its
@@ -46,8 +47,13 @@ _SPECS = {
     "vit_l": (ViT, {"dim": 768, "depth": 24, "num_heads": 8},
               {"style": "arcface", "drop_path_rate": 0.05, "mask_ratio": 0.05}),
 }
+# Backbones of feature-vector inputs (the identity-feature source), not of face images.
+_FEATURE_SPECS = {"mlp": (MLP, {}, {})}
 BACKBONES = tuple(_SPECS)
-"""Canonical backbone names."""
+"""Canonical backbone names (face images in)."""
+
+FEATURE_BACKBONES = tuple(_FEATURE_SPECS)
+"""Backbones of feature vectors (``mlp``: the many-class identity-feature setting)."""
 
 ALIASES = {"r18": "iresnet18", "r34": "iresnet34", "r50": "iresnet50", "r100": "iresnet100",
            "r200": "iresnet200", "mbf": "mobilefacenet", "mbf_large": "mobilefacenet_large"}
@@ -67,15 +73,18 @@ def build_backbone(name: str, *, embedding_size: int = 512, width: float = 1.0, 
             ``drop_path_rate``, ``mask_ratio`` and ``style`` for the ViTs (vit_t and
             vit_s: 0, 0, ``"default"``; vit_b: 0.1, 0.1, ``"arcface"``; vit_l: 0.05,
             0.05, ``"arcface"``, as insightface trains them); ``image_size`` for the
-            MobileFaceNets.
+            MobileFaceNets; ``input_dim`` (required), ``hidden`` and ``depth`` for
+            ``mlp`` (a ``FEATURE_BACKBONES`` entry: feature vectors in, see
+            :mod:`ds_pfc.models.mlp`).
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     canonical = ALIASES.get(name, name)
-    if canonical not in _SPECS:
-        raise ValueError(f"unknown backbone {name!r}; valid names: {', '.join(BACKBONES)} "
+    specs = {**_SPECS, **_FEATURE_SPECS}
+    if canonical not in specs:
+        raise ValueError(f"unknown backbone {name!r}; valid names: {', '.join(BACKBONES + FEATURE_BACKBONES)} "
                          f"(aliases: {', '.join(ALIASES)})")
-    cls, spec, defaults = _SPECS[canonical]
+    cls, spec, defaults = specs[canonical]
     return cls(**spec, embedding_size=embedding_size, width=width, dropout=dropout, **{**defaults, **options})
 
 
