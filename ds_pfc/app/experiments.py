@@ -23,6 +23,17 @@ The same cells run on a job of your own (``run_cell(base=..., target=...,
 launcher=...)``, ``launch/experiments.py --config``): its data source, model and
 evaluation set, scored on the evaluation set named by ``target``.
 
+The same cells run on the many-class identity-feature setting
+(:func:`features_config`, ``setting_config("features", classes)``): feature vectors
+per image (``ds_pfc.data.IdentityFeatures``) and a small MLP, the same head, sampler,
+stress transforms and held-out verification, at a fixed batch and step count for every
+class count. On it, the ``sweep`` (:func:`sweep_cells`, :func:`run_sweep_cell`)
+crosses classes C in ``SWEEP_CLASSES`` with sample rates r in ``SWEEP_RATES``, so
+that the number of active negatives per step varies both ways; each run records its
+held-out TARs at every evaluation (the curve over training) and, replayed from its
+data order, the mean active negatives per step and the share of classes absent from
+a batch (:func:`batch_statistics`; every study's run records them too).
+
 Results accumulate in ``<out>/<study>.json``: a run already recorded is skipped
 unless ``force``, so a long study can be finished over several sittings, and
 :func:`write_report` renders ``<study>.md`` (the table beside the paper's numbers)
@@ -45,8 +56,12 @@ import threading
 import time
 from typing import Sequence
 
+import torch
+
 __all__ = ["Cell", "STUDIES", "base_config", "cell_config", "run_cell", "scoring_set", "load_results",
-           "write_report", "PAPER", "QUICK"]
+           "write_report", "PAPER", "QUICK", "SETTINGS", "features_config", "setting_config", "batch_statistics",
+           "SweepCell", "SWEEP_CLASSES", "SWEEP_RATES", "sweep_cells", "sweep_config", "run_sweep_cell",
+           "write_sweep_report"]
 
 FILTER_TAU = 0.4
 """The paper's conflict-filter threshold (Table webface_robustness)."""
@@ -151,6 +166,74 @@ def base_config(quick: bool = False) -> dict:
     }
 
 
+SETTINGS = ("faces", "features")
+"""``faces``: :func:`base_config`'s 1000 synthetic faces (the recorded studies);
+``features``: :func:`features_config`, identity feature vectors at any class count."""
+
+FEATURES_BATCH = 128
+"""Micro batch of the features setting, the same at every class count."""
+FEATURES_STEPS = 1500
+"""Optimizer steps of the features setting, the same at every class count."""
+FEATURES_EVALS = 10
+"""Held-out evaluations over a features run (every ``FEATURES_STEPS // FEATURES_EVALS`` steps)."""
+
+
+def features_config(classes: int, quick: bool = False) -> dict:
+    """The features setting at ``classes`` classes: the same head, sampler, stress
+    transforms and training app as :func:`base_config`, on identity feature vectors
+    (``ds_pfc.data.IdentityFeatures``) and a small MLP, so that 100,000 classes train
+    in minutes on one core.
+
+    Fixed at every class count (so that ``r`` and ``C`` move the number of active
+    negatives both ways): batch ``FEATURES_BATCH``, ``FEATURES_STEPS`` steps (poly
+    decay), SGD lr 0.1 with momentum, CosFace (s 32, m 0.3), 64-d embeddings from a
+    2 x 256 MLP on 96-d features (nuisance 1.0, noise 0.3), 8 images per identity,
+    2000 held-out identities and 6000 verification pairs scored ``FEATURES_EVALS``
+    times over training. Quick (for tests): batch 16, 30 steps, 3 evaluations."""
+    from .._checks import check_int
+    classes = check_int("classes", classes, 2)
+    micro, steps, held_out, pairs = (16, 30, 20, 60) if quick else (FEATURES_BATCH, FEATURES_STEPS, 2000, 6000)
+    evals = 3 if quick else FEATURES_EVALS
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 5.0,
+        "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}},
+        "zero_optimization": {"stage": 0},
+        "ds_pfc": {
+            "description": f"paper study on identity features, {classes} classes (launch/experiments.py)",
+            "head": {"num_classes": classes, "embedding_size": 64, "sample_rate": 1.0,
+                     "margin": {"type": "cosface", "scale": 32.0, "margin": 0.3},
+                     "optimizer": {"type": "sgd", "lr_ratio": 1.0, "momentum": 0.9, "weight_decay": 5e-4}},
+            "backbone": {"name": "mlp", "options": {"input_dim": 96, "hidden": 256, "depth": 2}},
+            "data": {"source": "features",
+                     "features": {"identities": classes, "images_per_identity": 8, "held_out_identities": held_out,
+                                  "feature_dim": 96, "latent_dim": 32, "nuisance": 1.0, "noise": 0.3, "seed": 0},
+                     "flip": False, "workers": 0, "prefetch_batches": 4},
+            # epochs only bounds max_steps: every class count and stress runs the same steps
+            "train": {"epochs": 1e6, "max_steps": steps,
+                      "schedule": {"type": "poly", "warmup_epochs": 0.0, "power": 2.0}, "log_every": 100},
+            "evaluation": {"every_steps": steps // evals, "synthetic_pairs": pairs, "batch_size": 1024,
+                           "flip": False, "far": [1e-3, 1e-2]},
+            "checkpoint": {"every_steps": 0, "keep": 1, "resume": False, "export": False},
+        },
+    }
+
+
+def setting_config(setting: str = "faces", classes: int | None = None, quick: bool = False) -> dict:
+    """The base config of ``setting`` (``SETTINGS``); ``classes`` only for ``features``."""
+    if setting not in SETTINGS:
+        raise ValueError(f"setting must be one of {list(SETTINGS)}, got {setting!r}")
+    if setting == "faces":
+        if classes is not None:
+            raise ValueError("classes applies to the features setting (the faces setting has 1000 classes)")
+        return base_config(quick)
+    if classes is None:
+        raise ValueError("the features setting needs classes (e.g. 100000)")
+    return features_config(classes, quick)
+
+
 QUICK = "quick"
 
 
@@ -167,8 +250,9 @@ def cell_config(cell: Cell, seed: int, *, quick: bool = False, base: dict | None
         head["filter_threshold"] = FILTER_TAU
     elif base is not None:
         head.pop("filter_threshold", None)
-    if cell.images_per_identity is not None and not quick and data.get("source", "synthetic") == "synthetic":
-        data.setdefault("synthetic", {})["images_per_identity"] = cell.images_per_identity
+    source = data.get("source", "synthetic")
+    if cell.images_per_identity is not None and not quick and source in ("synthetic", "features"):
+        data.setdefault(source, {})["images_per_identity"] = cell.images_per_identity
     data["seed"] = seed
     pfc.setdefault("train", {})["seed"] = seed
     data.pop("stress", None)
@@ -181,13 +265,13 @@ def cell_config(cell: Cell, seed: int, *, quick: bool = False, base: dict | None
 
 
 def _stressed_classes(config: dict, stress: dict, num_classes: int) -> int:
-    """Classes of ``config``'s training set under ``stress``: exactly that for
-    synthetic faces (the app requires equality), at least ``num_classes`` otherwise."""
+    """Classes of ``config``'s training set under ``stress``: exactly that for the
+    built-in sets (the app requires equality), at least ``num_classes`` otherwise."""
     from .config import StressConfig, from_dict, split_config
     from .datasets import build_train_set, stressed
     _, cfg = split_config(config)
     wrapped = stressed(from_dict(StressConfig, stress, "ds_pfc.data.stress"), build_train_set(cfg))
-    if cfg.data.source == "synthetic":
+    if cfg.data.source in ("synthetic", "features"):
         return wrapped.num_classes
     return max(num_classes, wrapped.num_classes)
 
@@ -274,6 +358,27 @@ def run_cell(study: str, cell_name: str, seed: int, *, out_dir: str, threads: in
         return None
     scored_on = scoring_set(setup, target)
     config = cell_config(cell, seed, quick=quick, base=base)
+    summary, wall = _train(config, f"{study}/{cell.name} seed {seed}", threads=threads, launcher=launcher)
+    record = _run_record(summary, config, scored_on, seed, wall, threads, single=not launcher)
+    with _locked(path):           # other runs (threads or processes) record into the same file
+        data = load_results(path, study)
+        entry = _record(data, cell, quick)
+        entry["seeds"] = [s for s in entry["seeds"] if s["seed"] != seed] + [record]
+        entry["seeds"].sort(key=lambda s: s["seed"])
+        data["machine"] = _machine()
+        data["base_config"] = setup
+        data["scored_on"] = scored_on
+        data["launcher"] = " ".join(launcher) or None
+        data["paper_note"] = PAPER_NOTES[study]
+        data["setting"] = _setting_text(setup)
+        _save_results(path, data)
+    log(f"{study}/{cell.name} seed {seed}: verification {record['verification_acc']:.4f} "
+        f"({record['steps']} steps, {record['images_per_second']:.0f} images/s, {wall:.0f} s)")
+    return record
+
+
+def _train(config: dict, label: str, *, threads: int, launcher: Sequence[str] = ()) -> tuple[dict, float]:
+    """Run the training app on ``config`` in its own process; ``(summary, wall seconds)``."""
     # The directory that holds the ds_pfc package (a source checkout, or site-packages):
     # each run imports this same library.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -281,7 +386,7 @@ def run_cell(study: str, cell_name: str, seed: int, *, out_dir: str, threads: in
     if launcher and not os.path.isfile(script):
         raise ValueError(f"a launcher ({' '.join(launcher)}) runs a script: it needs the source checkout's "
                          f"launch/train.py, which {root} does not hold")
-    with tempfile.TemporaryDirectory(prefix=f"ds_pfc-{study}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ds_pfc-experiment-") as tmp:
         cfg_path = os.path.join(tmp, "job.json")
         with open(cfg_path, "w") as f:
             json.dump(config, f)
@@ -296,29 +401,76 @@ def run_cell(study: str, cell_name: str, seed: int, *, out_dir: str, threads: in
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             tail = (proc.stdout[-2000:] + proc.stderr[-3000:]).strip()
-            raise RuntimeError(f"{study}/{cell.name} seed {seed} failed (exit {proc.returncode}):\n{tail}")
+            raise RuntimeError(f"{label} failed (exit {proc.returncode}):\n{tail}")
         with open(os.path.join(tmp, "run", "summary.json")) as f:
-            summary = json.load(f)
+            return json.load(f), wall
+
+
+def _run_record(summary: dict, config: dict, scored_on: str, seed: int, wall: float, threads: int,
+                single: bool) -> dict:
+    """One run's record: the final held-out metrics, the curve over training and (for
+    a one-process run) what the sampler activated."""
     final = summary["evaluations"][str(summary["steps"])][scored_on]
+    curve = [{"step": int(step), "verification_acc": ev[scored_on]["accuracy"],
+              "tar_at_far": ev[scored_on]["tar_at_far"]}
+             for step, ev in sorted(summary["evaluations"].items(), key=lambda kv: int(kv[0])) if scored_on in ev]
     record = {"seed": seed, "verification_acc": final["accuracy"], "verification_acc_std": final["accuracy_std"],
               "tar_at_far": final["tar_at_far"], "steps": summary["steps"], "final_loss": summary["final_loss"],
               "images_per_second": summary["train_samples"] / summary["train_elapsed_s"],
-              "wall_seconds": wall, "threads": threads,
+              "steps_per_second": summary["steps"] / summary["train_elapsed_s"],
+              "wall_seconds": wall, "threads": threads, "curve": curve,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    with _locked(path):           # other runs (threads or processes) record into the same file
-        data = load_results(path, study)
-        entry = _record(data, cell, quick)
-        entry["seeds"] = [s for s in entry["seeds"] if s["seed"] != seed] + [record]
-        entry["seeds"].sort(key=lambda s: s["seed"])
-        data["machine"] = _machine()
-        data["base_config"] = setup
-        data["scored_on"] = scored_on
-        data["launcher"] = " ".join(launcher) or None
-        data["paper_note"] = PAPER_NOTES[study]
-        _save_results(path, data)
-    log(f"{study}/{cell.name} seed {seed}: verification {record['verification_acc']:.4f} "
-        f"({record['steps']} steps, {record['images_per_second']:.0f} images/s, {wall:.0f} s)")
+    if single:
+        record.update(batch_statistics(config, summary["steps"]))
     return record
+
+
+def batch_statistics(config: dict, steps: int) -> dict:
+    """What the head activated over the first ``steps`` steps of a one-process run of
+    ``config``, replayed from its data order (the training app's sampler and epochs,
+    the stressed labels) and the sampling rule ``|S| = max(floor(r C), |P|)`` (all C
+    classes at r = 1), per micro batch:
+
+    - ``active_negatives_mean``: mean of ``|S| - |P|``, the classes a step pushes as
+      negatives;
+    - ``absent_class_share``: mean of ``1 - |P| / C``, the share of the classes with
+      no sample in the batch;
+    - ``positives_mean``: mean of ``|P|``, the distinct classes of a batch."""
+    from ..core.sampling import activation_budget
+    from ..data.sampler import DistributedIdentitySampler
+    from .config import split_config
+    from .datasets import build_train_set
+    ds, cfg = split_config(config)
+    micro = ds["train_micro_batch_size_per_gpu"]
+    gas = ds.get("gradient_accumulation_steps", 1)
+    labels = build_train_set(cfg).labels()
+    sampler = DistributedIdentitySampler(len(labels), rank=0, world_size=1, seed=cfg.data.seed,
+                                         shuffle=cfg.data.shuffle, drop_last=True, block_size=micro)
+    per_epoch = sampler.num_per_rank // (micro * gas) * micro * gas
+    batches, epoch, need = [], 0, steps * gas
+    while sum(len(b) for b in batches) < need:
+        order = sampler.shard(epoch)[:per_epoch]
+        batches.append(labels[order].view(-1, micro))
+        epoch += 1
+    batch = torch.cat(batches)[:need]
+    ordered = batch.sort(dim=1).values
+    positives = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(1)
+    classes, rate = cfg.head.num_classes, cfg.head.sample_rate
+    active = torch.full_like(positives, classes) if rate >= 1.0 else \
+        positives.clamp(min=activation_budget(classes, rate))
+    return {"active_negatives_mean": float((active - positives).double().mean()),
+            "absent_class_share": float((1 - positives.double() / classes).mean()),
+            "positives_mean": float(positives.double().mean())}
+
+
+def _setting_text(config: dict) -> str:
+    pfc = config["ds_pfc"]
+    source = pfc.get("data", {}).get("source", "synthetic")
+    if source == "features":
+        return f"identity features, {pfc['head']['num_classes']} classes, MLP backbone"
+    if source == "synthetic":
+        return f"synthetic faces, {pfc['head']['num_classes']} classes"
+    return f"{source} data"
 
 
 def scoring_set(config: dict, target: str | None = None) -> str:
@@ -327,7 +479,8 @@ def scoring_set(config: dict, target: str | None = None) -> str:
     from .config import split_config
     _, cfg = split_config(config)
     ev = cfg.evaluation
-    names = (["synthetic_held_out"] if cfg.data.source == "synthetic" and ev.synthetic_pairs else [])
+    builtin = cfg.data.source in ("synthetic", "features")
+    names = (["synthetic_held_out"] if builtin and ev.synthetic_pairs else [])
     names += [os.path.splitext(os.path.basename(path))[0] for path in ev.bins]
     if not names:
         raise ValueError("the job evaluates on nothing: give it ds_pfc.evaluation.bins (or synthetic pairs)")
@@ -375,9 +528,13 @@ def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
     rows = summarize(data)
     fars = sorted({f for r in rows for f in r["tar_at_far"]}, key=float)
     scored_on = data.get("scored_on", "synthetic_held_out")
-    where = "synthetic faces" if scored_on == "synthetic_held_out" else f"the evaluation set {scored_on!r}"
+    if scored_on == "synthetic_held_out":
+        where = "identity features" if data.get("setting", "").startswith("identity features") else "synthetic faces"
+    else:
+        where = f"the evaluation set {scored_on!r}"
+    setting = f" Setting: {data['setting']}." if data.get("setting") else ""
     lines = [f"# {study}", "", f"Held-out 1:1 verification on {where}, mean +- std over seeds; "
-             f"{PAPER_NOTES[study]}.", "",
+             f"{PAPER_NOTES[study]}.{setting}", "",
              "| cell | seeds | verification acc | " + " | ".join(f"TAR@FAR={f}" for f in fars)
              + " | images/s | paper |",
              "|---|---|---|" + "---|" * len(fars) + "---|---|"]
@@ -393,9 +550,15 @@ def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
     runs = f"runs under `{data['launcher']}`, {per} per process" if data.get("launcher") else f"runs of {per} each"
     lines += ["", f"Machine: {machine.get('cpu', '?')}, torch {machine.get('torch', '?')}; "
               f"{runs} (`launch/experiments.py {study}`)."]
+    curves = [(e["cell"], e["seeds"]) for e in data["cells"] if any(len(s.get("curve", [])) > 1 for s in e["seeds"])]
+    if curves:
+        lines += ["", f"Held-out curves over training: `{study}_curves.png`."]
     md = os.path.join(out_dir, f"{study}.md")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")
+    if curves:
+        key = "0.01" if "0.01" in fars else (fars[-1] if fars else "verification_acc")
+        _curve_plot(curves, key, f"{study} over training ({where})", os.path.join(out_dir, f"{study}_curves.png"))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -418,4 +581,186 @@ def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
     png = os.path.join(out_dir, f"{study}.png")
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return md, png
+
+
+# ---------------------------------------------------------------------------- curves
+def _mean_curve(seeds: list[dict], key: str) -> tuple[list[int], list[float], list[float]]:
+    """Steps, mean and std over seeds of a curve value (``verification_acc`` or a FAR)."""
+    by_step: dict[int, list[float]] = {}
+    for s in seeds:
+        for point in s.get("curve", []):
+            value = point["verification_acc"] if key == "verification_acc" else point["tar_at_far"].get(key)
+            by_step.setdefault(point["step"], []).append(value)
+    steps = sorted(by_step)
+    stats = [_stats(by_step[step]) for step in steps]
+    return steps, [m for m, _ in stats], [d for _, d in stats]
+
+
+def _curve_plot(series: list[tuple[str, list[dict]]], key: str, title: str, path: str, panels=None) -> str | None:
+    """Mean +- std curves over training, one line per ``(label, seeds)``; ``panels``:
+    ``[(panel title, series)]`` side by side instead. None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = panels or [(title, series)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False, sharey=True)
+    label = "held-out accuracy" if key == "verification_acc" else f"held-out TAR@FAR={key}"
+    for ax, (panel, lines) in zip(axes[0], panels):
+        for name, seeds in lines:
+            steps, mean, std = _mean_curve(seeds, key)
+            if not steps:
+                continue
+            ax.plot(steps, mean, marker=".", label=name)
+            ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                            alpha=0.15)
+        ax.set_title(panel, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"{label} (mean +- std)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- sweep
+SWEEP_CLASSES = (1_000, 10_000, 100_000)
+"""Class counts of the sweep (the features setting)."""
+SWEEP_RATES = (1.0, 0.3, 0.1, 0.03, 0.01)
+"""Sample rates of the sweep."""
+SWEEP = "sweep"
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepCell:
+    """One (classes, sample rate) point of the sweep, clean data, no filter."""
+
+    classes: int
+    sample_rate: float
+
+    @property
+    def name(self) -> str:
+        return f"C{self.classes}/{_method(self.sample_rate, False)}"
+
+    @property
+    def budget(self) -> int:
+        """``floor(r C)``: the classes a step activates when its positives are fewer."""
+        return math.floor(self.sample_rate * self.classes + 1e-9)
+
+
+def sweep_cells(classes: Sequence[int] = SWEEP_CLASSES, rates: Sequence[float] = SWEEP_RATES) -> list[SweepCell]:
+    """The sweep's cells, classes-major; a cell whose budget ``floor(r C)`` is below 1
+    (no class at all drawn beyond the positives) is left out."""
+    for c in classes:
+        if isinstance(c, bool) or not isinstance(c, int) or c < 2:
+            raise ValueError(f"classes must be integers >= 2, got {c!r}")
+    for r in rates:
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+            raise ValueError(f"rates must lie in (0, 1], got {r!r}")
+    cells = [SweepCell(c, float(r)) for c in classes for r in rates]
+    return [cell for cell in cells if cell.budget >= 1]
+
+
+def find_sweep_cell(name: str) -> SweepCell:
+    for cell in sweep_cells():
+        if cell.name == name:
+            return cell
+    raise ValueError(f"the sweep has no cell {name!r}; its cells are {[c.name for c in sweep_cells()]}")
+
+
+def sweep_config(cell: SweepCell, seed: int, quick: bool = False) -> dict:
+    """The job of one sweep run: :func:`features_config` at the cell's classes, its
+    sample rate, the seed."""
+    return cell_config(Cell(cell.name, cell.sample_rate), seed, quick=quick,
+                       base=features_config(cell.classes, quick))
+
+
+def run_sweep_cell(cell: SweepCell, seed: int, *, out_dir: str, name: str = SWEEP, threads: int = 1,
+                   quick: bool = False, force: bool = False, note: str | None = None, log=print) -> dict | None:
+    """Run one sweep (cell, seed) and record it in ``<out_dir>/<name>.json`` (None when
+    recorded already and not ``force``). The record holds the final held-out metrics,
+    the curve over training, the sampler's active negatives and absent classes per
+    step (:func:`batch_statistics`), steps/s and wall time."""
+    path = os.path.join(out_dir, f"{name}.json")
+    setup = features_config(cell.classes, quick)
+    data = load_results(path, SWEEP)
+    recorded = data.get("base_configs", {}).get(str(cell.classes))
+    if recorded not in (None, setup):
+        raise ValueError(f"{path} holds runs of another features setup at {cell.classes} classes "
+                         "(ds_pfc.experiments.features_config changed); record these in another --out or --name")
+    entry = _sweep_entry(data, cell, quick)
+    if not force and any(s["seed"] == seed for s in entry["seeds"]):
+        return None
+    config = sweep_config(cell, seed, quick)
+    summary, wall = _train(config, f"{SWEEP}/{cell.name} seed {seed}", threads=threads)
+    record = _run_record(summary, config, "synthetic_held_out", seed, wall, threads, single=True)
+    with _locked(path):
+        data = load_results(path, SWEEP)
+        entry = _sweep_entry(data, cell, quick)
+        entry["seeds"] = sorted([s for s in entry["seeds"] if s["seed"] != seed] + [record], key=lambda s: s["seed"])
+        data["machine"] = _machine()
+        data.setdefault("base_configs", {})[str(cell.classes)] = setup
+        data["scored_on"] = "synthetic_held_out"
+        data["setting"] = "identity features (ds_pfc.experiments.features_config), MLP backbone"
+        if note is not None:
+            data["note"] = note
+        _save_results(path, data)
+    tar = record["tar_at_far"].get("0.01")
+    log(f"{SWEEP}/{cell.name} seed {seed}: TAR@FAR=1e-2 {tar if tar is None else round(tar, 4)}, "
+        f"{record['active_negatives_mean']:.0f} active negatives/step, {record['steps']} steps, "
+        f"{record['steps_per_second']:.1f} steps/s, {wall:.0f} s")
+    return record
+
+
+def _sweep_entry(data: dict, cell: SweepCell, quick: bool) -> dict:
+    for entry in data["cells"]:
+        if entry["cell"] == cell.name:
+            return entry
+    entry = {"cell": cell.name, "classes": cell.classes, "sample_rate": cell.sample_rate, "budget": cell.budget,
+             "seeds": []}
+    if quick:
+        entry["quick"] = True
+    data["cells"].append(entry)
+    data["cells"].sort(key=lambda e: (e["classes"], -e["sample_rate"]))
+    return entry
+
+
+def write_sweep_report(out_dir: str, name: str = SWEEP) -> tuple[str, str | None]:
+    """``<name>.md`` (per cell: active negatives, absent classes, final TARs, steps/s)
+    and ``<name>.png`` (TAR@FAR=1e-2 over training, a panel per class count)."""
+    data = load_results(os.path.join(out_dir, f"{name}.json"), SWEEP)
+    cells = [e for e in data["cells"] if e["seeds"]]
+    fars = sorted({f for e in cells for s in e["seeds"] for f in s["tar_at_far"]}, key=float)
+    lines = [f"# {name}", "", "Classes C x sample rate r at a fixed batch and step count, identity-feature setting "
+             "(`ds_pfc.experiments.features_config`): held-out 1:1 verification, mean +- std over seeds; active "
+             "negatives and absent classes are means over the steps.", ""]
+    if data.get("note"):
+        lines += [f"**{data['note']}**", ""]
+    lines += ["| C | r | floor(rC) | seeds | active negatives/step | classes absent from a batch | "
+              "verification acc | " + " | ".join(f"TAR@FAR={f}" for f in fars) + " | steps/s | wall s |",
+              "|---|---|---|---|---|---|---|" + "---|" * len(fars) + "---|---|"]
+    for e in cells:
+        seeds = e["seeds"]
+        acc = _stats([s["verification_acc"] for s in seeds])
+        tars = " | ".join("{:.4f} +- {:.4f}".format(*_stats([s["tar_at_far"].get(f) for s in seeds])) for f in fars)
+        lines.append(f"| {e['classes']} | {e['sample_rate']:g} | {e['budget']} | {len(seeds)} | "
+                     f"{_stats([s['active_negatives_mean'] for s in seeds])[0]:.1f} | "
+                     f"{_stats([s['absent_class_share'] for s in seeds])[0]:.4f} | {acc[0]:.4f} +- {acc[1]:.4f} | "
+                     f"{tars} | {_stats([s['steps_per_second'] for s in seeds])[0]:.2f} | "
+                     f"{_stats([s['wall_seconds'] for s in seeds])[0]:.0f} |")
+    machine = data.get("machine", {})
+    lines += ["", f"Machine: {machine.get('cpu', '?')}, torch {machine.get('torch', '?')}; one process per run "
+              f"(`launch/experiments.py sweep`)."]
+    md = os.path.join(out_dir, f"{name}.md")
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    key = "0.01" if "0.01" in fars else (fars[-1] if fars else "verification_acc")
+    panels = [(f"C = {c}", [(f"r = {e['sample_rate']:g}", e["seeds"]) for e in cells if e["classes"] == c])
+              for c in sorted({e["classes"] for e in cells})]
+    png = _curve_plot([], key, name, os.path.join(out_dir, f"{name}.png"), panels=panels) if panels else None
     return md, png
