@@ -407,9 +407,9 @@ class FeaturesDataConfig:
     """Values per vector, a multiple of 3 (``ds_pfc.backbone.options.input_dim`` of the mlp)."""
     latent_dim: int = 32
     """Size of an identity's latent (and of an image's nuisance)."""
-    nuisance: float = 1.0
+    nuisance: float = 1.5
     """Strength of the per-image nuisance (0: images of an identity differ only by noise)."""
-    noise: float = 0.3
+    noise: float = 0.5
     """Strength of the per-value noise."""
     seed: int = 0
     """Defines the identities and their images."""

@@ -187,7 +187,7 @@ def features_config(classes: int, quick: bool = False) -> dict:
     Fixed at every class count (so that ``r`` and ``C`` move the number of active
     negatives both ways): batch ``FEATURES_BATCH``, ``FEATURES_STEPS`` steps (poly
     decay), SGD lr 0.1 with momentum, CosFace (s 32, m 0.3), 64-d embeddings from a
-    2 x 256 MLP on 96-d features (nuisance 1.0, noise 0.3), 8 images per identity,
+    2 x 256 MLP on 96-d features (nuisance 1.5, noise 0.5), 8 images per identity,
     2000 held-out identities and 6000 verification pairs scored ``FEATURES_EVALS``
     times over training. Quick (for tests): batch 16, 30 steps, 3 evaluations."""
     from .._checks import check_int
@@ -209,7 +209,7 @@ def features_config(classes: int, quick: bool = False) -> dict:
             "backbone": {"name": "mlp", "options": {"input_dim": 96, "hidden": 256, "depth": 2}},
             "data": {"source": "features",
                      "features": {"identities": classes, "images_per_identity": 8, "held_out_identities": held_out,
-                                  "feature_dim": 96, "latent_dim": 32, "nuisance": 1.0, "noise": 0.3, "seed": 0},
+                                  "feature_dim": 96, "latent_dim": 32, "nuisance": 1.5, "noise": 0.5, "seed": 0},
                      "flip": False, "workers": 0, "prefetch_batches": 4},
             # epochs only bounds max_steps: every class count and stress runs the same steps
             "train": {"epochs": 1e6, "max_steps": steps,

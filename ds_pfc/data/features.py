@@ -84,7 +84,7 @@ class IdentityFeatures(torch.utils.data.Dataset):
     """
 
     def __init__(self, num_identities: int, images_per_identity: int, *, feature_dim: int = 96,
-                 latent_dim: int = 32, nuisance: float = 1.0, noise: float = 0.3, first_identity: int = 0,
+                 latent_dim: int = 32, nuisance: float = 1.5, noise: float = 0.5, first_identity: int = 0,
                  seed: int = 0):
         self.num_identities = check_int("num_identities", num_identities, 1)
         self.images_per_identity = check_int("images_per_identity", images_per_identity, 1)
