@@ -389,3 +389,16 @@ def test_bad_diagnostics_config(edit, needle):
     edit(config["ds_pfc"])
     with pytest.raises(ConfigError, match=needle):
         Trainer(config)
+
+
+def test_turning_the_diagnostic_on_or_off_is_a_harmless_change_on_resume():
+    from ds_pfc.app.resume_changes import differences
+    on = copy.deepcopy(TINY)
+    on["ds_pfc"]["train"]["diagnostics"] = {"flip_mechanism": True, "every_steps": 2}
+    changes = differences(TINY, on)
+    assert {c.key for c in changes} == {"ds_pfc.train.diagnostics.flip_mechanism",
+                                        "ds_pfc.train.diagnostics.every_steps"}
+    assert {c.kind for c in changes} == {"harmless"}
+    off = copy.deepcopy(TINY)
+    off["ds_pfc"]["train"]["diagnostics"] = {"flip_mechanism": False}       # the default written out
+    assert differences(TINY, off) == []
