@@ -25,8 +25,8 @@ import torch
 from .._checks import ConfigError
 
 __all__ = ["MarginConfig", "OptimizerConfig", "BankConfig", "HeadConfig", "BackboneConfig", "SyntheticDataConfig",
-           "DataConfig", "ScheduleConfig", "InitConfig", "TrainConfig", "EvaluationConfig", "CheckpointConfig",
-           "DsPfcConfig", "split_config",
+           "DataConfig", "ScheduleConfig", "InitConfig", "DiagnosticsConfig", "TrainConfig", "EvaluationConfig",
+           "CheckpointConfig", "DsPfcConfig", "split_config",
            "from_dict", "DEEPSPEED_TOP_LEVEL_KEYS", "DEEPSPEED_REMOVED_KEYS", "ConfigError"]
 
 
@@ -650,6 +650,25 @@ class InitConfig:
 
 
 @dataclass(kw_only=True)
+class DiagnosticsConfig:
+    """Opt-in measurements written to ``summary.json`` beside the evaluations; off,
+    they cost nothing."""
+
+    flip_mechanism: bool = False
+    """Under ``ds_pfc.data.stress.label_flip``: how often the true class of a
+    flipped sample is an active negative, and how its center moves
+    (:mod:`ds_pfc.app.diagnostics`)."""
+    every_steps: int = 0
+    """Optimizer steps per reported interval (0: the evaluation intervals,
+    ``ds_pfc.evaluation.every_steps``, and the end of the run)."""
+
+    def __post_init__(self):
+        if not isinstance(self.every_steps, int) or isinstance(self.every_steps, bool) or self.every_steps < 0:
+            raise ConfigError(f"ds_pfc.train.diagnostics.every_steps must be an integer >= 0, "
+                              f"got {self.every_steps!r}")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """Length of training, schedule, logging and the output directory."""
 
@@ -667,6 +686,8 @@ class TrainConfig:
     """Checkpoints, exports and logs go here (relative to the working directory)."""
     init: InitConfig | None = None
     """Start from pretrained weights (null: random initialisation)."""
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    """Opt-in training diagnostics (all off by default)."""
 
     def __post_init__(self):
         _number(self.epochs, "ds_pfc.train.epochs", low=0, low_open=True)

@@ -422,6 +422,8 @@ def _run_record(summary: dict, config: dict, scored_on: str, seed: int, wall: fl
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if single:
         record.update(batch_statistics(config, summary["steps"]))
+    if "flip_mechanism" in summary:       # ds_pfc.train.diagnostics.flip_mechanism was on
+        record["flip_mechanism"] = summary["flip_mechanism"]
     return record
 
 

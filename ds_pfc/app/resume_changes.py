@@ -7,7 +7,7 @@ with its own and sorts every difference, by dotted key, into one of four kinds:
 - ``batch``: ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
   ``gradient_accumulation_steps``. Governed by the global-batch rule (the product
   micro x accumulation x ranks must stay, else ``allow_batch_change``).
-- ``harmless``: logging, monitors, evaluation, checkpoint cadence and retention,
+- ``harmless``: logging, monitors, diagnostics, evaluation, checkpoint cadence and retention,
   the output directory, data-loading workers, the NVMe bank directory, the head's
   kernel backend and block size, and the run's length (``ds_pfc.train.epochs``,
   ``max_steps``: extending or shortening a run is the usual reason to resume; with a
@@ -37,8 +37,8 @@ _HARMLESS = (
     "csv_monitor", "comet", "monitor_config", "timers", "dump_state", "log_level", "disable_python_gc", "aio",
     "checkpoint",
     "ds_pfc.description", "ds_pfc.train.log_every", "ds_pfc.train.output_dir", "ds_pfc.train.max_steps",
-    "ds_pfc.train.epochs", "ds_pfc.evaluation", "ds_pfc.checkpoint", "ds_pfc.data.workers",
-    "ds_pfc.data.decode",
+    "ds_pfc.train.epochs", "ds_pfc.train.diagnostics", "ds_pfc.evaluation", "ds_pfc.checkpoint",
+    "ds_pfc.data.workers", "ds_pfc.data.decode",
     "ds_pfc.data.prefetch_batches", "ds_pfc.head.bank.nvme_dir", "ds_pfc.head.backend", "ds_pfc.head.block_bytes",
     # Pretrained weights are read only by a fresh run.
     "ds_pfc.train.init.backbone", "ds_pfc.train.init.head",

@@ -153,6 +153,7 @@ class Trainer:
             self.cfg.train.max_steps = self.overrides["max_steps"] = max_steps
         self._log = log or (lambda line: print(line, flush=True))
         self._check_ds_config()
+        self._check_diagnostics()
 
     def _check_ds_config(self) -> None:
         ds = self.ds_config
@@ -179,9 +180,23 @@ class Trainer:
         from .run_outputs import check_monitor_packages
         check_monitor_packages(ds)          # tensorboard / wandb enabled without their package
 
+    def _check_diagnostics(self) -> None:
+        cfg = self.cfg
+        if not cfg.train.diagnostics.flip_mechanism:
+            return
+        if not cfg.data.stress.label_flip:
+            raise ConfigError("ds_pfc.train.diagnostics.flip_mechanism measures label flips: it needs "
+                              "ds_pfc.data.stress.label_flip > 0")
+        if not cfg.head.bank.is_default():
+            raise ConfigError("ds_pfc.train.diagnostics.flip_mechanism reads the centers between steps from the "
+                              "device bank: leave ds_pfc.head.bank at its default (device)")
+
     rank = 0
 
     _training_log = None
+
+    flip_mechanism = None
+    """The :class:`~ds_pfc.app.diagnostics.FlipMechanism` of the run (None: off)."""
 
     def log(self, line: str) -> None:
         if self.rank == 0:
@@ -270,6 +285,8 @@ class Trainer:
             raise RuntimeError(f"the engine runs micro batches of {resolved[0]} x {resolved[1]} accumulation steps, "
                                f"the app planned {self.micro} x {self.gas}")
         self.eval_sets = build_eval_sets(cfg)
+        if cfg.train.diagnostics.flip_mechanism:
+            self._setup_flip_mechanism()
         # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its true size.
         params = sum(getattr(p, "ds_numel", p.numel()) for p in backbone.parameters())
         self.log(f"ds_pfc: {self.world_size} rank(s) on {self.device.type}, backbone {cfg.backbone.name} "
@@ -279,6 +296,51 @@ class Trainer:
         self.log(f"data: {cfg.data.source}, {len(self.dataset)} images, {self.steps_per_epoch} steps/epoch of "
                  f"{self.micro} x {self.gas} x {self.world_size} = {self.micro * self.gas * self.world_size} images; "
                  f"{self.total_steps} steps")
+
+    def _setup_flip_mechanism(self) -> None:
+        """The flip-mechanism diagnostic and what it needs to know of every batch: the
+        training and true labels of the stressed set, by sample index."""
+        from .diagnostics import FlipMechanism
+        true_labels = getattr(self.dataset, "true_labels", None)
+        if true_labels is None:
+            raise ConfigError(f"ds_pfc.train.diagnostics.flip_mechanism: the training set "
+                              f"{type(self.dataset).__name__} does not know its labels before the flips")
+        self._flip_labels = (self.dataset.labels(), true_labels())
+        self._flip_shard = None           # (epoch, start, this rank's shard of the epoch)
+        self.flip_mechanism = FlipMechanism(self.head, seed=self.cfg.head.seed)
+
+    def _batch_true_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The true labels of the micro batch the sampler's position points at (the one
+        being trained on: the loop advances the sampler after it), checked against the
+        labels the loader delivered."""
+        s = self.sampler
+        if self._flip_shard is None or self._flip_shard[:2] != (s.epoch, s.start):
+            self._flip_shard = (s.epoch, s.start, s.shard())
+        index = self._flip_shard[2][s.consumed: s.consumed + self.micro]
+        train, true = self._flip_labels
+        if not torch.equal(train[index], labels.cpu()):
+            raise RuntimeError("flip_mechanism: the loader's batch does not match the sampler's position")
+        return true[index].to(labels.device)
+
+    def _close_flip_interval(self, step: int) -> None:
+        """Every rank: the flip-mechanism numbers of the steps since the last interval,
+        into the history (``summary.json``), the log and the monitors."""
+        numbers = self.flip_mechanism.interval()
+        if numbers["steps"][0] is None:
+            return
+        self.history.setdefault("flip_mechanism", {})[step] = numbers
+        self.log(f"flip mechanism steps {numbers['steps'][0]}-{numbers['steps'][1]}: {numbers['flipped']} flipped "
+                 f"samples, true class active {numbers['true_active_share']:.4f} (expected "
+                 f"{numbers['true_active_expected']:.4f}), dcos true {numbers['dcos_true']:+.2e} "
+                 f"(when active {numbers['dcos_true_active']:+.2e}) control {numbers['dcos_control']:+.2e}, "
+                 f"drift true {numbers['drift_true']:.2e} control {numbers['drift_control']:.2e}")
+        self._monitor([(f"Diagnostics/flip_{key}", numbers[key]) for key in
+                       ("true_active_share", "true_active_expected", "cos_true", "dcos_true", "dcos_control",
+                        "drift_true", "drift_control") if math.isfinite(numbers[key])])
+
+    def _flip_interval_due(self, step: int) -> bool:
+        every = self.cfg.train.diagnostics.every_steps or self.cfg.evaluation.every_steps
+        return bool(every) and step % every == 0 and step < self.total_steps
 
     def _load_init(self, init, backbone, head) -> None:
         """Pretrained weights (``ds_pfc.train.init``) into the backbone before DeepSpeed
@@ -633,6 +695,9 @@ class Trainer:
         resumed = self.resume()
         cfg, engine = self.cfg, self.engine
         summary = {"losses": self.history["losses"], "evaluations": self.history["evaluations"], "resumed": resumed}
+        flips = self.flip_mechanism
+        if flips is not None:
+            summary["flip_mechanism"] = self.history.setdefault("flip_mechanism", {})
         if not resumed and cfg.evaluation.every_steps:
             summary["evaluations"][0] = self.run_evaluation()
         step = engine.global_steps
@@ -644,7 +709,10 @@ class Trainer:
             step_loss = step_acc = 0.0
             for _ in range(self.gas):
                 images, labels = batch
-                out = self.head(engine(images), labels, return_details=True)
+                embeddings = engine(images)
+                out = self.head(embeddings, labels, return_details=True)
+                if flips is not None:
+                    flips.observe(embeddings, labels, self._batch_true_labels(labels))
                 engine.backward(out.loss)
                 self.sampler.advance(self.micro)
                 batch = next(batches)
@@ -655,6 +723,10 @@ class Trainer:
                 step_loss += loss_value / self.gas
                 step_acc += acc_value / self.gas
             step = engine.global_steps
+            if flips is not None:
+                flips.after_step(step)
+                if self._flip_interval_due(step):
+                    self._close_flip_interval(step)
             progress.samples += self.micro * self.gas * self.world_size
             summary["losses"].append(step_loss)
             window.append((step_loss, step_acc))
@@ -684,6 +756,8 @@ class Trainer:
         batches.close()
         if bar is not None:
             bar.close()
+        if flips is not None:
+            self._close_flip_interval(step)
         summary["train_elapsed_s"] = time.perf_counter() - progress.start
         summary["train_samples"] = progress.samples
         summary["evaluations"][step] = self.run_evaluation()
@@ -784,8 +858,11 @@ def _plain_evaluation(results) -> dict:
 def _plain_history(history: dict) -> dict:
     """The run history as plain Python data (checkpoints must load without this
     module's classes)."""
-    return {"start_step": int(history["start_step"]), "losses": [float(x) for x in history["losses"]],
-            "evaluations": {int(step): _plain_evaluation(r) for step, r in history["evaluations"].items()}}
+    plain = {"start_step": int(history["start_step"]), "losses": [float(x) for x in history["losses"]],
+             "evaluations": {int(step): _plain_evaluation(r) for step, r in history["evaluations"].items()}}
+    if history.get("flip_mechanism"):       # plain numbers already (FlipMechanism.interval)
+        plain["flip_mechanism"] = {int(step): dict(v) for step, v in history["flip_mechanism"].items()}
+    return plain
 
 
 def _restored_history(saved: dict | None, steps: int) -> dict:
@@ -797,7 +874,11 @@ def _restored_history(saved: dict | None, steps: int) -> dict:
     evaluations = {int(k): v for k, v in (saved.get("evaluations") or {}).items() if int(k) <= steps}
     if start + len(losses) != steps:
         start, losses = steps, []
-    return {"start_step": start, "losses": losses, "evaluations": evaluations}
+    restored = {"start_step": start, "losses": losses, "evaluations": evaluations}
+    flips = {int(k): v for k, v in (saved.get("flip_mechanism") or {}).items() if int(k) <= steps}
+    if flips:
+        restored["flip_mechanism"] = flips
+    return restored
 
 
 def _duration(seconds: float) -> str:

@@ -13,7 +13,10 @@ rerun with changed settings is refused, listing them, unless
 ``summary.json`` covers the whole run, across resumes: the loss of every step and
 every evaluation since step 1 (strict JSON: ``null`` where a value is not a finite
 number, e.g. a TAR the pairs cannot measure). ``training.log`` there holds rank 0's
-console lines of every run, each under a header line.
+console lines of every run, each under a header line. With
+``ds_pfc.train.diagnostics.flip_mechanism`` on, ``summary.json`` also holds the
+flip-mechanism numbers of every interval, keyed by the interval's last step (see
+ds_pfc/app/diagnostics.py).
 """
 from __future__ import annotations
 
@@ -127,6 +130,8 @@ def run(argv=None) -> dict:
                "checkpoint": summary["checkpoint"], "export": summary.get("export"),
                "evaluations": {str(step): _evaluation_json(results)
                                for step, results in sorted(summary["evaluations"].items())}}
+        if "flip_mechanism" in summary:       # ds_pfc.train.diagnostics.flip_mechanism
+            out["flip_mechanism"] = {str(step): numbers for step, numbers in sorted(summary["flip_mechanism"].items())}
         path = os.path.join(trainer.output_dir, "summary.json")
         atomic_write(path, strict_json(out).encode())     # a TAR that cannot be measured: null
         trainer.log(f"summary {path}")

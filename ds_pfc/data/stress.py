@@ -147,6 +147,7 @@ class StressedDataset(torch.utils.data.Dataset):
         num_classes = int(pieces.sum())
 
         # label flips: a uniformly chosen other class
+        true_labels = labels
         flipped = round(label_flip * len(labels))
         if flipped and num_classes < 2:
             raise ValueError("label_flip needs at least 2 classes")
@@ -157,6 +158,7 @@ class StressedDataset(torch.utils.data.Dataset):
             labels[which] = (labels[which] + shift) % num_classes
 
         self._index, self._labels, self._num_classes = index, labels, num_classes
+        self._true_labels = true_labels
         self.summary = StressSummary(base_images=len(base_labels), base_classes=num_base, images=len(index),
                                      classes=num_classes, tail_identities=int((tail & (counts > 0)).sum()),
                                      split_identities=int((split & (pieces > 1)).sum()), flipped=flipped)
@@ -171,6 +173,12 @@ class StressedDataset(torch.utils.data.Dataset):
     def labels(self) -> torch.Tensor:
         """int64 ``[len(self)]``: the corrupted training label of every item."""
         return self._labels.clone()
+
+    def true_labels(self) -> torch.Tensor:
+        """int64 ``[len(self)]``: every item's label before ``label_flip`` (after
+        ``conflict`` renumbering). A flip always changes the label, so the flipped items
+        are exactly those where it differs from :meth:`labels`."""
+        return self._true_labels.clone()
 
     def base_indices(self) -> torch.Tensor:
         """int64 ``[len(self)]``: the base dataset's index of every item."""
