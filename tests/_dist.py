@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 import tempfile
 
 import torch
@@ -48,15 +49,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def forget_deepspeed_groups() -> None:
+    """Drop what DeepSpeed cached from a process group: its world group, its data- and
+    model-parallel groups and its comm backend live in module globals, and a later
+    in-process run would otherwise meet groups of a destroyed process group ("Group
+    ... is not registered")."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                     "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+            if isinstance(getattr(groups, name, None), dict):
+                getattr(groups, name).clear()
+        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                     "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+                     "_MPU_TENSOR_MODEL_PARALLEL_RANK", "mpu", "mesh_device"):
+            if hasattr(groups, name):
+                setattr(groups, name, None)
+    sequence_parallel = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    if sequence_parallel is not None and hasattr(sequence_parallel, "_release_sequence_parallel_groups"):
+        sequence_parallel._release_sequence_parallel_groups()
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None:
+        comm.cdb = None
+
+
 @contextlib.contextmanager
 def one_process_world():
     """The ``env://`` variables of a one-process world on a free port, for running the
     app in-process; afterwards the process group is destroyed, DeepSpeed's CPU
-    shared-memory buffers of that port are removed and the variables restored."""
+    shared-memory buffers of that port are removed and the variables restored. DeepSpeed's
+    cached groups are dropped on entry and on exit: a world starts with none of another's."""
     import glob
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
     port = free_port()
+    forget_deepspeed_groups()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -64,6 +91,7 @@ def one_process_world():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        forget_deepspeed_groups()
         for name in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
             os.remove(name)
         for k, v in saved.items():

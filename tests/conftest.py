@@ -60,22 +60,7 @@ def _forget_process_groups():
     registered")."""
     yield
     import torch.distributed as dist
+    from _dist import forget_deepspeed_groups
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None:
-        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-                     "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
-            if isinstance(getattr(groups, name, None), dict):
-                getattr(groups, name).clear()
-        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
-                     "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
-                     "_MPU_TENSOR_MODEL_PARALLEL_RANK", "mpu", "mesh_device"):
-            if hasattr(groups, name):
-                setattr(groups, name, None)
-    sequence_parallel = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
-    if sequence_parallel is not None and hasattr(sequence_parallel, "_release_sequence_parallel_groups"):
-        sequence_parallel._release_sequence_parallel_groups()
-    comm = sys.modules.get("deepspeed.comm.comm")
-    if comm is not None:
-        comm.cdb = None
+    forget_deepspeed_groups()

@@ -13,7 +13,6 @@ here: a stand-in ``wandb`` module records the calls DeepSpeed's W&B monitor make
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import math
 import os
@@ -27,7 +26,6 @@ from _dist import one_process_world
 
 pytest.importorskip("deepspeed")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, MORE = 3, 5
 SCALE_POWER = 8
 
@@ -65,10 +63,10 @@ def _strict_loads(text: str):
 
 
 def _train_main():
-    launch = os.path.join(ROOT, "launch")
-    if launch not in sys.path:
-        sys.path.insert(0, launch)
-    return importlib.import_module("train").main
+    """The train command's in-process entry: ``run`` trains and returns, leaving the
+    process group to the caller (``main`` also leaves it, as a launched process does)."""
+    from ds_pfc.cli.train import run
+    return run
 
 
 class _FakeWandb(types.ModuleType):
