@@ -240,7 +240,8 @@ QUICK = "quick"
 def cell_config(cell: Cell, seed: int, *, quick: bool = False, base: dict | None = None) -> dict:
     """The job JSON of one run: the base config (``base``, a job of your own, or
     :func:`base_config`) with the cell's setting and the seed. A conflict cell sizes
-    the head for the pseudo-classes of the stressed training set."""
+    the head for the pseudo-classes of the stressed training set; a label-flip cell of
+    the features setting turns on the flip-mechanism diagnostic."""
     config = copy.deepcopy(base) if base is not None else base_config(quick)
     pfc = config["ds_pfc"]
     head, data = pfc["head"], pfc.setdefault("data", {})
@@ -261,6 +262,9 @@ def cell_config(cell: Cell, seed: int, *, quick: bool = False, base: dict | None
         if cell.stress.get("conflict"):       # pseudo-classes: the head has a class per piece
             head["num_classes"] = _stressed_classes(config, stress, head["num_classes"])
         data["stress"] = stress
+        if cell.stress.get("label_flip") and source == "features":
+            # the many-class studies log the paper's mechanism next to the accuracy
+            pfc["train"].setdefault("diagnostics", {})["flip_mechanism"] = True
     return config
 
 
