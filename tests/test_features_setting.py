@@ -255,6 +255,61 @@ def test_sweep_cells():
         sweep_cells((1000,), (0.0,))
 
 
+def test_label_flip_cells_of_the_features_setting_log_the_mechanism():
+    from ds_pfc.app.experiments import STUDIES, base_config, cell_config, features_config
+    by_name = {c.name: c for c in STUDIES["label_flip"]}
+    on = lambda config: config["ds_pfc"].get("train", {}).get("diagnostics", {}).get("flip_mechanism", False)
+    features = features_config(300, quick=True)
+    assert on(cell_config(by_name["flip40/PFC-0.1"], 0, quick=True, base=features))
+    assert on(cell_config(by_name["flip20/FC-1"], 0, quick=True, base=features))
+    assert not on(cell_config(by_name["flip0/FC-1"], 0, quick=True, base=features))        # nothing flipped
+    assert not on(cell_config(by_name["flip40/PFC-0.1"], 0, quick=True, base=base_config(quick=True)))
+    assert not on(features)                                                               # the base is untouched
+
+
+def _seed_with_curve(values, **extra):
+    curve = [{"step": 100 * i, "verification_acc": 0.5, "tar_at_far": {"0.01": v}} for i, v in enumerate(values)]
+    return dict({"curve": curve}, **extra)
+
+
+def test_curve_peak_is_the_best_point_of_the_mean_curve():
+    from ds_pfc.app.experiments import curve_peak
+    seeds = [_seed_with_curve([0.1, 0.6, 0.5, 0.2]), _seed_with_curve([0.3, 0.4, 0.7, 0.4])]
+    # mean curve 0.2, 0.5, 0.6, 0.3: best 0.6 at step 200, final 0.3
+    peak, step, final = curve_peak(seeds)
+    assert (step, peak, final) == (200, pytest.approx(0.6), pytest.approx(0.3))
+    assert curve_peak([_seed_with_curve([None, None, None])]) is None                # no measurable TAR
+    assert curve_peak([_seed_with_curve([0.4])]) is None                             # one point is no curve
+    assert curve_peak([_seed_with_curve([0.4, 0.4])])[1] == 0                        # a tie: the earliest
+
+
+def test_mechanism_means_weight_intervals_by_their_flipped_samples(tmp_path):
+    from ds_pfc.app.experiments import MECHANISM_KEYS, mechanism_means, write_report
+
+    def interval(lo, hi, flipped, share):
+        values = {k: share * 2 for k in MECHANISM_KEYS}
+        values.update(steps=[lo, hi], flipped=flipped, true_active_share=share)
+        return values
+    seed = {"flip_mechanism": {"10": interval(1, 10, 5, 0.2), "20": interval(11, 20, 15, 0.6),
+                               "30": interval(21, 30, 0, 0.0)}}
+    means = mechanism_means(seed)
+    assert means["true_active_share"] == pytest.approx((5 * 0.2 + 15 * 0.6) / 20)
+    assert means["dcos_true"] == pytest.approx((5 * 0.4 + 15 * 1.2) / 20)
+    assert mechanism_means(seed, first_step=10)["true_active_share"] == pytest.approx(0.6)
+    assert mechanism_means({}) is None
+    # the label-flip report tabulates them next to the accuracy
+    record = dict(_seed_with_curve([0.2, 0.5, 0.4]), seed=0, verification_acc=0.8, tar_at_far={"0.01": 0.4},
+                  images_per_second=100.0, active_negatives_mean=12.0, flip_mechanism=seed["flip_mechanism"])
+    data = {"experiment": "label_flip", "cells": [{"cell": "flip40/PFC-0.1", "seeds": [record]}],
+            "setting": "identity features, 300 classes, MLP backbone"}
+    with open(tmp_path / "label_flip.json", "w") as f:
+        json.dump(data, f)
+    md, _ = write_report("label_flip", str(tmp_path))
+    text = open(md).read()
+    assert "| flip40/PFC-0.1 | 1 | 0.8000 +- 0.0000 | 0.4000 +- 0.0000 | 0.5000 (100) | 12 |" in text
+    assert "| flip40/PFC-0.1 | 0.500 | 1.000 |" in text       # intervals ending after step 3, by flipped samples
+
+
 @pytest.mark.parametrize("rate", [1.0, 0.1, 0.01])
 def test_batch_statistics_replay_the_trainers_batches(rate):
     """Reference: the sampler walked index by index as the trainer consumes it (a new
@@ -321,8 +376,9 @@ def test_quick_sweep_run_records_curves_and_sampling(tmp_path):
     assert data["base_configs"]["1000"]["ds_pfc"]["data"]["source"] == "features"
     md = open(os.path.join(out, "q.md")).read()
     assert "| 1000 | 0.1 | 100 | 1 |" in md and "a quick test" in md
-    out2 = _run("sweep", "--quick", "--classes", "1000", "--rate", "0.1", "--seeds", "1", "--out", out, "--name", "q")
-    assert "recorded already" in out2
+    # a recorded (cell, seed) is not run again
+    from ds_pfc.app.experiments import SweepCell, run_sweep_cell
+    assert run_sweep_cell(SweepCell(1000, 0.1), 0, out_dir=out, name="q", quick=True, log=pytest.fail) is None
 
 
 def test_quick_study_on_the_features_setting(tmp_path):

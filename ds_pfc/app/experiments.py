@@ -61,7 +61,7 @@ import torch
 __all__ = ["Cell", "STUDIES", "base_config", "cell_config", "run_cell", "scoring_set", "load_results",
            "write_report", "PAPER", "QUICK", "SETTINGS", "features_config", "setting_config", "batch_statistics",
            "SweepCell", "SWEEP_CLASSES", "SWEEP_RATES", "sweep_cells", "sweep_config", "run_sweep_cell",
-           "write_sweep_report"]
+           "write_sweep_report", "curve_peak", "mechanism_means", "MECHANISM_KEYS"]
 
 FILTER_TAU = 0.4
 """The paper's conflict-filter threshold (Table webface_robustness)."""
@@ -539,17 +539,30 @@ def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
     else:
         where = f"the evaluation set {scored_on!r}"
     setting = f" Setting: {data['setting']}." if data.get("setting") else ""
+    key = "0.01" if "0.01" in fars else (fars[-1] if fars else "verification_acc")
+    seeds_of = {e["cell"]: e["seeds"] for e in data["cells"]}
+    peaks = {r["cell"]: curve_peak(seeds_of[r["cell"]], key) for r in rows}
+    with_peaks = any(p is not None for p in peaks.values())
+    negatives = any("active_negatives_mean" in s for e in data["cells"] for s in e["seeds"])
+    peak_head = f" best TAR@FAR={key} over training (step) |" if with_peaks else ""
+    neg_head = " active negatives/step |" if negatives else ""
     lines = [f"# {study}", "", f"Held-out 1:1 verification on {where}, mean +- std over seeds; "
              f"{PAPER_NOTES[study]}.{setting}", "",
              "| cell | seeds | verification acc | " + " | ".join(f"TAR@FAR={f}" for f in fars)
-             + " | images/s | paper |",
-             "|---|---|---|" + "---|" * len(fars) + "---|---|"]
+             + f" |{peak_head}{neg_head} images/s | paper |",
+             "|---|---|---|" + "---|" * len(fars) + "---|" * (with_peaks + negatives) + "---|---|"]
     for r in rows:
         acc = r["accuracy"]
         tars = " | ".join(f"{r['tar_at_far'][f][0]:.4f} +- {r['tar_at_far'][f][1]:.4f}" for f in fars)
         paper = "-" if r["paper"] is None else f"{r['paper']:.1f}"
-        lines.append(f"| {r['cell']} | {r['seeds']} | {acc[0]:.4f} +- {acc[1]:.4f} | {tars} | "
+        extra = ""
+        if with_peaks:
+            extra += f" {_peak_text(peaks[r['cell']])} |"
+        if negatives:
+            extra += f" {_stats([s.get('active_negatives_mean') for s in seeds_of[r['cell']]])[0]:.0f} |"
+        lines.append(f"| {r['cell']} | {r['seeds']} | {acc[0]:.4f} +- {acc[1]:.4f} | {tars} |{extra} "
                      f"{r['images_per_second']:.0f} | {paper} |")
+    lines += _mechanism_table(data)
     machine = data.get("machine", {})
     threads = sorted({s.get("threads", 1) for e in data["cells"] for s in e["seeds"]}) or [1]
     per = "one thread" if threads == [1] else f"{'/'.join(map(str, threads))} threads"
@@ -563,7 +576,6 @@ def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")
     if curves:
-        key = "0.01" if "0.01" in fars else (fars[-1] if fars else "verification_acc")
         _curve_plot(curves, key, f"{study} over training ({where})", os.path.join(out_dir, f"{study}_curves.png"))
     try:
         import matplotlib
@@ -590,6 +602,35 @@ def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
     return md, png
 
 
+def _peak_text(peak: tuple[float, int, float] | None) -> str:
+    return "-" if peak is None else f"{peak[0]:.4f} ({peak[1]})"
+
+
+def _mechanism_table(data: dict) -> list[str]:
+    """Markdown lines: the flip-mechanism means per cell (mean +- std over seeds), over
+    the intervals after the first tenth of training; empty without such records."""
+    cells = [(e["cell"], e["seeds"]) for e in data["cells"] if any("flip_mechanism" in s for s in e["seeds"])]
+    if not cells:
+        return []
+    last = max(int(k) for _, seeds in cells for s in seeds for k in s.get("flip_mechanism", {}))
+    first = last // 10
+    lines = ["", f"Flip mechanism (`ds_pfc.train.diagnostics.flip_mechanism`), over the flipped samples of steps "
+             f"{first + 1}-{last}, mean +- std over seeds: how often a flipped sample's true class was active "
+             "(and what uniform sampling gives for the same batches), the cosine of the image to its true center, "
+             "and how much that cosine changes per step, against a control class that is only a negative:", "",
+             "| cell | true class active | expected | cos(image, true) | dcos true/step | dcos true when active "
+             "| dcos control/step | turn true | turn control |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, seeds in cells:
+        means = [m for m in (mechanism_means(s, first) for s in seeds) if m is not None]
+        cols = []
+        for key in MECHANISM_KEYS:
+            mean, std = _stats([m[key] for m in means])
+            cols.append(f"{mean:.3f}" if key.startswith("true_active") else f"{mean:.2e} +- {std:.1e}")
+        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    return lines
+
+
 # ---------------------------------------------------------------------------- curves
 def _mean_curve(seeds: list[dict], key: str) -> tuple[list[int], list[float], list[float]]:
     """Steps, mean and std over seeds of a curve value (``verification_acc`` or a FAR)."""
@@ -601,6 +642,39 @@ def _mean_curve(seeds: list[dict], key: str) -> tuple[list[int], list[float], li
     steps = sorted(by_step)
     stats = [_stats(by_step[step]) for step in steps]
     return steps, [m for m, _ in stats], [d for _, d in stats]
+
+
+def curve_peak(seeds: list[dict], key: str = "0.01") -> tuple[float, int, float] | None:
+    """``(peak, step of the peak, final)`` of the mean-over-seeds curve of ``key`` (a
+    FAR or ``verification_acc``): where a run's held-out score was best, and how far it
+    fell from there by the end. None without a curve of two or more points."""
+    steps, mean, _ = _mean_curve(seeds, key)
+    points = [(m, step) for step, m in zip(steps, mean) if not math.isnan(m)]
+    if len(points) < 2:
+        return None
+    best, at = max(points, key=lambda p: (p[0], -p[1]))
+    return best, at, points[-1][0]
+
+
+MECHANISM_KEYS = ("true_active_share", "true_active_expected", "cos_true", "dcos_true", "dcos_true_active",
+                  "dcos_control", "drift_true", "drift_control")
+"""The flip-mechanism numbers a label-flip report tabulates (``ds_pfc.app.diagnostics``)."""
+
+
+def mechanism_means(seed: dict, first_step: int = 0) -> dict[str, float] | None:
+    """One run's flip-mechanism numbers over its intervals that end after
+    ``first_step``, each weighted by the interval's flipped samples (the control ones
+    by its control samples); None when the run has no such record."""
+    intervals = [v for v in seed.get("flip_mechanism", {}).values() if v["steps"][1] > first_step]
+    if not intervals:
+        return None
+    out = {}
+    for key in MECHANISM_KEYS:
+        weight = "controls" if key.endswith("control") and "controls" in intervals[0] else "flipped"
+        pairs = [(v[key], v.get(weight, v["flipped"])) for v in intervals if v.get(key) is not None]
+        total = sum(w for _, w in pairs)
+        out[key] = sum(x * w for x, w in pairs) / total if total else math.nan
+    return out
 
 
 def _curve_plot(series: list[tuple[str, list[dict]]], key: str, title: str, path: str, panels=None) -> str | None:
@@ -747,9 +821,11 @@ def write_sweep_report(out_dir: str, name: str = SWEEP) -> tuple[str, str | None
              "negatives and absent classes are means over the steps.", ""]
     if data.get("note"):
         lines += [f"**{data['note']}**", ""]
+    key = "0.01" if "0.01" in fars else (fars[-1] if fars else "verification_acc")
     lines += ["| C | r | floor(rC) | seeds | active negatives/step | classes absent from a batch | "
-              "verification acc | " + " | ".join(f"TAR@FAR={f}" for f in fars) + " | steps/s | wall s |",
-              "|---|---|---|---|---|---|---|" + "---|" * len(fars) + "---|---|"]
+              "verification acc | " + " | ".join(f"TAR@FAR={f}" for f in fars)
+              + f" | best TAR@FAR={key} over training (step) | steps/s | wall s |",
+              "|---|---|---|---|---|---|---|" + "---|" * len(fars) + "---|---|---|"]
     for e in cells:
         seeds = e["seeds"]
         acc = _stats([s["verification_acc"] for s in seeds])
@@ -757,7 +833,8 @@ def write_sweep_report(out_dir: str, name: str = SWEEP) -> tuple[str, str | None
         lines.append(f"| {e['classes']} | {e['sample_rate']:g} | {e['budget']} | {len(seeds)} | "
                      f"{_stats([s['active_negatives_mean'] for s in seeds])[0]:.1f} | "
                      f"{_stats([s['absent_class_share'] for s in seeds])[0]:.4f} | {acc[0]:.4f} +- {acc[1]:.4f} | "
-                     f"{tars} | {_stats([s['steps_per_second'] for s in seeds])[0]:.2f} | "
+                     f"{tars} | {_peak_text(curve_peak(seeds, key))} | "
+                     f"{_stats([s['steps_per_second'] for s in seeds])[0]:.2f} | "
                      f"{_stats([s['wall_seconds'] for s in seeds])[0]:.0f} |")
     machine = data.get("machine", {})
     lines += ["", f"Machine: {machine.get('cpu', '?')}, torch {machine.get('torch', '?')}; one process per run "
