@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ds_pfc.data import DistributedIdentitySampler, IdentityFeatures, MicroBatchLoader, StressedDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PILOT = os.path.join(ROOT, "benchmarks", "results", "paper", "sweep_pilot.json")
+SWEEP = os.path.join(ROOT, "benchmarks", "results", "paper", "sweep.json")
 
 
 # --- data source -----------------------------------------------------------------------
@@ -410,7 +410,7 @@ def test_cli_refuses_bad_combinations(args, message, capsys):
     assert err.value.code == 2 and message in capsys.readouterr().err
 
 
-# --- the recorded pilot ----------------------------------------------------------------
+# --- the recorded sweep ----------------------------------------------------------------
 
 RERUN = ("C1000/FC-1", 0)
 """The recorded cell the re-run checks, and the documented command (docs/paper-studies.md)."""
@@ -428,12 +428,12 @@ def test_documented_rerun_command_parses():
 
 
 @pytest.mark.slow
-def test_a_recorded_pilot_cell_reruns_to_its_value(tmp_path):
-    """Re-runs C1000/FC-1 seed 0 of the committed pilot: its held-out TARs within 0.02."""
+def test_a_recorded_sweep_cell_reruns_to_its_value(tmp_path):
+    """Re-runs C1000/FC-1 seed 0 of the committed sweep: its held-out TARs within 0.02."""
     pytest.importorskip("deepspeed")
-    with open(PILOT) as f:
-        pilot = json.load(f)
-    entry = next(e for e in pilot["cells"] if e["cell"] == RERUN[0])
+    with open(SWEEP) as f:
+        sweep = json.load(f)
+    entry = next(e for e in sweep["cells"] if e["cell"] == RERUN[0])
     recorded = next(s for s in entry["seeds"] if s["seed"] == RERUN[1])
     _run(*RERUN_COMMAND, "--out", str(tmp_path), timeout=1800)
     with open(os.path.join(str(tmp_path), "sweep_rerun.json")) as f:
