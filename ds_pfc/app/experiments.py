@@ -576,7 +576,14 @@ def write_report(study: str, out_dir: str) -> tuple[str, str | None]:
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")
     if curves:
-        _curve_plot(curves, key, f"{study} over training ({where})", os.path.join(out_dir, f"{study}_curves.png"))
+        # cells named "<group>/<method>" (label_flip's noise levels): a panel per group
+        groups: dict[str, list] = {}
+        for name, seeds in curves:
+            group, _, method = name.rpartition("/")
+            groups.setdefault(group, []).append((method, seeds))
+        panels = [(f"{study} {group} ({where})", lines) for group, lines in groups.items()] if len(groups) > 1 else None
+        _curve_plot(curves, key, f"{study} over training ({where})", os.path.join(out_dir, f"{study}_curves.png"),
+                    panels=panels)
     try:
         import matplotlib
         matplotlib.use("Agg")
