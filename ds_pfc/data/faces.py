@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from .._checks import check_int
+from .synthetic import draw_pairs
 
 __all__ = ["SyntheticFaces"]
 
@@ -285,18 +286,8 @@ class SyntheticFaces(Dataset):
             raise ValueError(f"pairs needs num_identities >= 2 for its 'different' pairs, got {self.num_identities}")
         g = torch.Generator().manual_seed(_hash_seed("pairs", self.seed, self.first_identity, self.num_identities,
                                                      self.images_per_identity, num_pairs, seed))
-        same = torch.zeros(num_pairs, dtype=torch.bool)
-        same[torch.randperm(num_pairs, generator=g)[:num_same]] = True
-        first = torch.randint(0, self.num_identities, (num_pairs,), generator=g)
-        # A different identity: shift by 1 .. num_identities - 1 (modulo).
-        shift = torch.randint(1, max(self.num_identities, 2), (num_pairs,), generator=g) % self.num_identities
-        second = torch.where(same, first, (first + shift) % self.num_identities)
-        # Fresh image numbers above the training ones; the two images of a pair differ.
-        span = 1 << 30
-        n1 = torch.randint(0, span, (num_pairs,), generator=g)
-        n2 = (n1 + torch.randint(1, span, (num_pairs,), generator=g)) % span
-        identities = torch.stack([first, second], 1).reshape(-1) + self.first_identity
-        numbers = torch.stack([n1, n2], 1).reshape(-1) + self.images_per_identity
+        identities, numbers, same = draw_pairs(num_pairs, self.num_identities, self.first_identity,
+                                               self.images_per_identity, g)
         return self.render(identities, numbers), same.tolist()
 
     # -- rendering -----------------------------------------------------------------------

@@ -34,6 +34,7 @@ import torch
 
 from .._checks import check_int
 from .._rng import _GAMMA, _MUL1, _MUL2, _chain, _signed, generator_for
+from .synthetic import draw_pairs
 
 __all__ = ["IdentityFeatures"]
 
@@ -166,16 +167,8 @@ class IdentityFeatures(torch.utils.data.Dataset):
             raise ValueError(f"pairs needs num_identities >= 2 for its 'different' pairs, got {self.num_identities}")
         g = generator_for(self.seed, _PAIRS, self.first_identity, self.num_identities, self.images_per_identity,
                           num_pairs, seed)
-        same = torch.zeros(num_pairs, dtype=torch.bool)
-        same[torch.randperm(num_pairs, generator=g)[:num_same]] = True
-        first = torch.randint(0, self.num_identities, (num_pairs,), generator=g)
-        shift = torch.randint(1, max(self.num_identities, 2), (num_pairs,), generator=g) % self.num_identities
-        second = torch.where(same, first, (first + shift) % self.num_identities)
-        span = 1 << 30
-        n1 = torch.randint(0, span, (num_pairs,), generator=g)
-        n2 = (n1 + torch.randint(1, span, (num_pairs,), generator=g)) % span
-        identities = torch.stack([first, second], 1).reshape(-1) + self.first_identity
-        numbers = torch.stack([n1, n2], 1).reshape(-1) + self.images_per_identity
+        identities, numbers, same = draw_pairs(num_pairs, self.num_identities, self.first_identity,
+                                               self.images_per_identity, g)
         return self._as_images(self.vectors(identities, numbers)), same.tolist()
 
     def __repr__(self) -> str:

@@ -13,6 +13,30 @@ import torch.nn.functional as F
 __all__ = ["SyntheticIdentities", "verification_accuracy"]
 
 
+def draw_pairs(num_pairs: int, num_identities: int, first_identity: int, images_per_identity: int,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The identities and image numbers of ``num_pairs`` 1:1 verification pairs, in
+    insightface ``.bin`` order (pair ``i`` is entries ``2i`` and ``2i + 1``), and their
+    ``issame`` mask. ``num_pairs // 2`` pairs are "same" (two different images of one
+    identity), the rest of two different identities, shuffled; the image numbers are
+    ``>= images_per_identity`` (never a training image). The caller checks the
+    arguments; a pure function of them and ``generator``'s state."""
+    num_same = num_pairs // 2
+    same = torch.zeros(num_pairs, dtype=torch.bool)
+    same[torch.randperm(num_pairs, generator=generator)[:num_same]] = True
+    first = torch.randint(0, num_identities, (num_pairs,), generator=generator)
+    # A different identity: shift by 1 .. num_identities - 1 (modulo).
+    shift = torch.randint(1, max(num_identities, 2), (num_pairs,), generator=generator) % num_identities
+    second = torch.where(same, first, (first + shift) % num_identities)
+    # Fresh image numbers above the training ones; the two images of a pair differ.
+    span = 1 << 30
+    n1 = torch.randint(0, span, (num_pairs,), generator=generator)
+    n2 = (n1 + torch.randint(1, span, (num_pairs,), generator=generator)) % span
+    identities = torch.stack([first, second], 1).reshape(-1) + first_identity
+    numbers = torch.stack([n1, n2], 1).reshape(-1) + images_per_identity
+    return identities, numbers, same
+
+
 class SyntheticIdentities:
     """Identity ``c`` has a latent ``z_c``; an input is ``A z_c + B v + noise`` where the
     nuisance ``v`` (pose, lighting, ...) is redrawn for every image and dominates the
