@@ -670,15 +670,14 @@ MECHANISM_KEYS = ("true_active_share", "true_active_expected", "cos_true", "dcos
 
 def mechanism_means(seed: dict, first_step: int = 0) -> dict[str, float] | None:
     """One run's flip-mechanism numbers over its intervals that end after
-    ``first_step``, each weighted by the interval's flipped samples (the control ones
-    by its control samples); None when the run has no such record."""
+    ``first_step``, each weighted by the interval's flipped samples (a control class is
+    drawn per flipped sample); None when the run has no such record."""
     intervals = [v for v in seed.get("flip_mechanism", {}).values() if v["steps"][1] > first_step]
     if not intervals:
         return None
     out = {}
     for key in MECHANISM_KEYS:
-        weight = "controls" if key.endswith("control") and "controls" in intervals[0] else "flipped"
-        pairs = [(v[key], v.get(weight, v["flipped"])) for v in intervals if v.get(key) is not None]
+        pairs = [(v[key], v["flipped"]) for v in intervals if v.get(key) is not None]
         total = sum(w for _, w in pairs)
         out[key] = sum(x * w for x, w in pairs) / total if total else math.nan
     return out

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from .._checks import check_int
-from .synthetic import draw_pairs
+from .synthetic import check_pair_arguments, draw_pairs
 
 __all__ = ["SyntheticFaces"]
 
@@ -278,12 +278,7 @@ class SyntheticFaces(Dataset):
         training set never show a training image. A pure function of the dataset and
         ``seed``. Needs ``num_identities >= 2`` when there is a "different" pair.
         """
-        num_pairs = check_int("num_pairs", num_pairs, 1)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-        num_same = num_pairs // 2
-        if num_pairs - num_same > 0 and self.num_identities < 2:
-            raise ValueError(f"pairs needs num_identities >= 2 for its 'different' pairs, got {self.num_identities}")
+        num_pairs = check_pair_arguments(num_pairs, seed, self.num_identities)
         g = torch.Generator().manual_seed(_hash_seed("pairs", self.seed, self.first_identity, self.num_identities,
                                                      self.images_per_identity, num_pairs, seed))
         identities, numbers, same = draw_pairs(num_pairs, self.num_identities, self.first_identity,

@@ -34,7 +34,7 @@ import torch
 
 from .._checks import check_int
 from .._rng import _GAMMA, _MUL1, _MUL2, _chain, _signed, generator_for
-from .synthetic import draw_pairs
+from .synthetic import check_pair_arguments, draw_pairs
 
 __all__ = ["IdentityFeatures"]
 
@@ -159,12 +159,7 @@ class IdentityFeatures(torch.utils.data.Dataset):
         ``2i + 1``; ``P // 2`` "same" pairs (two different images of one identity), the
         rest of two different identities, shuffled. The images are new (image numbers
         ``>= images_per_identity``). A pure function of the dataset and ``seed``."""
-        num_pairs = check_int("num_pairs", num_pairs, 1)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-        num_same = num_pairs // 2
-        if num_pairs - num_same > 0 and self.num_identities < 2:
-            raise ValueError(f"pairs needs num_identities >= 2 for its 'different' pairs, got {self.num_identities}")
+        num_pairs = check_pair_arguments(num_pairs, seed, self.num_identities)
         g = generator_for(self.seed, _PAIRS, self.first_identity, self.num_identities, self.images_per_identity,
                           num_pairs, seed)
         identities, numbers, same = draw_pairs(num_pairs, self.num_identities, self.first_identity,

@@ -10,7 +10,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._checks import check_int
+
 __all__ = ["SyntheticIdentities", "verification_accuracy"]
+
+
+def check_pair_arguments(num_pairs, seed, num_identities: int) -> int:
+    """``num_pairs`` checked (an int >= 1), after ``seed`` (an int) and that a
+    "different" pair has two identities to draw from; raises naming the argument."""
+    num_pairs = check_int("num_pairs", num_pairs, 1)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if num_pairs - num_pairs // 2 > 0 and num_identities < 2:
+        raise ValueError(f"pairs needs num_identities >= 2 for its 'different' pairs, got {num_identities}")
+    return num_pairs
 
 
 def draw_pairs(num_pairs: int, num_identities: int, first_identity: int, images_per_identity: int,
@@ -20,7 +33,8 @@ def draw_pairs(num_pairs: int, num_identities: int, first_identity: int, images_
     ``issame`` mask. ``num_pairs // 2`` pairs are "same" (two different images of one
     identity), the rest of two different identities, shuffled; the image numbers are
     ``>= images_per_identity`` (never a training image). The caller checks the
-    arguments; a pure function of them and ``generator``'s state."""
+    arguments (:func:`check_pair_arguments`); a pure function of them and
+    ``generator``'s state."""
     num_same = num_pairs // 2
     same = torch.zeros(num_pairs, dtype=torch.bool)
     same[torch.randperm(num_pairs, generator=generator)[:num_same]] = True
