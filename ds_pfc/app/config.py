@@ -234,6 +234,9 @@ class BankConfig:
     """Directory of the NVMe bank files (required when a state is on nvme)."""
     resume: bool = False
     """Reopen existing NVMe bank files instead of creating them."""
+    host_access: str = "staged"
+    """How rows move: staged (an I/O thread and page-locked staging buffers) or mapped (GPU
+    kernels read and write the tables in place; device and host tiers only)."""
 
     def _placement(self, value, where):
         from ..bank.tiered import TIERS
@@ -253,6 +256,10 @@ class BankConfig:
             raise ConfigError(f"ds_pfc.head.bank.placements must be an object, got {self.placements!r}")
         for name, value in self.placements.items():
             self._placement(value, f"ds_pfc.head.bank.placements.{name}")
+        from ..bank.tiered import HOST_ACCESS
+        if self.host_access not in HOST_ACCESS:
+            raise ConfigError(f"ds_pfc.head.bank.host_access must be one of {list(HOST_ACCESS)}, "
+                              f"got {self.host_access!r}")
 
     def is_default(self) -> bool:
         return self.default == "device" and not self.placements
@@ -265,7 +272,8 @@ class BankConfig:
         try:
             return TieredBank.factory(
                 {n: self._placement(v, n) for n, v in self.placements.items()},
-                default=self._placement(self.default, "default"), nvme_dir=self.nvme_dir, resume=self.resume)
+                default=self._placement(self.default, "default"), nvme_dir=self.nvme_dir, resume=self.resume,
+                host_access=self.host_access)
         except (TypeError, ValueError, FileNotFoundError) as err:
             raise ConfigError(f"ds_pfc.head.bank: {err}") from None
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -49,11 +50,13 @@ class Slot:
     """
 
     def __init__(self, rows: torch.Tensor, states: dict[str, torch.Tensor], runtime: Runtime | None = None,
-                 rows_cpu: torch.Tensor | None = None):
+                 rows_cpu: torch.Tensor | None = None, host_ids: bool = True):
         self.rows = rows
         self._rows_event = None
         if rows_cpu is not None:
             self._rows_cpu = rows_cpu
+        elif not host_ids:
+            self._rows_cpu = None    # mapped access: copied only if asked for (a host sync)
         elif runtime is None:
             self._rows_cpu = rows.to("cpu")
         else:
@@ -72,6 +75,8 @@ class Slot:
     @property
     def rows_cpu(self) -> torch.Tensor:
         """``rows`` on the host (blocks until their copy has landed)."""
+        if self._rows_cpu is None:
+            self._rows_cpu = self.rows.to("cpu")
         event = self._rows_event
         if event is not None:
             self.runtime.synchronize(event)
@@ -138,6 +143,8 @@ def merge_slots(slots: list[Slot]) -> tuple[Slot, torch.Tensor]:
     first = torch.empty(rows.numel(), dtype=torch.long, device=rows.device)
     first.scatter_(0, inverse, torch.arange(all_rows.numel(), device=rows.device))
     states = {name: torch.cat([s.states[name] for s in slots]).index_select(0, first) for name in slots[0].states}
+    if any(s._rows_cpu is None for s in slots):      # mapped access: no row ids on the host
+        return Slot(rows, states, slots[0].runtime, host_ids=False), inverse
     # The union on the host from the slots' host rows (equal to ``rows``): no copy back.
     rows_cpu = torch.unique(torch.cat([s.rows_cpu for s in slots]))
     return Slot(rows, states, slots[0].runtime, rows_cpu=rows_cpu), inverse
@@ -168,6 +175,8 @@ class Stager:
     def __init__(self, bank: TieredBank):
         self.bank = bank
         self.device = bank.device
+        self.mapped = bool(getattr(bank, "mapped", False))
+        self._move = _row_mover(self.device, bank) if self.mapped else None
         # The worker makes the head's GPU current before any CUDA call: a new thread
         # starts on device 0 and would create a context there on every rank.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_pfc-bank-io",
@@ -178,6 +187,9 @@ class Stager:
         device_tables = [bank.store(n).data for n in bank.state_names() if bank.store(n).tier == "device"]
         for data in device_tables:
             self.runtime.keep_alive(data, self._fetch_stream)
+        if self.mapped:           # the fetch stream's kernels read and write the host tables too
+            for name in bank.state_names():
+                self.runtime.keep_alive(bank.store(name).data, self._fetch_stream)
         # The tables were filled on the compute stream (initial values); later
         # compute-stream writes (load) are reported by the bank through this hook.
         self._device_tables_written(device_tables)
@@ -259,7 +271,7 @@ class Stager:
             users = (self._fetch_stream, self._write_stream)
             buffers = {name: self.runtime.empty((num,) + self.bank.store(name).row_shape, self.bank._logical[name],
                                                 self.device, users=users) for name in self.bank.state_names()}
-        slot = Slot(rows, {name: t[:num] for name, t in buffers.items()}, self.runtime)
+        slot = Slot(rows, {name: t[:num] for name, t in buffers.items()}, self.runtime, host_ids=not self.mapped)
         slot.buffers = buffers if pooled else None
         # Fresh buffers belong to the compute stream's order, and a pooled buffer's last
         # compute-stream readers are covered too: the fetch stream writes them after.
@@ -289,6 +301,9 @@ class Stager:
         self.raise_failed()
         slot = self._empty_slot(rows, pooled)
         self.bank.count_traffic(staged_in=rows.numel() * self._row_bytes())
+        if self.mapped:
+            self._fetch_mapped(slot, None)
+            return slot.wait()
         self._io.submit(self._fetch, slot, None, None).result()
         return slot
 
@@ -298,6 +313,9 @@ class Stager:
         waiting for the device."""
         self.raise_failed()
         self.discard()                      # a second lookahead replaces the first
+        if self.mapped:
+            self._prefetch_mapped(rows, key, live)
+            return
         slot = self._empty_slot(rows)
         # The split into cold and overlapping rows needs the row ids on the host: the
         # I/O worker waits for their copy, and the host goes on queueing this step's
@@ -339,7 +357,7 @@ class Stager:
             return None
         next_key, slot = self._next
         self._next = None
-        if next_key != key or not torch.equal(slot.rows, rows):
+        if next_key != key or not (slot.rows is rows or torch.equal(slot.rows, rows)):
             slot.wait()                     # drop it, but surface its errors
             self.release(slot)
             return None
@@ -351,6 +369,9 @@ class Stager:
     def _patch(self, slot: Slot, sources: list[Slot]) -> None:
         """Copy ``slot``'s overlapping rows from ``sources`` (after their update),
         on the fetch stream, ordered after the compute stream's work so far."""
+        if self.mapped:
+            self._patch_mapped(slot, sources)
+            return
         positions, rows = slot.overlap
         slot.overlap = None
         rt = self.runtime
@@ -380,6 +401,87 @@ class Stager:
             slot.wait()
             self.release(slot)
 
+
+    # ---------------------------------------------------------------- mapped access
+    # Every row moves by a kernel on the fetch stream that reads or writes the bank's
+    # tables themselves (device memory, or host memory mapped into the device's address
+    # space): the next slot's cold rows at prefetch, its overlap rows from the stepped
+    # slot after the step, the stepped slot back into the tables. One stream carries all
+    # of them, so a row's write-back is always complete before a later fetch reads it,
+    # and the row ids, the split and the masks stay on the device: no host sync and a
+    # fixed number of ops per step, whatever the number of rows.
+    def _tables(self):
+        return [(name, self.bank.store(name)) for name in self.bank.state_names()]
+
+    def _fetch_mapped(self, slot: Slot, cold: torch.Tensor | None) -> None:
+        """Queue the fetch of ``slot``'s rows (where ``cold``; None: all of them) from the
+        tables on the fetch stream; ``slot``'s ready gate waits for it."""
+        rt = self.runtime
+        rows = slot.rows
+        rt.keep_alive(rows, self._fetch_stream)
+        index = [rows] + ([cold] if cold is not None else [])
+        if cold is not None:
+            rt.keep_alive(cold, self._fetch_stream)
+        rt.wait(self._fetch_stream, rt.record(rt.compute()))     # rows and mask were made on compute
+        for name, store in self._tables():
+            dst = slot.states[name]
+            rt.run(self._fetch_stream, self._move, store.data, rows, dst, None, cold, None,
+                   reads=(store.data, *index), writes=(dst,))
+        slot._event = rt.record(self._fetch_stream)
+
+    def _prefetch_mapped(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
+        held = _held_by(rows, [s.rows for s in live])         # on the compute stream, no sync
+        slot = self._empty_slot(rows)
+        row_bytes = self._row_bytes()
+        if held is None:
+            self.bank.count_traffic(staged_in=rows.numel() * row_bytes)
+            self._fetch_mapped(slot, None)
+        else:
+            cold = ~held
+            self.bank.count_staged_on_device(cold.sum() * row_bytes)
+            self._fetch_mapped(slot, cold)
+            slot.overlap = "device"         # patched from the live slots after their step
+            if self.patch_before_step:      # the test hook's ordering bug (see __init__)
+                self._patch_mapped(slot, live)
+                self.runtime.synchronize(slot._event)
+        self._next = (key, slot)
+
+    def _patch_mapped(self, slot: Slot, sources: list[Slot]) -> None:
+        """Copy ``slot``'s rows that ``sources`` hold from them (after their update), on
+        the fetch stream, rounded through each state's storage dtype."""
+        slot.overlap = None
+        rt = self.runtime
+        rt.wait(self._fetch_stream, rt.record(rt.compute()))
+        patched = []
+        for src in sources:
+            if src.rows.numel() == 0:
+                continue
+            for name, dst in slot.states.items():
+                values = src.states[name]
+                rt.keep_alive(values, self._fetch_stream)
+                rt.keep_alive(src.rows, self._fetch_stream)
+                rt.run(self._fetch_stream, _patch_from, self._move, dst, slot.rows, values, src.rows,
+                       self.bank.store(name).dtype, reads=(values, src.rows, slot.rows), writes=(dst,))
+            patched.append(src)
+        slot._event = rt.record(self._fetch_stream)
+        for src in patched:
+            src.readers.append(slot._event)
+
+    def _write_back_mapped(self, updated: Slot) -> None:
+        """Write every stepped row of ``updated`` into the tables, on the fetch stream."""
+        rt = self.runtime
+        self.bank.count_traffic(out=updated.rows.numel() * self._row_bytes())
+        stepped = rt.record(rt.compute())
+        rt.wait(self._fetch_stream, stepped)
+        rt.keep_alive(updated.rows, self._fetch_stream)
+        for name, store in self._tables():
+            values = updated.states[name]
+            rt.run(self._fetch_stream, self._move, values, None, store.data, updated.rows, None, None,
+                   reads=(values, updated.rows), writes=(store.data,))
+        landed = rt.record(self._fetch_stream)
+        updated.readers.append(landed)
+        self.release(updated, [stepped] + updated.readers)
+
     # ---------------------------------------------------------------- writes
     def after_step(self, updated: Slot) -> None:
         """``updated`` holds the optimizer's new values: patch the prefetched slot's
@@ -393,6 +495,9 @@ class Stager:
             self._next[1].wait_split()
             if self._next[1].overlap is not None:
                 self._patch(self._next[1], [updated])
+        if self.mapped:
+            self._write_back_mapped(updated)
+            return
         rows_cpu = updated.rows_cpu
         for name in updated.states:
             self.bank.note_issued(name, rows_cpu)
@@ -446,6 +551,8 @@ class Stager:
             if fut.exception() is not None and self._failure is None:
                 self._failure = fut.exception()
         self.raise_failed()
+        if self.mapped:                     # every transfer is on the fetch stream, in order
+            self.runtime.synchronize(self.runtime.record(self._fetch_stream))
         if self._next is not None:
             for fut in self._next[1]._futures:
                 fut.result()
@@ -505,3 +612,45 @@ def _scatter_rows(data, rows_cpu, values) -> None:
 
 def _copy_out(host: torch.Tensor, values: torch.Tensor) -> None:
     host.copy_(values, non_blocking=True)
+
+
+def _held_by(rows: torch.Tensor, sets: list[torch.Tensor]) -> torch.Tensor | None:
+    """Which of ``rows`` (sorted) one of ``sets`` (each sorted) holds, as a bool mask on
+    the device, by binary search (no sort, no host sync); None when every set is empty."""
+    held = None
+    for other in sets:
+        if other.numel() == 0:
+            continue
+        hit = _found_in(other, rows)
+        held = hit if held is None else held | hit
+    return held
+
+
+def _found_in(sorted_set: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Mask of ``rows`` found in ``sorted_set`` (non-empty)."""
+    return sorted_set.index_select(0, _positions_in(sorted_set, rows)) == rows
+
+
+def _positions_in(sorted_set: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Where each of ``rows`` is, or would be, in ``sorted_set``, clamped into range."""
+    return torch.searchsorted(sorted_set, rows).clamp_(max=sorted_set.numel() - 1)
+
+
+def _patch_from(move, dst, dst_rows, src, src_rows, storage_dtype) -> None:
+    """(fetch stream) ``dst``'s rows that ``src`` holds, from ``src``, rounded through the
+    storage dtype as a write-back and a read would round them."""
+    pos = _positions_in(src_rows, dst_rows)
+    hit = src_rows.index_select(0, pos) == dst_rows
+    move(src, pos, dst, None, hit, storage_dtype if src.is_floating_point() else None)
+
+
+def _row_mover(device: torch.device, bank) -> Callable:
+    """The row-move function for mapped access: the Triton kernel on CUDA (and on CPU
+    tensors under ``TRITON_INTERPRET=1`` when the slots are float32), torch ops
+    otherwise."""
+    from ..kernels import triton_rows
+    if triton_rows.available() and (device.type == "cuda" or triton_rows._INTERPRET):
+        logical = {bank._logical[n] for n in bank.state_names()}
+        if logical <= {torch.float32, torch.int32, torch.int64}:
+            return triton_rows.move_rows_
+    return triton_rows.move_rows_torch_

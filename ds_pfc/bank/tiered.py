@@ -23,9 +23,16 @@ import torch
 from .base import ClassBank
 from .stores import DeviceStore, HostStore, RowStore
 
-__all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS"]
+__all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS", "HOST_ACCESS"]
 
 TIERS = ("device", "host", "nvme")
+#: How staged rows move between the bank's tables and the slots (``host_access=``):
+#: ``"staged"`` (the default): an I/O thread gathers rows into page-locked staging
+#: buffers, copies them to the device and scatters write-backs into the tables;
+#: ``"mapped"``: kernels read and write the tables themselves, on a side stream, with row
+#: ids that never leave the device (host tables are page-locked and mapped into the GPU's
+#: address space; on CUDA this needs Triton; device and host tiers only).
+HOST_ACCESS = ("staged", "mapped")
 
 
 class StaleRowError(RuntimeError):
@@ -68,13 +75,19 @@ class TieredBank(ClassBank):
     file is locked while open: two banks that would use the same file (two heads
     with the same classes in one process and one ``nvme_dir``) are refused.
     ``resume=True`` reopens existing NVMe files (their contents win over the initial
-    values) instead of creating them.
+    values) instead of creating them. ``host_access``: see :data:`HOST_ACCESS`; with
+    ``"mapped"`` the rows' versions are ordered by the side stream, not counted per row
+    (no row id reaches the host), so :class:`StaleRowError` checks apply to the staged
+    path only.
     """
 
     def __init__(self, num_rows: int, device, *, placements: dict[str, Placement] | None = None,
                  default: Placement = Placement(), nvme_dir: str | None = None, class_start: int = 0,
-                 resume: bool = False, nvme_options: dict | None = None, owner: str | None = None):
+                 resume: bool = False, nvme_options: dict | None = None, owner: str | None = None,
+                 host_access: str = "staged"):
         super().__init__(num_rows, device)
+        if host_access not in HOST_ACCESS:
+            raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
         self.placements = dict(placements or {})
         self.default = default
         self.nvme_dir, self.class_start, self.resume, self.owner = nvme_dir, class_start, resume, owner
@@ -86,6 +99,7 @@ class TieredBank(ClassBank):
         # written back (counted when issued, not when the asynchronous I/O lands).
         self.bytes_in = 0
         self.bytes_out = 0
+        self._bytes_in_device: torch.Tensor | None = None   # mapped access: counted on the device
         self._traffic_lock = threading.Lock()   # the I/O worker counts too
         # Called with the device-tier tables just written on the compute stream (write,
         # load), so that the stager orders its side streams after those writes.
@@ -93,17 +107,30 @@ class TieredBank(ClassBank):
         needs_dir = any(p.tier == "nvme" for p in [default, *self.placements.values()])
         if needs_dir and nvme_dir is None:
             raise ValueError("nvme_dir is required when a state is placed on the nvme tier")
+        if needs_dir and host_access == "mapped":
+            raise ValueError("host_access='mapped' needs every state on the device or host tier: NVMe rows are "
+                             "staged through host memory (use host_access='staged')")
+        if host_access == "mapped" and self.device.type == "cuda":
+            from ..kernels import triton_rows
+            if not triton_rows.available():
+                raise ValueError("host_access='mapped' on CUDA moves rows with Triton kernels, and triton is not "
+                                 "installed (pip install ds_pfc[triton]); or use host_access='staged'")
+        self.host_access = host_access
+        self.mapped = host_access == "mapped"
 
     @classmethod
     def factory(cls, placements: dict | None = None, *, default="device", nvme_dir: str | None = None,
-                resume: bool = False, nvme_options: dict | None = None) -> Callable[..., "TieredBank"]:
+                resume: bool = False, nvme_options: dict | None = None,
+                host_access: str = "staged") -> Callable[..., "TieredBank"]:
         """A ``bank=`` argument for :class:`~ds_pfc.PartialFC`.
 
         ``placements`` maps state names (``"weight"``, ``"momentum_buffer"``,
         ``"exp_avg"``, ``"exp_avg_sq"``, ``"step"``) to a placement; others get
         ``default``. Example: ``TieredBank.factory({"weight": ("host", torch.bfloat16)},
-        default="device")``.
+        default="device")``. ``host_access``: how rows move (:data:`HOST_ACCESS`).
         """
+        if host_access not in HOST_ACCESS:
+            raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
         parsed = {name: Placement.parse(p) for name, p in (placements or {}).items()}
         default = Placement.parse(default)
         if nvme_dir is not None and not os.path.isdir(nvme_dir):
@@ -111,7 +138,8 @@ class TieredBank(ClassBank):
 
         def make(num_rows, device, class_start=0, owner=None):
             return cls(num_rows, device, placements=parsed, default=default, nvme_dir=nvme_dir,
-                       class_start=class_start, resume=resume, nvme_options=nvme_options, owner=owner)
+                       class_start=class_start, resume=resume, nvme_options=nvme_options, owner=owner,
+                       host_access=host_access)
         make.takes_owner = True
         return make
 
@@ -167,6 +195,15 @@ class TieredBank(ClassBank):
         with self._traffic_lock:
             self.bytes_in += staged_in
             self.bytes_out += out
+
+    def count_staged_on_device(self, nbytes: torch.Tensor) -> None:
+        """Count bytes staged in whose number is known on the device only (mapped access:
+        the cold rows of a prefetch), without a host sync."""
+        with self._traffic_lock:
+            if self._bytes_in_device is None:
+                self._bytes_in_device = nbytes.to(torch.int64).clone()
+            else:
+                self._bytes_in_device.add_(nbytes)
 
     def store(self, name: str) -> RowStore:
         try:
@@ -249,8 +286,17 @@ class TieredBank(ClassBank):
 
     def reset_traffic(self) -> dict[str, int]:
         """Bytes staged in and written back since the last call; resets the counters."""
+        return {k: int(v) for k, v in self.take_traffic().items()}
+
+    def take_traffic(self) -> dict:
+        """:meth:`reset_traffic` without a host sync: a count kept on the device stays a
+        0-d tensor (``int()`` reads it)."""
         with self._traffic_lock:
-            moved = {"staged_in": self.bytes_in, "written_back": self.bytes_out}
+            staged = self.bytes_in
+            if self._bytes_in_device is not None:
+                staged = self._bytes_in_device + staged
+                self._bytes_in_device = None
+            moved = {"staged_in": staged, "written_back": self.bytes_out}
             self.bytes_in = self.bytes_out = 0
         return moved
 

@@ -219,7 +219,7 @@ class PartialFC(nn.Module):
         # Device bank: the summed gradient of the micro steps already back-propagated,
         # (rows or None, grad); their staged centers are released (one accumulator).
         self._acc: tuple | None = None
-        self.last_step_traffic: dict[str, int] = {}
+        self._last_traffic: dict = {}
 
         factory = bank or DeviceBank
         owner = {"owner": f"rank{_global_rank()}"} if getattr(factory, "takes_owner", False) else {}
@@ -238,7 +238,7 @@ class PartialFC(nn.Module):
             self.bank.check_placements()
             self._stager = Stager(self.bank)
         self._closed = False
-        self._lookahead = None   # (sample_step, gathered labels, active set) of the last prefetch
+        self._lookahead = None   # (sample_step, gathered labels, active set, its bank rows) of the last prefetch
 
     def _check_agreement(self, error, num_classes, embedding_size, sample_rate, seed, filter_threshold, margin,
                          sub_centers):
@@ -339,8 +339,9 @@ class PartialFC(nn.Module):
         x, y = self._gather(embeddings, labels, sizes)
         local = self.partition.to_local(y, self.rank)
         lookahead, self._lookahead = self._lookahead, None
+        rows = None
         if training and lookahead is not None and lookahead[0] == self.sample_step and torch.equal(lookahead[1], y):
-            active = lookahead[2]           # prefetch sampled this step's set already
+            active, rows = lookahead[2], lookahead[3]   # prefetch sampled this step's set already
         else:
             active = self.active_set(local)
         target_col = local if active is None else remap_labels(local, active)
@@ -349,7 +350,7 @@ class PartialFC(nn.Module):
         if self._stager is None:
             centers = self.bank.read("weight", bank_rows).detach()
         else:
-            rows = self._rows(active)
+            rows = self._rows(active) if rows is None else rows     # the prefetched slot's own rows
             live = [p[2] for p in self._pending]
             if training:
                 slot = self._stager.take(rows, self.sample_step, live)
@@ -456,7 +457,7 @@ class PartialFC(nn.Module):
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
         rows = self._rows(active)
-        self._lookahead = (self.sample_step, y, active)
+        self._lookahead = (self.sample_step, y, active, rows)
         self._stager.prefetch(rows, self.sample_step, [p[2] for p in self._pending])
 
     # ------------------------------------------------------------------ update
@@ -544,8 +545,16 @@ class PartialFC(nn.Module):
         self.optimizer.update(SlotBank(slot), None, grad.to(self.dtype), lr, block_bytes=self.block_bytes)
         self._stager.after_step(slot)
         self.step_count += 1
-        self.last_step_traffic = self.bank.reset_traffic()
+        self._last_traffic = self.bank.take_traffic()      # no host sync: read when asked for
         return slot.rows.numel()
+
+    @property
+    def last_step_traffic(self) -> dict[str, int]:
+        """Bytes the bank was asked to move between the previous step and the last one:
+        ``staged_in`` (rows staged in, including a prefetch issued in that interval) and
+        ``written_back`` (the last step's write-back). Reading it may wait for the device
+        (with mapped host access the cold rows are counted there)."""
+        return {k: int(v) for k, v in self._last_traffic.items()}
 
     def memory_report(self) -> dict:
         """Bytes of head state resident per tier, and the bytes the bank was asked to
