@@ -396,3 +396,22 @@ def test_config_host_access(tmp_path):
     factory = BankConfig(default="host", host_access="mapped").build()
     bank = factory(12, "cpu")
     assert bank.mapped and bank.host_access == "mapped"
+
+
+# ---------------------------------------------------------------- the split
+@pytest.mark.parametrize("sizes", [(0, 5), (7, 0), (1, 1), (300, 40), (40, 300), (1000, 1000)])
+def test_split_of_sorted_sets_matches_isin(sizes):
+    """Which rows of the next set the live sets hold, by binary search in the sorted
+    sets (both paths use it), against torch.isin over their concatenation."""
+    from ds_pfc.bank.slots import _held_by
+    g = torch.Generator().manual_seed(sum(sizes))
+    universe = 5 * max(sizes) + 3
+    rows = torch.randperm(universe, generator=g)[: sizes[0]].sort().values
+    live = [torch.randperm(universe, generator=g)[: sizes[1]].sort().values,
+            torch.randperm(universe, generator=g)[: sizes[1] // 2].sort().values, torch.empty(0, dtype=torch.long)]
+    held = _held_by(rows, live)
+    expected = torch.isin(rows, torch.cat(live))
+    if sizes[1] == 0:
+        assert held is None
+    else:
+        assert torch.equal(held, expected)

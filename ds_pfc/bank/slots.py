@@ -335,8 +335,10 @@ class Stager:
         and ones the ``live`` slots hold, copied from them after the step."""
         try:
             rows_cpu = slot.rows_cpu
-            live_rows = torch.cat([s.rows_cpu for s in live]) if live else torch.empty(0, dtype=torch.long)
-            in_live = torch.isin(rows_cpu, live_rows)
+            # Both sides are sorted: a binary search per row, not isin's sort of both sets.
+            in_live = _held_by(rows_cpu, [s.rows_cpu for s in live])
+            if in_live is None:
+                in_live = torch.zeros(rows_cpu.shape, dtype=torch.bool)
             cold = torch.nonzero(~in_live).squeeze(1)
             overlap = torch.nonzero(in_live).squeeze(1)
             if overlap.numel():
@@ -378,7 +380,9 @@ class Stager:
         rt.wait(self._fetch_stream, rt.record(rt.compute()))
         patched = []
         for src in sources:
-            hit = torch.isin(rows, src.rows_cpu)
+            if src.rows_cpu.numel() == 0 or rows.numel() == 0:
+                continue
+            hit = _found_in(src.rows_cpu, rows)
             if not bool(hit.any()):
                 continue
             src_pos = torch.searchsorted(src.rows_cpu, rows[hit])
