@@ -713,11 +713,13 @@ class Trainer:
                 out = self.head(embeddings, labels, return_details=True)
                 if flips is not None:
                     flips.observe(embeddings, labels, self._batch_true_labels(labels))
-                engine.backward(out.loss)
                 self.sampler.advance(self.micro)
                 batch = next(batches)
-                if self.head._stager is not None:      # tiered bank: stage the next step's rows now
+                if self.head._stager is not None:
+                    # Tiered bank: the next step's rows are staged behind this step's
+                    # backward, optimizer step and next forward (the whole step).
                     self.head.prefetch(batch[1])
+                engine.backward(out.loss)
                 engine.step()
                 loss_value, acc_value = torch.stack([out.loss.detach(), out.accuracy.detach()]).tolist()
                 step_loss += loss_value / self.gas
