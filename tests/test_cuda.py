@@ -83,19 +83,24 @@ def test_head_steps_on_the_gpu_follow_the_float64_cpu_head(backend, compute, rto
     torch.testing.assert_close(gpu.centers().double(), want, rtol=rtol, atol=rtol * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("access", ["staged", "mapped"])
 @pytest.mark.parametrize("placement", ["host", ("host", torch.bfloat16)], ids=["host", "host-bf16"])
-def test_tiered_bank_with_prefetch_and_accumulation_on_the_gpu(placement):
+def test_tiered_bank_with_prefetch_and_accumulation_on_the_gpu(placement, access):
     """Weight (and momentum) in pinned host memory, rows staged on side streams with
     prefetch and 2-step accumulation: the same trajectory as the device bank on the GPU
     (the same kernels). Not bitwise: on CUDA the device bank itself is not bitwise
     reproducible with accumulation (two runs of it differed by ~1 ulp in a few rows on an
     H200, most likely from the order of atomic additions), so centers are compared to 1e-6 of
-    their largest entry; a stale or lost row would differ by a whole step's update."""
+    their largest entry; a stale or lost row would differ by a whole step's update.
+    ``mapped``: the row-move kernel reads and writes the mapped host tables in place."""
+    if access == "mapped" and not HAS_TRITON:
+        pytest.skip("mapped host access moves rows with Triton, which is not installed")
     batches = _batches(8, 64, 32, 3001, seed=1)
     kw = dict(sample_rate=0.2, seed=5, data_parallel_grad=False, momentum=0.9, device=DEV)
     ref = ds_pfc.PartialFC(3001, 32, **kw)
-    tiered = ds_pfc.PartialFC(3001, 32, bank=ds_pfc.TieredBank.factory({"weight": placement},
-                                                                       default="host"), **kw)
+    tiered = ds_pfc.PartialFC(3001, 32, bank=ds_pfc.TieredBank.factory({"weight": placement}, default="host",
+                                                                       host_access=access), **kw)
+    assert tiered._stager.mapped == (access == "mapped")
     if placement != "host":   # bf16 storage: start both from the rounded centers
         ref.load_centers(ref.centers().to(torch.bfloat16).float())
         tiered.load_centers(ref.centers())
