@@ -151,3 +151,35 @@ def check_peers(table: list[list[int]], positions, batch_world: int, what: str =
         raise ValueError("labels: the ranks of the class group gathered different labels; tensor-parallel peers "
                          "(the same position in their batch groups) must pass identical samples")
     return [sizes[p].pop() for p in range(batch_world)]
+
+
+def check_row_move(src, src_idx, dst, dst_idx, mask, count) -> int:
+    """Arguments of a row move ``dst[dst_idx[i]] = src[src_idx[i]]`` where ``mask[i]``
+    (``ds_pfc.kernels.triton_rows``, ``ds_pfc.bank.rows``): shapes and dtypes. Returns the
+    number of positions ``i``."""
+    for name, t in (("src", src), ("dst", dst)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() not in (1, 2):
+            raise ValueError(f"{name} must be [rows] or [rows, width], got shape {list(t.shape)}")
+        if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last dimension, got strides {t.stride()}")
+    if src.shape[1:] != dst.shape[1:]:
+        raise ValueError(f"src and dst must have rows of one shape, got {list(src.shape)} and {list(dst.shape)}")
+    if src.is_floating_point() != dst.is_floating_point():
+        raise TypeError(f"src ({src.dtype}) and dst ({dst.dtype}) must both be floating or both integer")
+    lengths = [t.shape[0] for t in (src_idx, dst_idx, mask) if t is not None]
+    if count is None:
+        count = lengths[0] if lengths else src.shape[0]
+    for name, t, dtypes in (("src_idx", src_idx, (torch.int64, torch.int32)),
+                            ("dst_idx", dst_idx, (torch.int64, torch.int32)), ("mask", mask, (torch.bool,))):
+        if t is None:
+            continue
+        if t.dtype not in dtypes or t.dim() != 1 or t.shape[0] != count:
+            raise ValueError(f"{name} must be a 1-d {' or '.join(map(str, dtypes))} tensor of {count} entries, got "
+                             f"{t.dtype} of shape {list(t.shape)}")
+    if src_idx is None and count > src.shape[0]:
+        raise ValueError(f"without src_idx, src needs at least {count} rows, got {src.shape[0]}")
+    if dst_idx is None and count > dst.shape[0]:
+        raise ValueError(f"without dst_idx, dst needs at least {count} rows, got {dst.shape[0]}")
+    return count

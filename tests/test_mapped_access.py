@@ -29,6 +29,7 @@ from ds_pfc import ArcFace, PartialFC
 from ds_pfc.bank import Placement, TieredBank
 from ds_pfc.bank.streams import DEBUG_ENV
 from ds_pfc.bench.counting import OpCounter
+from ds_pfc.bank.rows import move_rows_torch_
 from ds_pfc.kernels import triton_rows
 
 C, D, STEPS = 1021, 16, 10
@@ -95,7 +96,7 @@ CASTS = {  # (src dtype, dst dtype, round dtype)
 def test_move_rows_matches_a_loop_over_rows(impl, cast, width, use):
     if impl == "triton" and not triton_rows.available():
         pytest.skip("triton is not installed or TRITON_INTERPRET=1 was not set before import")
-    move = triton_rows.move_rows_ if impl == "triton" else triton_rows.move_rows_torch_
+    move = triton_rows.move_rows_ if impl == "triton" else move_rows_torch_
     src_dtype, dst_dtype, round_dtype = CASTS[cast]
     g = torch.Generator().manual_seed(width * 31 + len(cast))
     torch.manual_seed(width * 31 + len(cast))
@@ -129,18 +130,20 @@ def test_move_rows_matches_a_loop_over_rows(impl, cast, width, use):
 def test_move_rows_rejects_bad_arguments():
     t = torch.zeros(4, 3)
     with pytest.raises(ValueError, match="src and dst must have rows of one shape"):
-        triton_rows.move_rows_torch_(t, None, torch.zeros(4, 2), None)
+        move_rows_torch_(t, None, torch.zeros(4, 2), None)
     with pytest.raises(ValueError, match="mask must be a 1-d torch.bool"):
-        triton_rows.move_rows_torch_(t, torch.arange(3), torch.zeros(3, 3), None, torch.ones(3))
+        move_rows_torch_(t, torch.arange(3), torch.zeros(3, 3), None, torch.ones(3))
     with pytest.raises(ValueError, match="src_idx must be"):
-        triton_rows.move_rows_torch_(t, torch.arange(3.0), torch.zeros(3, 3), None)
+        move_rows_torch_(t, torch.arange(3.0), torch.zeros(3, 3), None)
     with pytest.raises(ValueError, match="dst needs at least 4 rows"):
-        triton_rows.move_rows_torch_(t, None, torch.zeros(2, 3), None)
+        move_rows_torch_(t, None, torch.zeros(2, 3), None)
     with pytest.raises(TypeError, match="both be floating or both integer"):
-        triton_rows.move_rows_torch_(t, None, torch.zeros(4, 3, dtype=torch.int32), None)
+        move_rows_torch_(t, None, torch.zeros(4, 3, dtype=torch.int32), None)
     with pytest.raises(ValueError, match="contiguous along its last dimension"):
-        triton_rows.move_rows_torch_(torch.zeros(3, 4).t(), None, torch.zeros(4, 3), None)
+        move_rows_torch_(torch.zeros(3, 4).t(), None, torch.zeros(4, 3), None)
     if triton_rows.available():
+        with pytest.raises(ValueError, match="src and dst must have rows of one shape"):
+            triton_rows.move_rows_(t, None, torch.zeros(4, 2), None)
         with pytest.raises(TypeError, match="from float32 only"):
             triton_rows.move_rows_(torch.zeros(2, 3, dtype=torch.float64), None,
                                    torch.zeros(2, 3, dtype=torch.bfloat16), None)
@@ -238,9 +241,9 @@ def test_mapped_access_matches_device_bank_bitwise(stream_mode, placement, prefe
     b = _batches(STEPS)
     ref = _run(opt, None, b, prefetch=False)
     got = _run(opt, TieredBank.factory(placements, default=default, host_access="mapped"), b, prefetch=prefetch,
-               mover=None if mover == "kernel" else triton_rows.move_rows_torch_)
+               mover=None if mover == "kernel" else move_rows_torch_)
     assert got["mapped"]
-    assert got["move"] is (triton_rows.move_rows_ if mover == "kernel" else triton_rows.move_rows_torch_)
+    assert got["move"] is (triton_rows.move_rows_ if mover == "kernel" else move_rows_torch_)
     _assert_same(got, ref, f"{placement} prefetch={prefetch} {mover}")
     assert got["hits"] == (STEPS - 1 if prefetch else 0), "the prefetched slot was not used"
     assert sum(ref["losses"][-3:]) < sum(ref["losses"][:3]), "the reference run does not train"
@@ -252,7 +255,7 @@ def test_mapped_gradient_accumulation_with_prefetch_matches_device_bank(stream_m
     ref = _run(opt, None, b, prefetch=False, accum=accum)
     # torch moves for AdamW (four states: slow under the interpreter), the kernel for SGD
     got = _run(opt, TieredBank.factory(default="host", host_access="mapped"), b, prefetch=True, accum=accum,
-               mover=triton_rows.move_rows_torch_ if opt == "adamw" else None)
+               mover=move_rows_torch_ if opt == "adamw" else None)
     _assert_same(got, ref, f"accumulation {opt} x{accum}")
     assert got["hits"] == len(b) - 1        # within a step and across steps
 
@@ -353,7 +356,7 @@ def test_mapped_bank_host_work_is_constant_in_rows_and_never_syncs(monkeypatch, 
     if mover == "kernel" and not triton_rows.available():
         pytest.skip("triton is not installed or TRITON_INTERPRET=1 was not set before import")
     monkeypatch.setenv(DEBUG_ENV, "0")
-    move = triton_rows.move_rows_ if mover == "kernel" else triton_rows.move_rows_torch_
+    move = triton_rows.move_rows_ if mover == "kernel" else move_rows_torch_
     small, large = _bank_ops(sizes[0], 24, move), _bank_ops(sizes[1], 24, move)
     assert small["syncs"] == 0 and large["syncs"] == 0, (small["names"], large["names"])
     assert small["ops"] > 0 and small["ops"] == large["ops"], (small["ops"], large["ops"])
@@ -365,7 +368,7 @@ def test_a_prefetched_slot_is_matched_by_identity_without_a_sync(monkeypatch):
     monkeypatch.setenv(DEBUG_ENV, "0")
     head = PartialFC(1009, D, sample_rate=SAMPLE_RATE, seed=7, validate=False,
                      bank=TieredBank.factory(default="host", host_access="mapped"))
-    head._stager._move = triton_rows.move_rows_torch_
+    head._stager._move = move_rows_torch_
     rows = torch.arange(0, 1009, 5)
     syncs = []
     for given in (rows, rows.clone()):

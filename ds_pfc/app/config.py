@@ -229,7 +229,8 @@ class BankConfig:
     default: str | list = "device"
     """Tier for states not named in ``placements``: device, host or nvme, or [tier, dtype]."""
     placements: dict = field(default_factory=dict)
-    """State name (weight, momentum_buffer, exp_avg, exp_avg_sq, step) -> tier or [tier, dtype]."""
+    """State name (weight, momentum_buffer, exp_avg, exp_avg_sq, step) -> tier or [tier, dtype]; dtype fp32,
+    bf16, fp16, fp64, or int8_rowwise (8-bit codes with a scale per row; optimizer moments only)."""
     nvme_dir: str | None = None
     """Directory of the NVMe bank files (required when a state is on nvme)."""
     resume: bool = False
@@ -242,6 +243,8 @@ class BankConfig:
         from ..bank.tiered import TIERS
         if isinstance(value, str):
             tier, dtype = value, None
+        elif isinstance(value, (list, tuple)) and len(value) == 2 and value[1] == "int8_rowwise":
+            tier, dtype = value[0], "int8_rowwise"          # 8-bit codes, a scale per row (moments)
         elif isinstance(value, (list, tuple)) and len(value) == 2:
             tier, dtype = value[0], _dtype(value[1], f"{where}[1]", ("fp32", "bf16", "fp16", "fp64"))
         else:

@@ -34,6 +34,8 @@ import torch
 
 from ..devices import set_thread_device
 from .base import ClassBank
+from .quantized import RowwiseInt8Store
+from .rows import move_rows_torch_
 from .streams import Runtime, runtime_for
 from .tiered import TieredBank
 
@@ -172,11 +174,17 @@ class Stager:
     to synchronize with the compute stream in between.
     """
 
-    def __init__(self, bank: TieredBank):
+    def __init__(self, bank: TieredBank, mover: Callable | None = None):
         self.bank = bank
         self.device = bank.device
         self.mapped = bool(getattr(bank, "mapped", False))
-        self._move = _row_mover(self.device, bank) if self.mapped else None
+        # Mapped access: the row-move function (the caller's kernel, e.g. Triton's on CUDA;
+        # torch ops by default). A CUDA bank with host tables needs a kernel: torch ops
+        # cannot index host memory from the device.
+        if self.mapped and mover is None and self.device.type == "cuda":
+            raise ValueError("host_access='mapped' on CUDA needs a row-move kernel (Triton: pip install "
+                             "ds_pfc[triton]); or use host_access='staged'")
+        self._move = (mover or move_rows_torch_) if self.mapped else None
         # The worker makes the head's GPU current before any CUDA call: a new thread
         # starts on device 0 and would create a context there on every rank.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_pfc-bank-io",
@@ -184,12 +192,13 @@ class Stager:
         self.runtime = runtime_for(self.device)
         self._fetch_stream = self.runtime.new_stream("fetch")
         self._write_stream = self.runtime.new_stream("write")
-        device_tables = [bank.store(n).data for n in bank.state_names() if bank.store(n).tier == "device"]
+        device_tables = [t for n in bank.state_names() if bank.store(n).tier == "device" for t in _tables(bank.store(n))]
         for data in device_tables:
             self.runtime.keep_alive(data, self._fetch_stream)
         if self.mapped:           # the fetch stream's kernels read and write the host tables too
             for name in bank.state_names():
-                self.runtime.keep_alive(bank.store(name).data, self._fetch_stream)
+                for table in _tables(bank.store(name)):
+                    self.runtime.keep_alive(table, self._fetch_stream)
         # The tables were filled on the compute stream (initial values); later
         # compute-stream writes (load) are reported by the bank through this hook.
         self._device_tables_written(device_tables)
@@ -229,9 +238,16 @@ class Stager:
         for name, dst in slot.states.items():
             store = self.bank.store(name)
             self.bank.check_versions(name, rows_cpu)
-            if store.tier == "device":
+            if isinstance(store, RowwiseInt8Store) and store.tier == "device":
+                rt.run(self._fetch_stream, _read_coded, dst, positions, store, rows_cpu,
+                       reads=store.tables(), writes=(dst,))
+            elif store.tier == "device":
                 rt.run(self._fetch_stream, _gather_rows, dst, positions, store.data, rows_cpu,
                        reads=(store.data,), writes=(dst,))
+            elif isinstance(store, RowwiseInt8Store):       # host: decoded on this worker
+                values = store.gather(rows_cpu)
+                rt.keep_alive(values, self._fetch_stream)
+                rt.run(self._fetch_stream, _land_rows, dst, positions, values, reads=(values,), writes=(dst,))
             else:
                 staging = self._staging(name, rows_cpu.numel())
                 values = store.gather_into(rows_cpu, staging)
@@ -389,7 +405,7 @@ class Stager:
             dst_pos = positions[hit]
             for name, dst in slot.states.items():
                 rt.run(self._fetch_stream, _patch_rows, dst, dst_pos, src.states[name], src_pos,
-                       self.bank.store(name).dtype, reads=(src.states[name],), writes=(dst,))
+                       self.bank.store(name), reads=(src.states[name],), writes=(dst,))
             patched.append(src)
             rows, positions = rows[~hit], positions[~hit]
         assert rows.numel() == 0, "overlapping rows missing from the updated slots"
@@ -429,8 +445,12 @@ class Stager:
         rt.wait(self._fetch_stream, rt.record(rt.compute()))     # rows and mask were made on compute
         for name, store in self._tables():
             dst = slot.states[name]
-            rt.run(self._fetch_stream, self._move, store.data, rows, dst, None, cold, None,
-                   reads=(store.data, *index), writes=(dst,))
+            if isinstance(store, RowwiseInt8Store):
+                rt.run(self._fetch_stream, _fetch_coded, store, rows, dst, cold,
+                       reads=(*store.tables(), *index), writes=(dst,))
+            else:
+                rt.run(self._fetch_stream, self._move, store.data, rows, dst, None, cold, None,
+                       reads=(store.data, *index), writes=(dst,))
         slot._event = rt.record(self._fetch_stream)
 
     def _prefetch_mapped(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
@@ -465,7 +485,7 @@ class Stager:
                 rt.keep_alive(values, self._fetch_stream)
                 rt.keep_alive(src.rows, self._fetch_stream)
                 rt.run(self._fetch_stream, _patch_from, self._move, dst, slot.rows, values, src.rows,
-                       self.bank.store(name).dtype, reads=(values, src.rows, slot.rows), writes=(dst,))
+                       self.bank.store(name), reads=(values, src.rows, slot.rows), writes=(dst,))
             patched.append(src)
         slot._event = rt.record(self._fetch_stream)
         for src in patched:
@@ -480,8 +500,12 @@ class Stager:
         rt.keep_alive(updated.rows, self._fetch_stream)
         for name, store in self._tables():
             values = updated.states[name]
-            rt.run(self._fetch_stream, self._move, values, None, store.data, updated.rows, None, None,
-                   reads=(values, updated.rows), writes=(store.data,))
+            if isinstance(store, RowwiseInt8Store):
+                rt.run(self._fetch_stream, store.write_rows, updated.rows, values,
+                       reads=(values, updated.rows), writes=store.tables())
+            else:
+                rt.run(self._fetch_stream, self._move, values, None, store.data, updated.rows, None, None,
+                       reads=(values, updated.rows), writes=(store.data,))
         landed = rt.record(self._fetch_stream)
         updated.readers.append(landed)
         self.release(updated, [stepped] + updated.readers)
@@ -515,8 +539,12 @@ class Stager:
             rt.wait(self._fetch_stream, stepped)
             for name in device_names:
                 store = self.bank.store(name)
-                rt.run(self._fetch_stream, _scatter_rows, store.data, rows_cpu, updated.states[name],
-                       reads=(updated.states[name],), writes=(store.data,))
+                if isinstance(store, RowwiseInt8Store):
+                    rt.run(self._fetch_stream, store.write_rows, rows_cpu, updated.states[name],
+                           reads=(updated.states[name],), writes=store.tables())
+                else:
+                    rt.run(self._fetch_stream, _scatter_rows, store.data, rows_cpu, updated.states[name],
+                           reads=(updated.states[name],), writes=(store.data,))
             landed = rt.record(self._fetch_stream)
             updated.readers.append(landed)
         host = {}
@@ -524,8 +552,8 @@ class Stager:
             rt.wait(self._write_stream, stepped)
             for name in host_names:
                 store, values = self.bank.store(name), updated.states[name]
-                host[name] = rt.empty(values.shape, store.dtype, "cpu", users=(self._write_stream,),
-                                      pin=True)
+                dtype = values.dtype if isinstance(store, RowwiseInt8Store) else store.dtype
+                host[name] = rt.empty(values.shape, dtype, "cpu", users=(self._write_stream,), pin=True)
                 rt.run(self._write_stream, _copy_out, host[name], values, reads=(values,), writes=(host[name],))
             copied = rt.record(self._write_stream)
             updated.readers.append(copied)
@@ -601,13 +629,37 @@ def _gather_rows(dst, positions, data, rows_cpu) -> None:
     _land_rows(dst, positions, values)
 
 
-def _patch_rows(dst, dst_pos, src, src_pos, storage_dtype) -> None:
-    """Overlap rows from an updated slot, rounded through the storage dtype as a
+def _patch_rows(dst, dst_pos, src, src_pos, store) -> None:
+    """Overlap rows from an updated slot, rounded through the store's storage as a
     write-back and a read would round them."""
-    values = src.index_select(0, src_pos.to(src.device, non_blocking=True))
-    if storage_dtype != values.dtype:
-        values = values.to(storage_dtype).to(values.dtype)
+    values = _round_through(store, src.index_select(0, src_pos.to(src.device, non_blocking=True)))
     dst.index_copy_(0, dst_pos.to(dst.device, non_blocking=True), values.to(dst.dtype))
+
+
+def _round_through(store, values: torch.Tensor) -> torch.Tensor:
+    """``values`` as storing them in ``store`` and reading them back leaves them."""
+    if isinstance(store, RowwiseInt8Store):
+        return store.round_trip(values)
+    if store.dtype != values.dtype:
+        return values.to(store.dtype).to(values.dtype)
+    return values
+
+
+def _tables(store) -> tuple:
+    """The tensors that hold a store's rows."""
+    return store.tables() if isinstance(store, RowwiseInt8Store) else (store.data,)
+
+
+def _read_coded(dst, positions, store, rows_cpu) -> None:
+    _land_rows(dst, positions, store.read_rows(rows_cpu.to(store.q.device, non_blocking=True)))
+
+
+def _fetch_coded(store, rows, dst, cold) -> None:
+    """(mapped access) decoded rows of an 8-bit store into ``dst`` where ``cold``."""
+    values = store.read_rows(rows).to(dst.device)
+    if cold is not None:
+        values = torch.where(cold[:, None], values, dst)
+    dst.copy_(values)
 
 
 def _scatter_rows(data, rows_cpu, values) -> None:
@@ -640,21 +692,13 @@ def _positions_in(sorted_set: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(sorted_set, rows).clamp_(max=sorted_set.numel() - 1)
 
 
-def _patch_from(move, dst, dst_rows, src, src_rows, storage_dtype) -> None:
+def _patch_from(move, dst, dst_rows, src, src_rows, store) -> None:
     """(fetch stream) ``dst``'s rows that ``src`` holds, from ``src``, rounded through the
-    storage dtype as a write-back and a read would round them."""
+    store's storage as a write-back and a read would round them."""
     pos = _positions_in(src_rows, dst_rows)
     hit = src_rows.index_select(0, pos) == dst_rows
-    move(src, pos, dst, None, hit, storage_dtype if src.is_floating_point() else None)
-
-
-def _row_mover(device: torch.device, bank) -> Callable:
-    """The row-move function for mapped access: the Triton kernel on CUDA (and on CPU
-    tensors under ``TRITON_INTERPRET=1`` when the slots are float32), torch ops
-    otherwise."""
-    from ..kernels import triton_rows
-    if triton_rows.available() and (device.type == "cuda" or triton_rows._INTERPRET):
-        logical = {bank._logical[n] for n in bank.state_names()}
-        if logical <= {torch.float32, torch.int32, torch.int64}:
-            return triton_rows.move_rows_
-    return triton_rows.move_rows_torch_
+    if isinstance(store, RowwiseInt8Store):
+        values = store.round_trip(src.index_select(0, pos))
+        dst.copy_(torch.where(hit[:, None], values, dst))
+        return
+    move(src, pos, dst, None, hit, store.dtype if src.is_floating_point() else None)

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from .base import ClassBank
+from .quantized import INT8_ROWWISE, RowwiseInt8Store
 from .stores import DeviceStore, HostStore, RowStore
 
 __all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS", "HOST_ACCESS"]
@@ -42,7 +43,9 @@ class StaleRowError(RuntimeError):
 @dataclass(frozen=True)
 class Placement:
     """Where one state lives: ``tier`` in ("device", "host", "nvme") and its storage
-    ``dtype`` (None: the state's own dtype, float32 for centers and moments)."""
+    ``dtype`` (None: the state's own dtype, float32 for centers and moments), or
+    ``"int8_rowwise"`` for 8-bit codes with a scale per row (optimizer moments on the
+    device or host tier; :mod:`ds_pfc.bank.quantized`)."""
 
     tier: str = "device"
     dtype: torch.dtype | None = None
@@ -50,8 +53,10 @@ class Placement:
     def __post_init__(self):
         if self.tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
-        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype or None, got {self.dtype!r}")
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype) and self.dtype != INT8_ROWWISE:
+            raise TypeError(f"dtype must be a torch.dtype, {INT8_ROWWISE!r} or None, got {self.dtype!r}")
+        if self.dtype == INT8_ROWWISE and self.tier == "nvme":
+            raise ValueError(f"{INT8_ROWWISE!r} storage lives on the device or host tier, not on nvme")
 
     @classmethod
     def parse(cls, value) -> "Placement":
@@ -110,11 +115,6 @@ class TieredBank(ClassBank):
         if needs_dir and host_access == "mapped":
             raise ValueError("host_access='mapped' needs every state on the device or host tier: NVMe rows are "
                              "staged through host memory (use host_access='staged')")
-        if host_access == "mapped" and self.device.type == "cuda":
-            from ..kernels import triton_rows
-            if not triton_rows.available():
-                raise ValueError("host_access='mapped' on CUDA moves rows with Triton kernels, and triton is not "
-                                 "installed (pip install ds_pfc[triton]); or use host_access='staged'")
         self.host_access = host_access
         self.mapped = host_access == "mapped"
 
@@ -156,6 +156,23 @@ class TieredBank(ClassBank):
         if name in self._stores:
             raise ValueError(f"state {name!r} already exists")
         place = self.placement(name)
+        if place.dtype == INT8_ROWWISE and (dtype.is_floating_point or name in self.placements):
+            if name == "weight" or not dtype.is_floating_point or width == 0:
+                raise ValueError(f"state {name!r} cannot be stored as {INT8_ROWWISE!r}: 8-bit rows with a scale are "
+                                 f"for optimizer moments (the centers keep a floating storage dtype)")
+            if self.mapped and place.tier == "host" and self.device.type == "cuda":
+                raise ValueError(f"state {name!r}: 8-bit rows in host memory are coded by the host, so they cannot "
+                                 f"be read in place by the GPU; place them on the device tier or use "
+                                 f"host_access='staged'")
+            store = RowwiseInt8Store(self.num_rows, width, place.tier, self.device)
+            if init is not None:
+                _write_init(store, init, self.num_rows)
+            self._stores[name] = store
+            self._logical[name] = dtype
+            self._issued[name] = store.versions.clone()
+            return
+        if place.dtype == INT8_ROWWISE:      # a default of int8 codes: integer states keep their dtype
+            place = Placement(place.tier)
         # A storage dtype applies to floating states; counters (AdamW's "step") keep
         # their own dtype unless a placement names them explicitly.
         storage = dtype if (place.dtype is None or (not dtype.is_floating_point and name not in self.placements)) \
@@ -267,7 +284,7 @@ class TieredBank(ClassBank):
     def _device_written(self, name: str) -> None:
         store = self.store(name)
         if store.tier == "device" and self.on_device_write is not None:
-            self.on_device_write([store.data])
+            self.on_device_write(list(store.tables()) if isinstance(store, RowwiseInt8Store) else [store.data])
 
     def resident_bytes(self):
         """Bytes per tier: rows held on the device, in host memory (rows, version

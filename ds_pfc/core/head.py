@@ -236,7 +236,7 @@ class PartialFC(nn.Module):
         self._stager = None
         if isinstance(self.bank, TieredBank):
             self.bank.check_placements()
-            self._stager = Stager(self.bank)
+            self._stager = Stager(self.bank, mover=_row_mover(self.bank) if self.bank.mapped else None)
         self._closed = False
         self._lookahead = None   # (sample_step, gathered labels, active set, its bank rows) of the last prefetch
 
@@ -726,6 +726,19 @@ class PartialFC(nn.Module):
         for name, t in tensors.items():
             self.bank.load(name, t.to(self.device))
         self.seed, self.sample_step, self.step_count = meta["seed"], meta["sample_step"], meta["step_count"]
+
+
+def _row_mover(bank):
+    """The row-move kernel for a bank with mapped access: Triton's on CUDA (and on CPU
+    tensors under ``TRITON_INTERPRET=1``) when every slot state is float32 or an integer
+    (the kernel narrows to bfloat16 from float32 only); None otherwise (the bank's torch
+    ops)."""
+    from ..kernels import triton_rows
+    if not triton_rows.available() or (bank.device.type != "cuda" and not triton_rows._INTERPRET):
+        return None
+    if {bank._logical[n] for n in bank.state_names()} <= {torch.float32, torch.int32, torch.int64}:
+        return triton_rows.move_rows_
+    return None
 
 
 def _in_backward() -> bool:

@@ -23,9 +23,8 @@ rows that move: each byte crosses PCIe once. The grid is capped (:data:`_TILES`'
 ``MAX_PROGRAMS``) and each program strides over row blocks, so a fetch beside the backbone's
 kernels occupies a few SMs, not the whole GPU.
 
-:func:`move_rows_torch_` does the same with torch ops (gathers, a ``where`` and an index
-copy: no host sync, a fixed number of ops whatever the row count); it is the path off CUDA
-and without Triton, and the reference the kernel is tested against.
+:func:`ds_pfc.bank.rows.move_rows_torch_` does the same with torch ops; it is the bank's
+path off CUDA and without Triton.
 
 Under ``TRITON_INTERPRET=1`` (set before import) the kernel runs on CPU tensors.
 """
@@ -35,6 +34,7 @@ import os
 
 import torch
 
+from .._checks import check_row_move
 from ._device import on_device
 from . import _target
 
@@ -45,7 +45,7 @@ except ImportError:  # the module stays importable; available() says False
     triton = None
     tl = None
 
-__all__ = ["available", "move_rows_", "move_rows_torch_"]
+__all__ = ["available", "move_rows_"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -163,53 +163,28 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(1) if t.dim() == 1 else t
 
 
-def _check(src, src_idx, dst, dst_idx, mask, count):
-    """Shapes and dtypes; returns the number of positions ``i``."""
-    for name, t in (("src", src), ("dst", dst)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() not in (1, 2):
-            raise ValueError(f"{name} must be [rows] or [rows, width], got shape {list(t.shape)}")
-        if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
-            raise ValueError(f"{name} must be contiguous along its last dimension, got strides {t.stride()}")
-    if src.shape[1:] != dst.shape[1:]:
-        raise ValueError(f"src and dst must have rows of one shape, got {list(src.shape)} and {list(dst.shape)}")
-    if src.is_floating_point() != dst.is_floating_point():
-        raise TypeError(f"src ({src.dtype}) and dst ({dst.dtype}) must both be floating or both integer")
-    lengths = [t.shape[0] for t in (src_idx, dst_idx, mask) if t is not None]
-    if count is None:
-        count = lengths[0] if lengths else src.shape[0]
-    for name, t, dtypes in (("src_idx", src_idx, (torch.int64, torch.int32)),
-                            ("dst_idx", dst_idx, (torch.int64, torch.int32)), ("mask", mask, (torch.bool,))):
-        if t is None:
-            continue
-        if t.dtype not in dtypes or t.dim() != 1 or t.shape[0] != count:
-            raise ValueError(f"{name} must be a 1-d {' or '.join(map(str, dtypes))} tensor of {count} entries, got "
-                             f"{t.dtype} of shape {list(t.shape)}")
-    if src_idx is None and count > src.shape[0]:
-        raise ValueError(f"without src_idx, src needs at least {count} rows, got {src.shape[0]}")
-    if dst_idx is None and count > dst.shape[0]:
-        raise ValueError(f"without dst_idx, dst needs at least {count} rows, got {dst.shape[0]}")
-    return count
-
-
 def move_rows_(src: torch.Tensor, src_idx: torch.Tensor | None, dst: torch.Tensor, dst_idx: torch.Tensor | None,
                mask: torch.Tensor | None = None, round_dtype: torch.dtype | None = None, *,
-               count: int | None = None) -> torch.Tensor:
+               count: int | None = None, max_programs: int | None = None) -> torch.Tensor:
     """``dst[dst_idx[i]] = src[src_idx[i]]`` for the ``i`` with ``mask[i]`` (see the module
     docstring), with the Triton kernel, on the current stream of ``dst``'s device (``src``
     may be host memory mapped into that device's address space). Indices must be in range
-    and ``dst_idx`` unique: checking would cost a host sync. Returns ``dst``."""
+    and ``dst_idx`` unique: checking would cost a host sync. ``max_programs`` caps the
+    grid (default: the tile table's). Returns ``dst``."""
     if triton is None:
         raise RuntimeError("triton is not installed (pip install -e .[dev])")
-    count = _check(src, src_idx, dst, dst_idx, mask, count)
+    count = check_row_move(src, src_idx, dst, dst_idx, mask, count)
     if not _INTERPRET and dst.device.type != "cuda":
         raise ValueError(f"dst must be a CUDA tensor (or set TRITON_INTERPRET=1 before import), got {dst.device}")
     if count == 0 or src.numel() == 0:
         return dst
     s2, d2 = _as_2d(src), _as_2d(dst)
-    block_r, block_w, num_warps, max_programs = _tiles()
-    grid = (max(1, min(max_programs, triton.cdiv(count, block_r))),)
+    block_r, block_w, num_warps, cap = _tiles()
+    if max_programs is not None:
+        if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
+            raise ValueError(f"max_programs must be an int >= 1, got {max_programs!r}")
+        cap = max_programs
+    grid = (max(1, min(cap, triton.cdiv(count, block_r))),)
     # Rounding through a dtype only matters when it is narrower than the values.
     rnd = round_dtype is not None and src.is_floating_point() and _narrows(src.dtype, round_dtype)
     src_bf16 = src.dtype == torch.bfloat16 and dst.dtype != torch.bfloat16
@@ -227,35 +202,3 @@ def move_rows_(src: torch.Tensor, src_idx: torch.Tensor | None, dst: torch.Tenso
             ROUND_BF16=round_bf16, DST_BF16=dst_bf16, SRC_BF16=src_bf16,
             BLOCK_R=block_r, BLOCK_W=block_w, num_warps=num_warps)
     return dst
-
-
-def move_rows_torch_(src: torch.Tensor, src_idx: torch.Tensor | None, dst: torch.Tensor,
-                     dst_idx: torch.Tensor | None, mask: torch.Tensor | None = None,
-                     round_dtype: torch.dtype | None = None, *, count: int | None = None) -> torch.Tensor:
-    """:func:`move_rows_` with torch ops, on any device: no host sync, and the same ops
-    whatever the row count. With a mask, masked-off rows of ``dst`` are read and written
-    back unchanged (so ``dst_idx`` must be in range there too)."""
-    count = _check(src, src_idx, dst, dst_idx, mask, count)
-    if count == 0:
-        return dst
-    device = dst.device
-    values = src[:count] if src_idx is None else src.index_select(0, src_idx.to(src.device))
-    values = values.to(device)
-    if round_dtype is not None and round_dtype != values.dtype:
-        values = values.to(round_dtype)
-    values = values.to(dst.dtype)
-    if dst_idx is None:
-        target = dst[:count]
-        if mask is None:
-            target.copy_(values)
-        else:
-            target.copy_(torch.where(_expand(mask, values), values, target))
-        return dst
-    if mask is not None:
-        values = torch.where(_expand(mask, values), values, dst.index_select(0, dst_idx))
-    dst.index_copy_(0, dst_idx, values)
-    return dst
-
-
-def _expand(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    return mask.view((-1,) + (1,) * (values.dim() - 1))

@@ -1,0 +1,46 @@
+"""Row moves with torch ops: :func:`move_rows_torch_`, the twin of the Triton kernel
+:func:`ds_pfc.kernels.triton_rows.move_rows_` on any device.
+
+``dst[dst_idx[i]] = src[src_idx[i]]`` (through ``round_dtype``, then as ``dst.dtype``) for
+every ``i`` with ``mask[i]`` set; ``src_idx``/``dst_idx`` None mean ``i`` itself. Gathers,
+a ``where`` and an index copy: no host sync, and the same ops whatever the row count.
+The bank's mapped access uses it where the kernel cannot run (off CUDA, without Triton);
+:class:`~ds_pfc.bank.slots.Stager` takes the kernel from its caller (``core``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_row_move
+
+__all__ = ["move_rows_torch_"]
+
+
+def move_rows_torch_(src: torch.Tensor, src_idx: torch.Tensor | None, dst: torch.Tensor,
+                     dst_idx: torch.Tensor | None, mask: torch.Tensor | None = None,
+                     round_dtype: torch.dtype | None = None, *, count: int | None = None) -> torch.Tensor:
+    """See the module docstring. With a mask, masked-off rows of ``dst`` are read and
+    written back unchanged (so ``dst_idx`` must be in range there too). Returns ``dst``."""
+    count = check_row_move(src, src_idx, dst, dst_idx, mask, count)
+    if count == 0:
+        return dst
+    values = src[:count] if src_idx is None else src.index_select(0, src_idx.to(src.device))
+    values = values.to(dst.device)
+    if round_dtype is not None and round_dtype != values.dtype:
+        values = values.to(round_dtype)
+    values = values.to(dst.dtype)
+    if dst_idx is None:
+        target = dst[:count]
+        if mask is None:
+            target.copy_(values)
+        else:
+            target.copy_(torch.where(_expand(mask, values), values, target))
+        return dst
+    if mask is not None:
+        values = torch.where(_expand(mask, values), values, dst.index_select(0, dst_idx))
+    dst.index_copy_(0, dst_idx, values)
+    return dst
+
+
+def _expand(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return mask.view((-1,) + (1,) * (values.dim() - 1))
