@@ -1,0 +1,395 @@
+"""The bank planner (``ds_pfc.bench.plan``, ``ds-pfc-bench plan``) against the real bank.
+
+The planner computes its figures from formulas; these tests check them against what a
+real :class:`~ds_pfc.PartialFC` with a :class:`~ds_pfc.bank.TieredBank` reports on a CPU
+(world 1): resident bytes per tier and the staged slot exactly, bytes written back per
+step exactly, bytes staged in per step within a statistical tolerance derived below; the
+backbone constants against a fresh measurement of the model; the class count at which a
+limit stops holding against closed forms written out here; refusals and bad arguments.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ds_pfc import PartialFC
+from ds_pfc.bank import TieredBank
+from ds_pfc.bench import plan as planner
+from ds_pfc.bench.plan import BACKBONES, PlanArgumentError, plan
+from ds_pfc.cli import bench as bench_cli
+
+C, D, R, BATCH, STEPS = 20_000, 32, 0.1, 16, 26
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------- the real bank
+def _train_and_measure(optimizer: str, storage: str, tier: str, access: str = "staged", seed: int = 0) -> dict:
+    """Train a world-1 head on uniform random labels the way a trainer does (forward,
+    backward, prefetch the next labels, step) and record what the bank reports."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    extra = {} if access == "staged" else {"host_access": access}
+    if storage == "bf16-int8m":     # bf16, the first moment in 8 bits with a scale per row
+        coded = {name: (tier, "int8_rowwise") for name in ("momentum_buffer", "exp_avg")
+                 if (name == "momentum_buffer") == (optimizer == "sgd")}
+        bank = TieredBank.factory(coded, default=(tier, torch.bfloat16), **extra)
+    else:
+        bank = TieredBank.factory(default=(tier, DTYPES[storage]), **extra)
+    kwargs = dict(momentum=0.9) if optimizer == "sgd" else {}
+    head = PartialFC(C, D, sample_rate=R, bank=bank, optimizer=optimizer, seed=seed, **kwargs)
+    labels = [torch.randint(0, C, (BATCH,), generator=g) for _ in range(STEPS)]
+    traffic, staged = [], []
+    for t in range(STEPS):
+        x = torch.randn(BATCH, D, generator=g, requires_grad=True)
+        head(x, labels[t]).backward()
+        staged.append(head.memory_report()["resident"]["staged"])
+        if t + 1 < STEPS:
+            head.prefetch(labels[t + 1])
+        head.step(0.1)
+        traffic.append(dict(head.last_step_traffic))
+    report = head.memory_report()
+    totals = (head.bank.bytes_in, head.bank.bytes_out)
+    head.close()
+    return dict(traffic=traffic, staged=staged, resident=report["resident"], totals=totals)
+
+
+def _cold_tolerance_rows(active: int, rows: int, samples: int, sigmas: float = 5.0) -> float:
+    """Tolerance on the mean number of cold rows per step.
+
+    With uniform labels the active set S(t) is an exchangeable random subset of the C_q rows
+    of size |S| (positives included), independent of S(t+1): the overlap |S(t) ∩ S(t+1)|
+    is hypergeometric (population C_q, |S| marked, |S| drawn), mean |S|^2 / C_q and variance
+    |S| p (1 - p) (C_q - |S|) / (C_q - 1) with p = |S| / C_q. Overlaps of consecutive pairs
+    are uncorrelated (given S(t+1), the two overlaps are independent and their conditional
+    means do not depend on S(t+1)), so the mean over ``samples`` steps has that variance
+    divided by ``samples``; we allow ``sigmas`` standard deviations."""
+    p = active / rows
+    var = active * p * (1 - p) * (rows - active) / (rows - 1)
+    return sigmas * math.sqrt(var / samples)
+
+
+# (optimizer, storage, tier, host access). "staged" is the planner's host-cpu path (an I/O
+# thread gathers and scatters rows); "mapped", where the bank offers it, is its GPU-direct
+# host path (kernels read and write the tables in place). Both hold and move the same bytes.
+CASES = [("sgd", "fp32", "host", "staged"), ("sgd", "bf16", "host", "staged"), ("adamw", "bf16", "host", "staged"),
+         ("sgd", "bf16", "device", "staged"), ("adamw", "bf16", "host", "mapped"),
+         ("sgd", "bf16-int8m", "device", "staged"), ("adamw", "bf16-int8m", "host", "staged")]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    with pytest.MonkeyPatch.context() as mp:
+        # Mapped access moves rows with a Triton kernel, which this CPU run would interpret
+        # (minutes); its torch twin moves the same rows. Only the byte counts matter here.
+        import ds_pfc.core.head as head_module
+        mp.setattr(head_module, "_row_mover", lambda bank: None)      # the bank's torch ops
+        return {case: _train_and_measure(*case) for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_resident_bytes_and_staged_slot_match_the_bank(measured, case):
+    optimizer, storage, tier, _ = case
+    got = measured[case]
+    out = plan(C, D, 1, "h100-80g", R, optimizer=optimizer, storage=storage, batch=BATCH, stops=False)
+    # Per-row bytes, written out independently: storage bytes of weight + optimizer state
+    # (AdamW's int32 step keeps 4 bytes), and 2 x int32 version counters per row and state.
+    width = 4 if storage == "fp32" else 2
+    row = {"sgd": 2 * D * width, "adamw": 3 * D * width + 4}[optimizer]
+    if storage == "bf16-int8m":     # the first moment: D int8 codes and a float32 scale instead of D bf16
+        row += (D + 4) - D * width
+    states = {"sgd": 2, "adamw": 4}[optimizer]
+    assert out["row_bytes"] == row
+    assert out["classes_per_rank"] == C
+    if tier == "host":
+        assert got["resident"]["host"] == out["tiers"]["host"]["host_bytes_rank"] == C * (row + 8 * states)
+        assert got["resident"]["device"] == 0 == out["tiers"]["host"]["gpu_bank_bytes"]
+        placed = out["tiers"]["host"]["state_bytes"]
+        assert sum(v["host"] for v in placed.values()) + out["version_bytes_rank"] == got["resident"]["host"]
+    else:
+        assert got["resident"]["device"] == out["tiers"]["device"]["gpu_bank_bytes"] == C * row
+        assert got["resident"]["host"] == out["tiers"]["device"]["host_bytes_rank"] == C * 8 * states
+    # One staged slot: |S_q| = floor(r C_q) rows of every state in its logical dtype (float32;
+    # AdamW's step int32), measured while the step's rows are staged.
+    active = math.floor(R * C)
+    assert out["active_rows"] == active
+    logical = {"sgd": 2 * D * 4, "adamw": 3 * D * 4 + 4}[optimizer]
+    assert set(got["staged"]) == {active * logical}
+    assert out["gpu"]["slot_bytes"] == active * logical
+
+
+HOST_CASES = [c for c in CASES if c[2] == "host"]
+
+
+@pytest.mark.parametrize("case", HOST_CASES, ids=["-".join(c) for c in HOST_CASES])
+def test_traffic_per_step_matches_the_bank(measured, case):
+    optimizer, storage, tier, access = case
+    got = measured[case]
+    out = plan(C, D, 1, "h100-80g", R, optimizer=optimizer, storage=storage, batch=BATCH, stops=False)
+    t = out["tiers"]["host" if access == "mapped" else "host-cpu"]
+    assert (t["pcie_in"], t["pcie_out"]) == (out["tiers"]["host"]["pcie_in"], out["tiers"]["host"]["pcie_out"])
+    traffic = got["traffic"]
+    # Step t reports its own write-back and the prefetch of step t + 1 issued before it; the
+    # first step also stages its whole set synchronously and the last prefetches nothing.
+    middle = traffic[1:-1]
+    out_bytes = [s["written_back"] for s in middle]
+    assert set(out_bytes) == {t["pcie_out"]}, "every step writes back all |S_q| stepped rows"
+    in_bytes = [s["staged_in"] for s in middle]
+    mean_rows = sum(in_bytes) / len(in_bytes) / out["row_bytes"]
+    tol = _cold_tolerance_rows(out["active_rows"], C, len(in_bytes))
+    assert abs(mean_rows - t["pcie_in"] / out["row_bytes"]) <= tol, \
+        f"mean cold rows {mean_rows:.1f}, planned {t['pcie_in'] / out['row_bytes']:.1f} (tolerance {tol:.1f})"
+    # The plan's cold rows are |S_q| (1 - r) here (|S_q| = r C_q exactly).
+    assert t["pcie_in"] == pytest.approx(out["active_rows"] * (1 - R) * out["row_bytes"])
+    first = traffic[0]["staged_in"] - out["active_rows"] * out["row_bytes"]
+    assert abs(first / out["row_bytes"] - out["cold_rows"]) <= _cold_tolerance_rows(out["active_rows"], C, 1)
+    assert traffic[-1]["staged_in"] == 0
+    assert got["totals"] == (0, 0)                  # every step's report reset the counters
+    # With --hbm-share f only the rows outside GPU memory move: (1 - f) of it.
+    half = plan(C, D, 1, "h100-80g", R, optimizer=optimizer, storage=storage, batch=BATCH, stops=False,
+                hbm_share=0.5)["tiers"]["host"]
+    assert half["pcie_in"] == pytest.approx(0.5 * t["pcie_in"])
+    assert half["pcie_out"] == pytest.approx(0.5 * t["pcie_out"])
+
+
+def test_tolerance_would_catch_a_model_without_overlap(measured):
+    """The statistical tolerance is tight enough to tell the planned cold rows from
+    |S_q| (no overlap credit) or from |S_q| (1 - r)^2."""
+    tol = _cold_tolerance_rows(math.floor(R * C), C, STEPS - 2)
+    active = math.floor(R * C)
+    assert tol < 0.01 * active * (1 - R) < active * R * (1 - R)
+
+
+def test_nvme_blocks_match_the_store_layout_and_the_sampler():
+    """The NVMe tier's I/O per step: the planner's block layout is NvmeStore's, and the
+    fraction of blocks a step's cold rows and stepped rows touch matches the real sampler's
+    active sets (drawn here at C_q = 200k, r = 0.01, where a block of 128 rows is touched
+    with probability ~0.72, far from 0 or 1)."""
+    from ds_pfc.bank.nvme import NvmeStore
+    from ds_pfc.bank.stores import RowStore
+    from ds_pfc.core.sampling import sample_active
+    classes, dim, rate, steps = 200_000, 512, 0.01, 30
+    out = plan(classes, dim, 1, "h100-80g", rate, storage="bf16", batch=BATCH, stops=False)
+    layout = {x["state"]: x for x in out["tiers"]["nvme"]["nvme_layout"]}
+    store = NvmeStore.__new__(NvmeStore)          # the layout only: no file, no aio op
+    RowStore.__init__(store, classes, dim, torch.bfloat16)
+    store.intra_op_parallelism = 1
+    store._layout_new(None)
+    for name in ("weight", "momentum_buffer"):
+        assert (layout[name]["block_rows"], layout[name]["block_bytes"], layout[name]["blocks"]) == \
+            (store.block_rows, store._block_bytes, store._num_blocks)
+    br, blocks = store.block_rows, store._num_blocks
+    g = torch.Generator().manual_seed(3)
+    sets = [sample_active(torch.randint(0, classes, (BATCH,), generator=g), classes, rate, seed=5, step=t, rank=0)
+            for t in range(steps + 1)]
+    touched_in = [torch.unique(b[~torch.isin(b, a)] // br).numel() / blocks for a, b in zip(sets, sets[1:])]
+    touched_out = [torch.unique(s // br).numel() / blocks for s in sets[:-1]]
+    # Blocks touched are negatively correlated (a fixed number of rows), so the binomial
+    # variance blocks p (1 - p) bounds the count's; 5 sigma on the mean over the steps.
+    for sim, name in ((touched_in, "touched_in"), (touched_out, "touched_out")):
+        p = layout["weight"][name]
+        tol = 5 * math.sqrt(p * (1 - p) / blocks / len(sim))
+        assert 0.3 < p < 0.95
+        assert abs(sum(sim) / len(sim) - p) <= tol, (name, sum(sim) / len(sim), p, tol)
+    # Read: every block with a cold row, and every block a write-back patches; written: the latter.
+    per_state = blocks * store._block_bytes
+    t = out["tiers"]["nvme"]
+    assert t["nvme_write_node"] == pytest.approx(2 * per_state * layout["weight"]["touched_out"])
+    assert t["nvme_read_node"] == pytest.approx(
+        2 * per_state * (layout["weight"]["touched_in"] + layout["weight"]["touched_out"]), rel=1e-6)
+
+
+# ---------------------------------------------------------------- backbone constants
+def saved_tensor_bytes(name: str, batch: int) -> tuple[int, int]:
+    """``(parameters, bytes saved for backward)`` of one training forward of backbone
+    ``name`` on a bfloat16 batch at 112x112, its parameters cast to bfloat16 as DeepSpeed's
+    fp16/bf16 modes cast them: every distinct storage saved for backward that is not a
+    parameter. (How ds_pfc.bench.plan.BACKBONES was measured, at batch 2.)"""
+    from ds_pfc.models import build_backbone
+    torch.manual_seed(0)
+    model = build_backbone(name).train()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            saved[s._cdata] = s.nbytes()
+        return t
+    x = torch.randn(batch, 3, 112, 112).to(torch.bfloat16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(p.numel() for p in model.parameters()), sum(saved.values())
+
+
+def test_backbone_constant_matches_the_model():
+    params, saved = saved_tensor_bytes("iresnet50", 2)
+    const = BACKBONES["r50"]
+    assert params == const["params"]
+    assert saved == pytest.approx(const["saved_bytes_batch2"], rel=0.10)
+
+
+# ---------------------------------------------------------------- scaling
+H100 = dict(classes=128_000_000, dim=512, gpus=8, gpu="h100-80g", sample_rate=0.1)
+
+
+def _closed_form(which: str, p: dict) -> float:
+    """The class count at which a limit is reached, solved by hand (continuous C, C_q = C/k,
+    |S_q| = r C_q), independently of the planner's code."""
+    k, d, r = p["gpus"], p["dim"], p["sample_rate"]
+    row = 2 * d * (2 if p["storage"] == "bf16" else 4)           # SGD: weight + momentum
+    if which == "host RAM":
+        # node: C (row + 2 states x 8 B of counters) <= RAM
+        return p["host_ram_gb"] * 1e9 / (row + 16)
+    if which == "PCIe in":
+        # cold bytes per rank r (1 - r) (C / k) row <= step x zero-copy rate
+        return p["step_ms"] / 1e3 * p["zero_copy_gbps"] * 1e9 * k / (r * (1 - r) * row)
+    if which == "host memory":
+        # node traffic: 1 touch x (cold + all active) rows x row bytes over all ranks <= step x rate
+        return p["step_ms"] / 1e3 * p["host_gbps"] * 1e9 / ((r * (1 - r) + r) * row)
+    if which == "GPU memory":
+        # device tier per GPU: bank row + 2 float32 slots (2 x 8 d B per row) + float32 gradient (4 d)
+        # + normalised bf16 centers and norms (2 d + 4) per active row + 16 B sampler keys, per
+        # class of the rank; fixed: the backbone (16 B/param + 128 x activations), the G block
+        # (256 MiB) and 3 x N x d float32 embeddings; 3 GB reserve.
+        bb = BACKBONES["r100"]
+        fixed = bb["params"] * 16 + 128 * bb["saved_bytes_batch2"] / 2 + (1 << 28) + 3 * 128 * k * d * 4
+        per_class = row + r * (2 * 8 * d + 4 * d + 2 * d + 4) + 16
+        return k * (77e9 - fixed) / per_class
+    raise KeyError(which)
+
+
+SCALING = [
+    ("host", "host RAM per node", "host RAM", dict(storage="bf16", host_ram_gb=512.0)),
+    ("host", "PCIe in time", "PCIe in", dict(storage="bf16")),
+    ("host", "PCIe in time", "PCIe in", dict(storage="fp32", step_ms=150.0, sample_rate=0.2)),
+    ("host", "host memory time", "host memory", dict(storage="bf16", host_gbps=200.0)),
+    ("device", "GPU memory per GPU", "GPU memory", dict(storage="bf16", backbone="r100", batch=128)),
+    ("device", "GPU memory per GPU", "GPU memory", dict(storage="fp32", backbone="r100", batch=128)),
+]
+
+
+@pytest.mark.parametrize("tier,check,form,opts", SCALING, ids=[f"{s[0]}-{s[2]}-{i}" for i, s in enumerate(SCALING)])
+def test_stop_class_count_is_where_the_figure_crosses_the_limit(tier, check, form, opts):
+    args = dict(H100, **opts)
+    out = plan(**args)
+    entry = next(c for c in out["tiers"][tier]["checks"] if c["name"] == check)
+    stop = entry["max_classes"]
+    assert stop is not None and stop > 0
+    # Independent closed form (continuous C; the planner's integer rounding moves it by far
+    # less than 0.1%).
+    expected = _closed_form(form, dict(planner.DEFAULTS, **args))
+    assert stop == pytest.approx(expected, rel=1e-3)
+
+    def at(c):
+        e = next(x for x in plan(**dict(args, classes=c), stops=False)["tiers"][tier]["checks"] if x["name"] == check)
+        return e["value"], e["limit"]
+    below, above = at(stop), at(stop + args["gpus"])
+    assert below[0] <= below[1] < above[0]
+    # Linear in C at fixed r: the figure's growth over C..2C equals that over 2C..3C.
+    v1, v2, v3 = at(stop // 4)[0], at(stop // 2)[0], at(3 * stop // 4)[0]
+    assert (v3 - v2) == pytest.approx(v2 - v1, rel=1e-3)
+
+
+# ---------------------------------------------------------------- refusals and errors
+REFUSED = ["--classes", "64M", "--dim", "512", "--gpus", "8", "--gpu", "a100-40g", "--sample_rate", "0.1",
+           "--storage", "fp32", "--backbone", "r100", "--batch", "128", "--host-ram-gb", "200", "--nvme-drives", "0"]
+
+
+def test_refuses_when_no_tier_fits(capsys):
+    rc = bench_cli.main(["plan", *REFUSED])
+    assert rc == 2
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert "no tier fits" in text
+    # The planner names the knobs that make a tier fit: bf16 storage halves the host bank
+    # (64M x 2 KiB = 131 GB < 200 GB), an H100 holds the device bank, and the NVMe tier fits.
+    for knob in ("--storage bf16", "--gpu h100-80g", "--nvme-drives 8", "--host-ram-gb 400"):
+        assert knob in text, knob
+    out = plan(64_000_000, 512, 8, "a100-40g", 0.1, storage="fp32", backbone="r100", batch=128,
+               host_ram_gb=200.0, nvme_drives=0)
+    assert out["refused"] and not out["fits_any"]
+    # ... and the same plan with bf16 storage is not refused.
+    assert plan(64_000_000, 512, 8, "a100-40g", 0.1, storage="bf16", backbone="r100", batch=128,
+                host_ram_gb=200.0, nvme_drives=0)["refused"] is None
+
+
+def test_refusal_names_sample_rate_when_the_slots_do_not_fit(capsys):
+    # 1B classes at r = 0.1 on 8 H100s: two float32 slots of 12.5M rows do not fit any tier.
+    rc = bench_cli.main(["plan", "--classes", "1B", "--dim", "512", "--gpus", "8", "--gpu", "h100-80g",
+                         "--sample_rate", "0.1", "--storage", "bf16", "--backbone", "r100"])
+    assert rc == 2
+    text = "".join(capsys.readouterr())
+    assert "--sample_rate" in text and "--gpus" in text
+
+
+BAD = [
+    (["--sample_rate", "0"], "--sample_rate"),
+    (["--sample_rate", "1.5"], "--sample_rate"),
+    (["--sample_rate", "abc"], "--sample_rate"),
+    (["--gpus", "0"], "--gpus"),
+    (["--gpu", "h100"], "--gpu"),
+    (["--hbm-share", "1.2"], "--hbm-share"),
+    (["--classes", "0"], "--classes"),
+    (["--classes", "12X"], "--classes"),
+    (["--classes", "4"], "--classes"),            # fewer classes than GPUs
+    (["--storage", "fp16"], "--storage"),
+    (["--optimizer", "adam"], "--optimizer"),
+    (["--backbone", "r34"], "--backbone"),
+    (["--batch", "-1"], "--batch"),
+    (["--step-ms", "0"], "--step-ms"),
+    (["--pcie-gbps", "nan"], "--pcie-gbps"),
+]
+GOOD = {"--classes": "128M", "--dim": "512", "--gpus": "8", "--gpu": "h100-80g", "--sample_rate": "0.1"}
+
+
+@pytest.mark.parametrize("change,flag", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_arguments_are_rejected_naming_the_argument(change, flag, capsys):
+    argv = dict(GOOD)
+    argv[change[0]] = change[1]
+    with pytest.raises(SystemExit) as exc:
+        planner.main([x for kv in argv.items() for x in kv])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_api_errors_name_the_argument():
+    with pytest.raises(PlanArgumentError) as exc:
+        plan(1000, 64, 2, "h100-80g", 0.0)
+    assert exc.value.argument == "sample_rate" and "--sample_rate" in str(exc.value)
+    with pytest.raises(PlanArgumentError) as exc:
+        plan(1000, 64, 2, "h100-80g", 0.1, hbm_share=-0.1)
+    assert exc.value.argument == "hbm_share"
+    with pytest.raises(TypeError):
+        plan(1000, 64, 2, "h100-80g", 0.1, sample=0.1)
+
+
+# ---------------------------------------------------------------- output
+def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    rc = bench_cli.main(["plan", *[x for kv in GOOD.items() for x in kv], "--storage", "bf16", "--backbone", "r100",
+                         "--json", str(path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for word in ("device", "host-cpu", "nvme", "fits up to", "hides up to", "PCIe in"):
+        assert word in text
+    doc = json.loads(path.read_text())
+    assert doc["date"] and doc["inputs"]["sample_rate"] == 0.1
+    got = doc["plans"][0]
+    ref = plan(128_000_000, 512, 8, "h100-80g", 0.1, storage="bf16", backbone="r100")
+    assert got["tiers"]["host"]["pcie_in"] == pytest.approx(ref["tiers"]["host"]["pcie_in"])
+    assert got["tiers"]["device"]["max_classes_fit"] == ref["tiers"]["device"]["max_classes_fit"]
+    # Bytes per state at 128M / 8 ranks, bf16: 16M rows x 1 KiB each.
+    assert [s["bytes"] for s in got["states"]] == [16_000_000 * 1024] * 2
+
+
+def test_sweep_prints_one_line_per_class_count(capsys):
+    rc = planner.main(["--classes", "64M,128M", "--dim", "512", "--gpus", "8", "--gpu", "h200", "--sample_rate", "0.1",
+                       "--storage", "bf16"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("64M") for line in lines) and any(line.startswith("128M") for line in lines)
