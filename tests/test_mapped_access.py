@@ -418,3 +418,17 @@ def test_split_of_sorted_sets_matches_isin(sizes):
         assert held is None
     else:
         assert torch.equal(held, expected)
+
+
+def test_rows_benchmark_runs_dry(tmp_path):
+    """The GPU row-move benchmark's harness, at toy sizes on the CPU: a table, a JSON with
+    a rate and the planner's assumed rate per case."""
+    import json
+    from ds_pfc.cli import bench
+    out = tmp_path / "rows.json"
+    assert bench.main(["rows", "--dry", "--row-bytes", "256", "--programs", "2", "--huge", "no", "--repeats", "1",
+                       "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    moves = [r for r in doc["results"] if r["what"].startswith(("gather", "scatter"))]
+    assert {r["what"].split()[0] for r in moves} == {"gather", "scatter"}
+    assert all(r["gbps"] > 0 and r["assumed_gbps"] == 45.0 and r["row_bytes"] == 256 for r in moves)
