@@ -94,44 +94,63 @@ def run_case(case: dict) -> dict:
             "loss": loss.item()}
 
 
-def storage_effect(steps: int = 300, classes: int = 5000, seed: int = 0) -> list[dict]:
-    """Train the synthetic-identity task with each storage dtype placement and report
-    the final loss and held-out verification accuracy (same data, same seed)."""
+STORAGE_VARIANTS = (
+    # name, placements, default, bytes per row of weight + momentum at d = 512
+    ("float32 (device bank)", None, None, 4096),
+    ("weight bf16 (host)", {"weight": ("host", torch.bfloat16)}, "host", 3072),
+    ("weight+momentum bf16 (host)", {}, ("host", torch.bfloat16), 2048),
+    ("weight bf16 + momentum int8 (host)", {"weight": ("host", torch.bfloat16),
+                                            "momentum_buffer": ("host", "int8_rowwise")}, "host", 1540),
+)
+
+
+def storage_effect(steps: int = 300, classes: int = 5000, seeds=(0, 1, 2)) -> list[dict]:
+    """Train the synthetic-identity task with each storage placement (:data:`STORAGE_VARIANTS`)
+    and report the final loss and held-out verification accuracy per seed, and their mean
+    and standard deviation; every variant sees the same data and initial values per seed."""
+    import statistics
     from ..core.margins import CosFace
     from ..core.head import PartialFC
     from ..bank import TieredBank
     from ..data import SyntheticIdentities, verification_accuracy
-    variants = [("float32 (device bank)", None),
-                ("weight bf16 (host)", TieredBank.factory({"weight": ("host", torch.bfloat16)}, default="host")),
-                ("weight+momentum bf16 (host)", TieredBank.factory(default=("host", torch.bfloat16)))]
     out = []
-    for name, bank in variants:
-        torch.manual_seed(seed)
-        data = SyntheticIdentities(classes + 1000, seed=seed)
-        backbone = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128),
-                                       torch.nn.BatchNorm1d(128))
-        head = PartialFC(classes, 128, sample_rate=0.1, margin=CosFace(32.0, 0.3), bank=bank,
-                         compute_dtype=torch.bfloat16, seed=seed)
-        opt = torch.optim.SGD(backbone.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-        gen = torch.Generator().manual_seed(seed + 7)
-        losses = []
-        for step in range(steps):
-            lr = 0.05 * (1 - step / steps)
-            labels = torch.randint(0, classes, (256,), generator=gen)
-            loss = head(backbone(data.sample(labels)), labels)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-            head.step(lr)
-            losses.append(loss.item())
-        head.close()
-        tail = losses[-30:]
-        out.append({"storage": name, "final_loss": sum(tail) / len(tail),
-                     "verification": verification_accuracy(backbone, data, classes)})
-        print(f"  {name}: loss {out[-1]['final_loss']:.3f}, held-out verification {out[-1]['verification']:.3f}",
-              flush=True)
+    for name, placements, default, row_bytes in STORAGE_VARIANTS:
+        runs = []
+        for seed in seeds:
+            bank = None if default is None else TieredBank.factory(placements, default=default)
+            torch.manual_seed(seed)
+            data = SyntheticIdentities(classes + 1000, seed=seed)
+            backbone = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128),
+                                           torch.nn.BatchNorm1d(128))
+            head = PartialFC(classes, 128, sample_rate=0.1, margin=CosFace(32.0, 0.3), bank=bank,
+                             compute_dtype=torch.bfloat16, seed=seed)
+            opt = torch.optim.SGD(backbone.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+            gen = torch.Generator().manual_seed(seed + 7)
+            losses = []
+            for step in range(steps):
+                lr = 0.05 * (1 - step / steps)
+                labels = torch.randint(0, classes, (256,), generator=gen)
+                loss = head(backbone(data.sample(labels)), labels)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+                head.step(lr)
+                losses.append(loss.item())
+            head.close()
+            tail = losses[-30:]
+            runs.append({"seed": seed, "final_loss": sum(tail) / len(tail),
+                         "verification": verification_accuracy(backbone, data, classes)})
+        ver = [r["verification"] for r in runs]
+        loss = [r["final_loss"] for r in runs]
+        spread = (lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0)
+        out.append({"storage": name, "bytes_per_row_d512": row_bytes, "runs": runs,
+                    "verification_mean": statistics.mean(ver), "verification_std": spread(ver),
+                    "final_loss_mean": statistics.mean(loss), "final_loss_std": spread(loss)})
+        print(f"  {name}: loss {out[-1]['final_loss_mean']:.3f} +- {out[-1]['final_loss_std']:.3f}, held-out "
+              f"verification {out[-1]['verification_mean']:.3f} +- {out[-1]['verification_std']:.3f} "
+              f"({len(runs)} seeds)", flush=True)
     return out
 
 
@@ -166,15 +185,24 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     p.add_argument("--storage-effect", action="store_true",
-                   help="instead: train the synthetic-identity task with float32 vs bfloat16 storage")
+                   help="instead: train the synthetic-identity task with float32, bfloat16 and 8-bit storage")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per storage variant (--storage-effect)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
         print(json.dumps(run_case(json.loads(args.case))))
         return 0
     if args.storage_effect:
-        print("training the synthetic-identity task (5000 classes, 300 steps) per storage dtype ...", flush=True)
-        results = storage_effect()
+        seeds = tuple(range(args.seeds))
+        print(f"training the synthetic-identity task (5000 classes, 300 steps) per storage, {len(seeds)} seeds ...",
+              flush=True)
+        results = storage_effect(seeds=seeds)
+        base = results[0]
+        print(format_table(["storage", "bytes/row (d=512)", "held-out verification", "vs float32", "final loss"],
+                           [[r["storage"], r["bytes_per_row_d512"],
+                             f"{r['verification_mean']:.3f} +- {r['verification_std']:.3f}",
+                             f"{r['verification_mean'] - base['verification_mean']:+.3f}",
+                             f"{r['final_loss_mean']:.3f} +- {r['final_loss_std']:.3f}"] for r in results]))
         out = args.out or os.path.join("benchmarks", "results", f"bank-storage-{time.strftime('%Y%m%d-%H%M%S')}.json")
         write_json(out, "bank-storage-effect", vars(args), results)
         print(f"wrote {out}")
