@@ -331,3 +331,17 @@ def test_cli_argument_errors_are_usage_errors(script, args, needle):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_how_the_bank_moves_rows_is_a_harmless_change():
+    """host_access changes how rows travel, not their values (bitwise equal runs): logged.
+    Moving a state to another tier or storage dtype changes training: refused."""
+    from ds_pfc.app.resume_changes import differences
+    head = {"num_classes": 10, "embedding_size": 8}
+    saved = {"ds_pfc": {"head": {**head, "bank": {"default": "host"}}}}
+    mapped = {"ds_pfc": {"head": {**head, "bank": {"default": "host", "host_access": "mapped"}}}}
+    coded = {"ds_pfc": {"head": {**head, "bank": {"default": "host",
+                                                    "placements": {"momentum_buffer": ["host", "int8_rowwise"]}}}}}
+    assert [(c.key, c.kind) for c in differences(saved, mapped)] == [("ds_pfc.head.bank.host_access", "harmless")]
+    kinds = [c.kind for c in differences(saved, coded)]
+    assert kinds and set(kinds) == {"training"}

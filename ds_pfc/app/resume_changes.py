@@ -8,8 +8,8 @@ with its own and sorts every difference, by dotted key, into one of four kinds:
   ``gradient_accumulation_steps``. Governed by the global-batch rule (the product
   micro x accumulation x ranks must stay, else ``allow_batch_change``).
 - ``harmless``: logging, monitors, diagnostics, evaluation, checkpoint cadence and retention,
-  the output directory, data-loading workers, the NVMe bank directory, the head's
-  kernel backend and block size, and the run's length (``ds_pfc.train.epochs``,
+  the output directory, data-loading workers, the NVMe bank directory and how the
+  bank moves rows (``host_access``), the head's kernel backend and block size, and the run's length (``ds_pfc.train.epochs``,
   ``max_steps``: extending or shortening a run is the usual reason to resume; with a
   ``poly`` schedule the decay then spans the new length). Logged.
 - ``fixed``: what the checkpoint cannot be loaded into (the head's classes,
@@ -40,6 +40,8 @@ _HARMLESS = (
     "ds_pfc.train.epochs", "ds_pfc.train.diagnostics", "ds_pfc.evaluation", "ds_pfc.checkpoint",
     "ds_pfc.data.workers", "ds_pfc.data.decode",
     "ds_pfc.data.prefetch_batches", "ds_pfc.head.bank.nvme_dir", "ds_pfc.head.backend", "ds_pfc.head.block_bytes",
+    # How rows move between the bank's tables and the slots: the values are the same.
+    "ds_pfc.head.bank.host_access",
     # Pretrained weights are read only by a fresh run.
     "ds_pfc.train.init.backbone", "ds_pfc.train.init.head",
 )
