@@ -15,16 +15,23 @@
   ``SLURM_LOCALID``, ...), so an ``mpirun`` or ``srun`` task binds its own GPU too.
 - Worker threads that issue CUDA work set their device first
   (:func:`set_thread_device`), so no rank creates a context on GPU 0.
+- Large host tables that a GPU reads in place are placed near it: :func:`local_cpus`
+  finds the CPUs of the GPU's NUMA node, :func:`place_host_table` asks for huge pages
+  and touches every page first from those CPUs, so that the kernel's default
+  first-touch policy allocates them on that node.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import threading
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["normalize_device", "group_uses_nccl", "head_device", "collective_device", "bind_local_device",
-           "set_thread_device"]
+           "set_thread_device", "local_cpus", "place_host_table"]
 
 
 def normalize_device(device) -> torch.device:
@@ -97,3 +104,81 @@ def set_thread_device(device) -> None:
     device = torch.device(device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device.index)
+
+
+def _parse_cpulist(text: str) -> set[int]:
+    """``"0-3,8,10-11"`` -> {0, 1, 2, 3, 8, 10, 11}."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def local_cpus(device, sysfs: str = "/sys/bus/pci/devices") -> set[int] | None:
+    """The CPUs of CUDA ``device``'s NUMA node, read from sysfs through the GPU's PCI
+    address, or None where that is unknown (not CUDA, no PCI address in torch's device
+    properties, no such file)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
+    ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if any(not isinstance(i, int) for i in ids):
+        return None
+    path = os.path.join(sysfs, f"{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}.0", "local_cpulist")
+    try:
+        with open(path) as f:
+            cpus = _parse_cpulist(f.read())
+    except (OSError, ValueError):
+        return None
+    return cpus or None
+
+
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+
+
+def _advise_huge_pages(table: torch.Tensor) -> bool:
+    """Ask for transparent huge pages over the 2 MiB-aligned interior of ``table``'s
+    memory (before it is touched). True if the kernel took the advice."""
+    huge = 2 << 20
+    start = table.data_ptr()
+    end = start + table.numel() * table.element_size()
+    lo, hi = -(-start // huge) * huge, end // huge * huge
+    if hi <= lo:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def place_host_table(table: torch.Tensor, cpus: set[int] | None = None, huge_pages: bool = True) -> dict:
+    """Zero a new (untouched) host ``table`` so that its pages land near a GPU: asks for
+    huge pages first (``huge_pages``), then touches every page from a thread bound to
+    ``cpus`` (the GPU's :func:`local_cpus`; None: the caller's CPUs). Returns what was
+    done: ``{"huge_pages": bool, "cpus": n or None}``."""
+    done = {"huge_pages": _advise_huge_pages(table) if huge_pages else False, "cpus": None}
+    flat = table.view(-1).view(torch.uint8) if table.numel() else None
+    if flat is None:
+        return done
+    errors: list[BaseException] = []
+
+    def touch():
+        try:
+            if cpus and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, cpus)          # this thread only
+                done["cpus"] = len(cpus)
+            flat.numpy().fill(0)                      # one thread: the pages follow its CPUs
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+            errors.append(err)
+
+    worker = threading.Thread(target=touch, name="ds_pfc-first-touch")
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+    return done

@@ -191,3 +191,41 @@ def test_labels_of_any_integer_dtype_cross_ranks_as_int64():
     for r in results:
         assert torch.int16 not in r["dtypes"] and torch.int64 in r["dtypes"], r["dtypes"]
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-6)
+
+
+# ---------------------------------------------------------------- host tables near their GPU
+def test_a_gpus_local_cpus_come_from_sysfs_by_its_pci_address(fake_cuda, monkeypatch, tmp_path):
+    class Props:
+        pci_domain_id, pci_bus_id, pci_device_id = 0, 0x9A, 0
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    (tmp_path / "0000:9a:00.0").mkdir()
+    (tmp_path / "0000:9a:00.0" / "local_cpulist").write_text("56-111,168-223\n")
+    cpus = devices.local_cpus("cuda:1", sysfs=str(tmp_path))
+    assert cpus == set(range(56, 112)) | set(range(168, 224))
+    assert devices.local_cpus("cpu", sysfs=str(tmp_path)) is None
+    Props.pci_bus_id = 0x1B                                   # no such device in sysfs: unknown
+    assert devices.local_cpus("cuda:1", sysfs=str(tmp_path)) is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: object())   # an older torch
+    assert devices.local_cpus("cuda:1", sysfs=str(tmp_path)) is None
+
+
+def test_a_host_table_is_touched_from_the_given_cpus_only():
+    import os
+    table = torch.full((3 << 20,), 7.0)          # 12 MiB: several 2 MiB pages
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    seen = {}
+    original = os.sched_setaffinity
+
+    def record(pid, cpus):
+        seen["cpus"] = set(cpus)
+        original(pid, cpus)
+    os.sched_setaffinity = record
+    try:
+        done = devices.place_host_table(table, cpus={cpu})
+    finally:
+        os.sched_setaffinity = original
+    assert float(table.abs().max()) == 0.0
+    assert seen["cpus"] == {cpu} and done["cpus"] == 1
+    assert os.sched_getaffinity(0) == before        # the caller's own CPUs are untouched
+    assert isinstance(done["huge_pages"], bool)
