@@ -8,16 +8,48 @@ dtypes. Row ids passed to a store are sorted, unique, int64 on the CPU.
 """
 from __future__ import annotations
 
+import os
+import threading
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["RowStore", "DeviceStore", "HostStore", "pinned_empty", "REGISTER_MIN_BYTES"]
+from ..devices import local_cpus, place_host_table
+
+__all__ = ["RowStore", "DeviceStore", "HostStore", "pinned_empty", "pinned_table", "unregister_table",
+           "default_threads", "REGISTER_MIN_BYTES", "THREADS_ENV", "CHUNK_BYTES"]
 
 # Tables at least this large are page-locked with cudaHostRegister instead of the
 # caching host allocator, which rounds every block up to a power of two (a 2.56 GB
 # table would pin 4.29 GB) and never returns it to the system.
 REGISTER_MIN_BYTES = 64 << 20
+
+# cudaHostRegister flags: the registration is seen by every CUDA context (portable), and
+# the pages are mapped into the devices' address space (kernels read and write them).
+HOST_REGISTER_PORTABLE = 1
+HOST_REGISTER_MAPPED = 2
+
+#: Environment variable with the default number of threads of a :class:`HostStore`.
+THREADS_ENV = "DS_PFC_BANK_THREADS"
+#: A gather or scatter is split into chunks of at least this many bytes (one per thread):
+#: below it, handing a chunk to another thread costs more than it saves.
+CHUNK_BYTES = 1 << 20
+
+
+def default_threads() -> int:
+    """Threads of a :class:`HostStore` when none are given: ``$DS_PFC_BANK_THREADS``, or
+    ``min(8, os.cpu_count())``."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:
+        try:
+            threads = int(value)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ValueError(f"{THREADS_ENV} must be a positive integer, got {value!r}")
+        return threads
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def pinned_empty(shape, dtype) -> torch.Tensor:
@@ -33,16 +65,32 @@ def _numel(shape) -> int:
     return n
 
 
-def pinned_table(shape, dtype) -> tuple[torch.Tensor, bool]:
+def pinned_table(shape, dtype, mapped: bool = False, near=None) -> tuple[torch.Tensor, bool]:
     """A long-lived host table, page-locked when CUDA is available; returns it and
-    whether it was registered (then :func:`unregister_table` must release it)."""
+    whether it was registered (then :func:`unregister_table` must release it).
+
+    ``mapped=True``: the table is also mapped into the GPUs' address space, for kernels
+    that read and write it directly. A large table is then pre-faulted (every page
+    touched, as zeros) and registered with ``cudaHostRegisterPortable |
+    cudaHostRegisterMapped``; a small one (below :data:`REGISTER_MIN_BYTES`) comes from
+    the pinned allocator (``cudaHostAlloc``), whose memory is portable and mapped under
+    unified addressing. Without CUDA the table is plain memory either way. A failed
+    registration raises and leaves nothing registered. ``near``: the CUDA device that will
+    read a large mapped table; its pages are asked to be huge and are touched first from
+    that GPU's NUMA node (:func:`ds_pfc.devices.place_host_table`).
+    """
     nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
     if not torch.cuda.is_available() or nbytes < REGISTER_MIN_BYTES:
         return pinned_empty(shape, dtype), False
     table = torch.empty(shape, dtype=dtype)
-    err = torch.cuda.cudart().cudaHostRegister(table.data_ptr(), nbytes, 0)
+    flags = 0
+    if mapped:
+        place_host_table(table, local_cpus(near) if near is not None else None)     # zeroed, near the GPU
+        flags = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
+    err = torch.cuda.cudart().cudaHostRegister(table.data_ptr(), nbytes, flags)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte host table failed with CUDA error {int(err)}")
+        raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte host table (flags {flags}) failed with CUDA "
+                           f"error {int(err)}")
     return table, True
 
 
@@ -50,6 +98,12 @@ def unregister_table(table: torch.Tensor) -> None:
     err = torch.cuda.cudart().cudaHostUnregister(table.data_ptr())
     if int(err) != 0:
         raise RuntimeError(f"cudaHostUnregister of a host table failed with CUDA error {int(err)}")
+
+
+def _count(versions: torch.Tensor, rows: torch.Tensor) -> None:
+    """``versions[rows] += 1`` for unique ``rows``, in one pass (no gather and put)."""
+    if rows.numel():
+        versions.index_add_(0, rows, torch.ones((), dtype=versions.dtype).expand(rows.numel()))
 
 
 class RowStore(ABC):
@@ -77,7 +131,7 @@ class RowStore(ABC):
     def count_landed(self, rows: torch.Tensor) -> None:
         """Count one completed write of ``rows`` whose data was copied in by the
         caller (asynchronously, and has now landed)."""
-        self.versions[rows] += 1
+        _count(self.versions, rows)
 
     @abstractmethod
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
@@ -146,35 +200,207 @@ class DeviceStore(_MemoryStore):
 
     def scatter(self, rows, values):
         self.data.index_copy_(0, rows.to(self.device), values.to(device=self.device, dtype=self.dtype))
-        self.versions[rows] += 1
+        _count(self.versions, rows)
 
 
 class HostStore(_MemoryStore):
     """Rows in host memory: page-locked when CUDA is available, so that staged rows
-    copy to the GPU asynchronously. Gathers and scatters run on torch's intra-op
-    thread pool (``torch.set_num_threads``)."""
+    copy to the GPU asynchronously.
+
+    ``threads``: how many threads a gather or scatter uses, the caller's included
+    (None: ``$DS_PFC_BANK_THREADS``, else ``min(8, os.cpu_count())``; see
+    :func:`default_threads`). The store's own, whatever torch's intra-op setting
+    (``torch.set_num_threads``; torchrun sets it to 1): the rows are split into at most
+    ``threads`` chunks of at least ``chunk_rows`` rows (default: 1 MiB worth,
+    :data:`CHUNK_BYTES`); the caller runs the first one and a pool of ``threads - 1``
+    threads, started at the first split and stopped by :meth:`close`, runs the others
+    (torch ops release the GIL). With torch intra-op threads above 1 a chunk's ops may
+    use them too (on 2 cores, 2 x 2 threads measured no slower than either alone).
+
+    How rows move (sorted unique int64 row ids; measured by ``ds-pfc-bench hostpath``):
+    a row is copied as a few wide words (the largest of 16, 8, 4 or 2 bytes that
+    divides it and is wider than an element) rather than element by element: a gather
+    is ``index_select`` into the caller's buffer, a scatter ``index_copy_`` of the same
+    words (values of another dtype are converted first, as ``values.to(dtype)``
+    would), bit for bit, and a scattered row's version is counted in the same chunk,
+    right after its data (``index_add_``). A contiguous range of rows is copied as one
+    slice. Row ids out of range raise ``IndexError`` before anything is written.
+
+    ``mapped=True``: the table is also mapped into the GPUs' address space (see
+    :func:`pinned_table`), for kernels that access it in place; :attr:`mapped` says
+    whether it was asked for.
+    """
 
     tier = "host"
 
-    def __init__(self, num_rows, width, dtype, init: torch.Tensor | None = None):
+    def __init__(self, num_rows, width, dtype, init: torch.Tensor | None = None, *, threads: int | None = None,
+                 mapped: bool = False, chunk_rows: int | None = None, near=None):
         super().__init__(num_rows, width, dtype)
-        self.data, self._registered = pinned_table(self.shape, dtype)
-        if init is None:
-            self.data.zero_()
-        else:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self.threads = default_threads() if threads is None else threads
+        if chunk_rows is None:
+            chunk_rows = max(1, CHUNK_BYTES // self.row_bytes())
+        if int(chunk_rows) < 1:
+            raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+        self.chunk_rows = int(chunk_rows)
+        self._mapped = bool(mapped)
+        self.data, self._registered = pinned_table(self.shape, dtype, mapped=self._mapped, near=near)
+        # Rows are moved as words of this dtype (None: element by element).
+        self._word = _word_dtype(self.data, self.row_bytes()) if width else None
+        if init is not None:
             self.data.copy_(init)
+        elif not (self._registered and self._mapped):      # a mapped registered table is zeroed already
+            self.data.zero_()
+
+    # ---------------------------------------------------------------- threads
+    @property
+    def mapped(self) -> bool:
+        """Whether the table was asked to be mapped into the GPUs' address space
+        (``mapped=True``; without CUDA it is plain host memory all the same)."""
+        return self._mapped
+
+    @property
+    def threads(self) -> int:
+        """Threads per gather or scatter, the caller's included (settable between
+        operations, not during one)."""
+        return self._threads
+
+    @threads.setter
+    def threads(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"threads must be a positive integer, got {value!r}")
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+            self._threads = value
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _chunks(self, num: int) -> list[tuple[int, int]]:
+        per = max(self.chunk_rows, -(-num // self._threads))
+        return [(lo, min(num, lo + per)) for lo in range(0, num, per)]
+
+    def _run(self, num: int, fn) -> None:
+        """``fn(lo, hi)`` over ``[0, num)`` in chunks: the first on this thread, the
+        others on the pool; returns when all finished, raising the first error."""
+        chunks = self._chunks(num)
+        if len(chunks) <= 1:
+            if num:
+                fn(0, num)
+            return
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self._threads - 1, thread_name_prefix="ds_pfc-host-rows")
+            pool = self._pool
+        futures = [pool.submit(fn, lo, hi) for lo, hi in chunks[1:]]
+        error = None
+        try:
+            fn(*chunks[0])
+        except BaseException as exc:   # noqa: BLE001 - re-raised below, after every chunk finished
+            error = exc
+        for fut in futures:            # every chunk finishes before the buffers go back to the caller
+            exc = fut.exception()
+            if exc is not None and error is None:
+                error = exc
+        if error is not None:
+            raise error
+
+    # ---------------------------------------------------------------- rows
+    def _check_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """``rows`` as int64, checked against the table; and the first row if they are
+        a contiguous range (else None)."""
+        if rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32) or rows.device.type != "cpu":
+            raise ValueError(f"rows must be a 1-D int64 CPU tensor, got shape {tuple(rows.shape)}, {rows.dtype} "
+                             f"on {rows.device}")
+        rows = rows.to(torch.int64)
+        num = rows.numel()
+        if num == 0:
+            return rows, None
+        lo, hi = (int(v) for v in torch.aminmax(rows))
+        if lo < 0 or hi >= self.num_rows:
+            raise IndexError(f"row ids must lie in [0, {self.num_rows}), got ids from {lo} to {hi}")
+        if int(rows[0]) == lo and hi - lo == num - 1 and (num <= 2 or bool((rows[1:] - rows[:-1] == 1).all())):
+            return rows, lo
+        return rows, None
+
+    def _words(self, *tensors: torch.Tensor):
+        """The word dtype that ``tensors`` (rows of this store, contiguous) can all be
+        viewed as, or None."""
+        word = self._word
+        if word is None:
+            return None
+        size = torch.empty((), dtype=word).element_size()
+        for t in tensors:
+            if not t.is_contiguous() or t.data_ptr() % size:
+                return None
+        return word
 
     def gather(self, rows):
         return self.gather_into(rows, pinned_empty((rows.numel(),) + self.row_shape, self.dtype))
 
     def gather_into(self, rows, out):
-        return torch.index_select(self.data, 0, rows, out=out)
+        num = rows.numel()
+        if tuple(out.shape) != (num,) + self.row_shape or out.dtype != self.dtype or out.device.type != "cpu" \
+                or not out.is_contiguous():
+            return torch.index_select(self.data, 0, rows, out=out)     # an unusual buffer: torch's own path
+        rows, start = self._check_rows(rows)
+        if start is not None:
+            src = self.data[start:start + num]
+            self._run(num, lambda lo, hi: out[lo:hi].copy_(src[lo:hi]))
+            return out
+        word = self._words(out)
+        data, dst = (self.data, out) if word is None else (self.data.view(word), out.view(word))
+        self._run(num, lambda lo, hi: torch.index_select(data, 0, rows[lo:hi], out=dst[lo:hi]))
+        return out
 
     def scatter(self, rows, values):
-        self.data.index_copy_(0, rows, values.to(device="cpu", dtype=self.dtype))
-        self.versions[rows] += 1
+        num = rows.numel()
+        if tuple(values.shape) != (num,) + self.row_shape:
+            raise ValueError(f"scatter of {num} rows of shape {self.row_shape} got values of shape "
+                             f"{tuple(values.shape)}")
+        if values.device.type != "cpu":
+            values = values.to(device="cpu", dtype=self.dtype)
+        rows, start = self._check_rows(rows)
+        versions = self.versions
+        if start is not None:
+            dst = self.data[start:start + num]
+
+            def copy_range(lo, hi):
+                dst[lo:hi].copy_(values[lo:hi])          # converts as values.to(self.dtype) would
+                versions[start + lo:start + hi] += 1
+            self._run(num, copy_range)
+            return
+        convert = values.dtype != self.dtype
+        if not convert:
+            values = values.contiguous()
+        word = self._words(self.data) if convert else self._words(values)
+        data = self.data if word is None else self.data.view(word)
+
+        def copy_rows(lo, hi):
+            src = values[lo:hi]
+            if convert:
+                src = src.to(self.dtype).contiguous()
+            ids = rows[lo:hi]
+            data.index_copy_(0, ids, src if word is None else src.view(word))
+            _count(versions, ids)
+        self._run(num, copy_rows)
 
     def close(self):
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         if self._registered:
             self._registered = False
             unregister_table(self.data)
+
+
+def _word_dtype(table: torch.Tensor, row_bytes: int) -> torch.dtype | None:
+    """The widest word a row of ``table`` can be copied as, if wider than its element."""
+    for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16):
+        size = torch.empty((), dtype=dtype).element_size()
+        if size <= table.element_size():
+            return None
+        if row_bytes % size == 0 and table.data_ptr() % size == 0:
+            return dtype
+    return None

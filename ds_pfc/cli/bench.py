@@ -1,4 +1,4 @@
-"""Benchmarks: ``ds-pfc-bench {head,bank,accuracy,data,plan,rows} [options]`` (``python launch/bench.py``
+"""Benchmarks: ``ds-pfc-bench {head,bank,accuracy,data,plan,rows,hostpath} [options]`` (``python launch/bench.py``
 from a checkout; ``--help`` after the benchmark's name lists its options)."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import importlib
 import sys
 
 BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accuracy": "ds_pfc.bench.accuracy",
-              "data": "ds_pfc.bench.data", "plan": "ds_pfc.bench.plan", "rows": "ds_pfc.bench.rows"}
+              "data": "ds_pfc.bench.data", "plan": "ds_pfc.bench.plan", "rows": "ds_pfc.bench.rows",
+              "hostpath": "ds_pfc.bench.hostpath"}
 
 
 def build_parser() -> argparse.ArgumentParser:
