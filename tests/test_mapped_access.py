@@ -399,6 +399,11 @@ def test_config_host_access(tmp_path):
     factory = BankConfig(default="host", host_access="mapped").build()
     bank = factory(12, "cpu")
     assert bank.mapped and bank.host_access == "mapped"
+    with pytest.raises(ConfigError, match="hbm_share must be in \\[0, 1\\) and needs host_access 'mapped'"):
+        BankConfig(default="host", hbm_share=0.5)
+    with pytest.raises(ConfigError, match="ds_pfc.head.bank.hbm_share must be"):
+        BankConfig(default="host", host_access="mapped", hbm_share="half")
+    assert BankConfig(default="host", host_access="mapped", hbm_share=0.5).build()(12, "cpu").hbm_share == 0.5
 
 
 # ---------------------------------------------------------------- the split
@@ -432,3 +437,45 @@ def test_rows_benchmark_runs_dry(tmp_path):
     moves = [r for r in doc["results"] if r["what"].startswith(("gather", "scatter"))]
     assert {r["what"].split()[0] for r in moves} == {"gather", "scatter"}
     assert all(r["gbps"] > 0 and r["assumed_gbps"] == 45.0 and r["row_bytes"] == 256 for r in moves)
+
+
+# ---------------------------------------------------------------- a share of rows in device memory
+@pytest.mark.parametrize("share", [0.3, 0.95])
+@pytest.mark.parametrize("mover", ["kernel", "torch"])
+def test_hbm_share_matches_device_bank_bitwise(stream_mode, share, mover):
+    """Host-tier states with a share of their rows in device memory: each fetch and
+    write-back splits into a move from (to) each part; same trajectory as the device bank."""
+    if mover == "kernel" and not triton_rows.available():
+        pytest.skip("triton is not installed or TRITON_INTERPRET=1 was not set before import")
+    b = _batches(STEPS)
+    ref = _run("sgd", None, b, prefetch=False)
+    bank = TieredBank.factory({"weight": ("host", torch.bfloat16)}, default="host", host_access="mapped",
+                              hbm_share=share)
+    head = _head("sgd", bank)
+    if mover == "torch":
+        head._stager._move = move_rows_torch_
+    n_dev = round(share * C)
+    store = head.bank.store("momentum_buffer")
+    assert store.n_device == n_dev
+    resident = head.bank.resident_bytes()
+    assert resident["device"] == n_dev * D * (2 + 4)           # bf16 weight + float32 momentum rows
+    assert resident["host"] >= (C - n_dev) * D * (2 + 4)
+    losses, _ = _train(head, b, LR["sgd"], prefetch=True)
+    centers, momentum = head.centers(), head.bank.export("momentum_buffer")
+    head.close()
+    expected = _head("sgd")
+    _round_bf16(expected)
+    exp_losses, _ = _train(expected, b, LR["sgd"], prefetch=False, after_step=_round_bf16)
+    assert losses == exp_losses
+    assert torch.equal(centers, expected.centers())
+    assert torch.equal(momentum, expected.bank.export("momentum_buffer"))
+    assert losses != ref["losses"]          # bf16 weights: the rounding is real
+
+
+def test_hbm_share_is_checked():
+    with pytest.raises(ValueError, match="hbm_share must be a number in \\[0, 1\\)"):
+        TieredBank.factory(default="host", host_access="mapped", hbm_share=1.0)
+    with pytest.raises(ValueError, match="needs host_access='mapped'"):
+        TieredBank.factory(default="host", hbm_share=0.5)
+    with pytest.raises(ValueError, match="hbm_share must be"):
+        TieredBank(10, "cpu", default=Placement("host"), host_access="mapped", hbm_share=True)

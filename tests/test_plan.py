@@ -393,3 +393,17 @@ def test_sweep_prints_one_line_per_class_count(capsys):
     assert rc == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("64M") for line in lines) and any(line.startswith("128M") for line in lines)
+
+
+@pytest.mark.parametrize("share", [0.25, 0.6])
+def test_hbm_share_matches_the_banks_split(share):
+    """--hbm-share f against a mapped bank with hbm_share=f: the rows kept in GPU memory
+    and those left in host memory, exactly (C_q f is whole here)."""
+    bank = TieredBank.factory(default=("host", torch.bfloat16), host_access="mapped", hbm_share=share)
+    head = PartialFC(C, D, sample_rate=R, bank=bank, optimizer="sgd", momentum=0.9)
+    resident = head.memory_report()["resident"]
+    head.close()
+    out = plan(C, D, 1, "h100-80g", R, optimizer="sgd", storage="bf16", hbm_share=share, batch=BATCH, stops=False)
+    row = 2 * D * 2                                     # bf16 weight + bf16 momentum
+    assert resident["device"] == out["tiers"]["host"]["gpu_bank_bytes"] == round(share * C) * row
+    assert resident["host"] == out["tiers"]["host"]["host_bytes_rank"] == (C - round(share * C)) * row + C * 2 * 8

@@ -238,6 +238,8 @@ class BankConfig:
     host_access: str = "staged"
     """How rows move: staged (an I/O thread and page-locked staging buffers) or mapped (GPU
     kernels read and write the tables in place; device and host tiers only)."""
+    hbm_share: float = 0.0
+    """With mapped access: the share of each host-tier state's rows kept in GPU memory."""
 
     def _placement(self, value, where):
         from ..bank.tiered import TIERS
@@ -263,6 +265,10 @@ class BankConfig:
         if self.host_access not in HOST_ACCESS:
             raise ConfigError(f"ds_pfc.head.bank.host_access must be one of {list(HOST_ACCESS)}, "
                               f"got {self.host_access!r}")
+        _number(self.hbm_share, "ds_pfc.head.bank.hbm_share", 0.0, 1.0)
+        if self.hbm_share >= 1.0 or (self.hbm_share > 0 and self.host_access != "mapped"):
+            raise ConfigError(f"ds_pfc.head.bank.hbm_share must be in [0, 1) and needs host_access 'mapped', got "
+                              f"{self.hbm_share!r} with host_access {self.host_access!r}")
 
     def is_default(self) -> bool:
         return self.default == "device" and not self.placements
@@ -276,7 +282,7 @@ class BankConfig:
             return TieredBank.factory(
                 {n: self._placement(v, n) for n, v in self.placements.items()},
                 default=self._placement(self.default, "default"), nvme_dir=self.nvme_dir, resume=self.resume,
-                host_access=self.host_access)
+                host_access=self.host_access, hbm_share=self.hbm_share)
         except (TypeError, ValueError, FileNotFoundError) as err:
             raise ConfigError(f"ds_pfc.head.bank: {err}") from None
 

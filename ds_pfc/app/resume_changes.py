@@ -41,7 +41,7 @@ _HARMLESS = (
     "ds_pfc.data.workers", "ds_pfc.data.decode",
     "ds_pfc.data.prefetch_batches", "ds_pfc.head.bank.nvme_dir", "ds_pfc.head.backend", "ds_pfc.head.block_bytes",
     # How rows move between the bank's tables and the slots: the values are the same.
-    "ds_pfc.head.bank.host_access",
+    "ds_pfc.head.bank.host_access", "ds_pfc.head.bank.hbm_share",
     # Pretrained weights are read only by a fresh run.
     "ds_pfc.train.init.backbone", "ds_pfc.train.init.head",
 )

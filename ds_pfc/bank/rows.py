@@ -3,7 +3,10 @@
 
 ``dst[dst_idx[i]] = src[src_idx[i]]`` (through ``round_dtype``, then as ``dst.dtype``) for
 every ``i`` with ``mask[i]`` set; ``src_idx``/``dst_idx`` None mean ``i`` itself. Gathers,
-a ``where`` and an index copy: no host sync, and the same ops whatever the row count.
+a ``where`` and an index copy: no host sync, and the same ops whatever the row count,
+except for a masked write to indexed rows (``dst_idx`` and ``mask``), which selects the
+rows first (``nonzero``: a host sync on a GPU), so that a masked-off position writes
+nothing even where its index repeats another's.
 The bank's mapped access uses it where the kernel cannot run (off CUDA, without Triton);
 :class:`~ds_pfc.bank.slots.Stager` takes the kernel from its caller (``core``).
 """
@@ -19,8 +22,7 @@ __all__ = ["move_rows_torch_"]
 def move_rows_torch_(src: torch.Tensor, src_idx: torch.Tensor | None, dst: torch.Tensor,
                      dst_idx: torch.Tensor | None, mask: torch.Tensor | None = None,
                      round_dtype: torch.dtype | None = None, *, count: int | None = None) -> torch.Tensor:
-    """See the module docstring. With a mask, masked-off rows of ``dst`` are read and
-    written back unchanged (so ``dst_idx`` must be in range there too). Returns ``dst``."""
+    """See the module docstring. Returns ``dst``."""
     count = check_row_move(src, src_idx, dst, dst_idx, mask, count)
     if count == 0:
         return dst
@@ -37,7 +39,8 @@ def move_rows_torch_(src: torch.Tensor, src_idx: torch.Tensor | None, dst: torch
             target.copy_(torch.where(_expand(mask, values), values, target))
         return dst
     if mask is not None:
-        values = torch.where(_expand(mask, values), values, dst.index_select(0, dst_idx))
+        keep = torch.nonzero(mask).squeeze(1)
+        dst_idx, values = dst_idx.index_select(0, keep), values.index_select(0, keep)
     dst.index_copy_(0, dst_idx, values)
     return dst
 

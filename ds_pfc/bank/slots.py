@@ -36,6 +36,7 @@ from ..devices import set_thread_device
 from .base import ClassBank
 from .quantized import RowwiseInt8Store
 from .rows import move_rows_torch_
+from .split import SplitStore
 from .streams import Runtime, runtime_for
 from .tiered import TieredBank
 
@@ -448,6 +449,9 @@ class Stager:
             if isinstance(store, RowwiseInt8Store):
                 rt.run(self._fetch_stream, _fetch_coded, store, rows, dst, cold,
                        reads=(*store.tables(), *index), writes=(dst,))
+            elif isinstance(store, SplitStore):
+                rt.run(self._fetch_stream, _fetch_split, self._move, store, rows, dst, cold,
+                       reads=(*store.tables(), *index), writes=(dst,))
             else:
                 rt.run(self._fetch_stream, self._move, store.data, rows, dst, None, cold, None,
                        reads=(store.data, *index), writes=(dst,))
@@ -502,6 +506,9 @@ class Stager:
             values = updated.states[name]
             if isinstance(store, RowwiseInt8Store):
                 rt.run(self._fetch_stream, store.write_rows, updated.rows, values,
+                       reads=(values, updated.rows), writes=store.tables())
+            elif isinstance(store, SplitStore):
+                rt.run(self._fetch_stream, _write_split, self._move, store, updated.rows, values,
                        reads=(values, updated.rows), writes=store.tables())
             else:
                 rt.run(self._fetch_stream, self._move, values, None, store.data, updated.rows, None, None,
@@ -647,7 +654,35 @@ def _round_through(store, values: torch.Tensor) -> torch.Tensor:
 
 def _tables(store) -> tuple:
     """The tensors that hold a store's rows."""
-    return store.tables() if isinstance(store, RowwiseInt8Store) else (store.data,)
+    return store.tables() if isinstance(store, (RowwiseInt8Store, SplitStore)) else (store.data,)
+
+
+def _split_indices(store, rows: torch.Tensor):
+    """(rows in the device part, their ids there, the others, their ids in the host part):
+    masks and in-range ids, on the device (no sync)."""
+    low = rows < store.n_device
+    return low, rows.clamp(max=max(store.n_device - 1, 0)), ~low, (rows - store.n_device).clamp(min=0)
+
+
+def _fetch_split(move, store, rows, dst, cold) -> None:
+    """(mapped access) rows of a store split between device and host memory into ``dst``
+    where ``cold``: one move from each part."""
+    low, low_ids, high, high_ids = _split_indices(store, rows)
+    if cold is not None:
+        low, high = low & cold, high & cold
+    if store.n_device:
+        move(store.device_part.data, low_ids, dst, None, low, None)
+    if store.num_rows > store.n_device:
+        move(store.host_part.data, high_ids, dst, None, high, None)
+
+
+def _write_split(move, store, rows, values) -> None:
+    """(mapped access) ``values`` into a split store's rows: one move into each part."""
+    low, low_ids, high, high_ids = _split_indices(store, rows)
+    if store.n_device:
+        move(values, None, store.device_part.data, low_ids, low, None)
+    if store.num_rows > store.n_device:
+        move(values, None, store.host_part.data, high_ids, high, None)
 
 
 def _read_coded(dst, positions, store, rows_cpu) -> None:

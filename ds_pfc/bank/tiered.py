@@ -22,6 +22,7 @@ import torch
 
 from .base import ClassBank
 from .quantized import INT8_ROWWISE, RowwiseInt8Store
+from .split import SplitStore
 from .stores import DeviceStore, HostStore, RowStore
 
 __all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS", "HOST_ACCESS"]
@@ -83,16 +84,20 @@ class TieredBank(ClassBank):
     values) instead of creating them. ``host_access``: see :data:`HOST_ACCESS`; with
     ``"mapped"`` the rows' versions are ordered by the side stream, not counted per row
     (no row id reaches the host), so :class:`StaleRowError` checks apply to the staged
-    path only.
+    path only. ``hbm_share`` (mapped access only): the share of each host-tier state's
+    rows kept in device memory (:class:`~ds_pfc.bank.split.SplitStore`); host traffic
+    scales by ``1 - hbm_share``.
     """
 
     def __init__(self, num_rows: int, device, *, placements: dict[str, Placement] | None = None,
                  default: Placement = Placement(), nvme_dir: str | None = None, class_start: int = 0,
                  resume: bool = False, nvme_options: dict | None = None, owner: str | None = None,
-                 host_access: str = "staged"):
+                 host_access: str = "staged", hbm_share: float = 0.0):
         super().__init__(num_rows, device)
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
+        _check_share(hbm_share, host_access)
+        self.hbm_share = float(hbm_share)
         self.placements = dict(placements or {})
         self.default = default
         self.nvme_dir, self.class_start, self.resume, self.owner = nvme_dir, class_start, resume, owner
@@ -121,16 +126,18 @@ class TieredBank(ClassBank):
     @classmethod
     def factory(cls, placements: dict | None = None, *, default="device", nvme_dir: str | None = None,
                 resume: bool = False, nvme_options: dict | None = None,
-                host_access: str = "staged") -> Callable[..., "TieredBank"]:
+                host_access: str = "staged", hbm_share: float = 0.0) -> Callable[..., "TieredBank"]:
         """A ``bank=`` argument for :class:`~ds_pfc.PartialFC`.
 
         ``placements`` maps state names (``"weight"``, ``"momentum_buffer"``,
         ``"exp_avg"``, ``"exp_avg_sq"``, ``"step"``) to a placement; others get
         ``default``. Example: ``TieredBank.factory({"weight": ("host", torch.bfloat16)},
-        default="device")``. ``host_access``: how rows move (:data:`HOST_ACCESS`).
+        default="device")``. ``host_access``: how rows move (:data:`HOST_ACCESS`);
+        ``hbm_share``: the share of host-tier rows kept in device memory (mapped access).
         """
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
+        _check_share(hbm_share, host_access)
         parsed = {name: Placement.parse(p) for name, p in (placements or {}).items()}
         default = Placement.parse(default)
         if nvme_dir is not None and not os.path.isdir(nvme_dir):
@@ -139,7 +146,7 @@ class TieredBank(ClassBank):
         def make(num_rows, device, class_start=0, owner=None):
             return cls(num_rows, device, placements=parsed, default=default, nvme_dir=nvme_dir,
                        class_start=class_start, resume=resume, nvme_options=nvme_options, owner=owner,
-                       host_access=host_access)
+                       host_access=host_access, hbm_share=hbm_share)
         make.takes_owner = True
         return make
 
@@ -182,8 +189,12 @@ class TieredBank(ClassBank):
                              f"{'a floating' if dtype.is_floating_point else 'an integer'} dtype, got {storage}")
         if place.tier == "device":
             store = DeviceStore(self.num_rows, width, storage, self.device)
+        elif place.tier == "host" and self.hbm_share > 0:
+            store = SplitStore(self.num_rows, width, storage, self.device,
+                               n_device=int(round(self.hbm_share * self.num_rows)))
         elif place.tier == "host":
-            store = HostStore(self.num_rows, width, storage)
+            store = HostStore(self.num_rows, width, storage, mapped=self.mapped,
+                              near=self.device if self.mapped else None)
         else:
             from .nvme import NvmeStore
             path = self.nvme_path(name)
@@ -283,7 +294,11 @@ class TieredBank(ClassBank):
 
     def _device_written(self, name: str) -> None:
         store = self.store(name)
-        if store.tier == "device" and self.on_device_write is not None:
+        if self.on_device_write is None:
+            return
+        if isinstance(store, SplitStore):           # its device part was written on the compute stream
+            self.on_device_write([store.device_part.data])
+        elif store.tier == "device":
             self.on_device_write(list(store.tables()) if isinstance(store, RowwiseInt8Store) else [store.data])
 
     def resident_bytes(self):
@@ -296,6 +311,10 @@ class TieredBank(ClassBank):
             if store.tier == "nvme":
                 out["nvme"] += store.file_bytes()
                 out["host"] += store.nbytes()          # its buffers and version counters
+            elif isinstance(store, SplitStore):
+                for tier, nbytes in store.nbytes_by_tier().items():
+                    out[tier] += nbytes
+                out["host"] += store.versions.numel() * store.versions.element_size()
             else:
                 out[store.tier] += store.nbytes()
                 out["host"] += store.versions.numel() * store.versions.element_size()
@@ -336,3 +355,11 @@ def _write_init(store: RowStore, init, num_rows: int, chunk_rows: int = 1 << 16)
         hi = min(num_rows, lo + chunk_rows)
         store.scatter(torch.arange(lo, hi), init(lo, hi))
     store.versions.zero_()
+
+
+def _check_share(hbm_share, host_access: str) -> None:
+    if isinstance(hbm_share, bool) or not isinstance(hbm_share, (int, float)) or not 0 <= hbm_share < 1:
+        raise ValueError(f"hbm_share must be a number in [0, 1), got {hbm_share!r} (a share of 1 is the device tier)")
+    if hbm_share > 0 and host_access != "mapped":
+        raise ValueError(f"hbm_share={hbm_share} needs host_access='mapped': the staged path moves every row "
+                         f"through host staging buffers")
