@@ -226,6 +226,10 @@ class _Stream:
         # The compute-stream position that the work queued here from now on is ordered
         # after (through waits on compute events, or on events of streams that waited).
         self.horizon = 0
+        # A stream with an extra delay: its head op may run from this time on (monotonic
+        # seconds); other streams run meanwhile, as on a device.
+        self.not_before = 0.0
+        self.held = False
 
     def __repr__(self):
         return f"<stream {self.name}>"
@@ -246,7 +250,9 @@ class EmulatedRuntime(Runtime):
 
     Each stream is a FIFO of operations; one worker thread repeatedly picks a stream
     at random (seeded) among those whose head can run, sleeps up to ``max_delay``
-    seconds and runs that head. Waits are honoured, nothing else orders two streams.
+    seconds and runs that head. A stream given an extra delay (``stream_delay``, tests)
+    holds each head op that long while the other streams go on, as a slow copy engine
+    would. Waits are honoured, nothing else orders two streams.
     The compute stream carries no work (the host ran it already; only the copies of
     ``to_host`` run on it, late) but its events complete late, as a GPU runs behind
     the host. Checks, raised as
@@ -469,14 +475,23 @@ class EmulatedRuntime(Runtime):
         while True:
             with self._cond:
                 while True:
-                    ready = [s for s in self._streams if s.ops and self._runnable(s)]
+                    now = time.monotonic()
+                    runnable = [s for s in self._streams if s.ops and self._runnable(s)]
+                    ready = [s for s in runnable if s.not_before <= now]
                     if ready or (self._closed and not any(s.ops for s in self._streams)):
                         break
-                    self._cond.wait(0.05)
+                    later = [s.not_before - now for s in runnable]
+                    self._cond.wait(min([0.05] + later))
                 if not ready:
                     return
                 stream = self._rng.choice(ready)
-                delay = self._rng.uniform(0, self.max_delay) + self.stream_delay.get(stream.name, 0.0)
+                extra = self.stream_delay.get(stream.name, 0.0)
+                if extra and not stream.held:
+                    # Its head op waits ``extra`` seconds while the other streams go on.
+                    stream.not_before, stream.held = now + extra, True
+                    continue
+                stream.held = False
+                delay = self._rng.uniform(0, self.max_delay)
             time.sleep(delay)
             op = stream.ops[0]
             try:
