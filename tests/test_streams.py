@@ -107,19 +107,18 @@ def test_w1_index_tensors_without_an_owner_are_caught(monkeypatch):
     """W1: overlap indices built on the compute stream and read by the fetch stream
     with no record_stream/keep-alive: the allocator may reuse them too early."""
     def patch(self, slot, sources):
-        positions, rows = slot.overlap
         slot.overlap = None
         rt = self.runtime
         rt.wait(self._fetch_stream, rt.record(rt.compute()))
         for src in sources:
-            hit = torch.isin(rows, src.rows_cpu)
-            src_pos = torch.searchsorted(src.rows, rows[hit].to(src.rows.device))   # compute-stream tensors
-            dst_pos = positions[hit].to(src.rows.device)
+            # positions built on the compute stream, read by the fetch stream: never kept alive there
+            src_pos = torch.searchsorted(src.rows, slot.rows).clamp_(max=src.rows.numel() - 1)
+            hit = src.rows.index_select(0, src_pos) == slot.rows
             for name, dst in slot.states.items():
-                rt.run(self._fetch_stream, lambda d, dp, s, sp: d.index_copy_(0, dp, s.index_select(0, sp)),
-                       dst, dst_pos, src.states[name], src_pos,
-                       reads=(src.states[name], src_pos, dst_pos), writes=(dst,))
-            rows, positions = rows[~hit], positions[~hit]
+                rt.run(self._fetch_stream,
+                       lambda d, h, s, sp: d.copy_(torch.where(h[:, None], s.index_select(0, sp), d)),
+                       dst, hit, src.states[name], src_pos,
+                       reads=(src.states[name], src_pos, hit), writes=(dst,))
         slot._event = rt.record(self._fetch_stream)
     monkeypatch.setattr(Stager, "_patch", patch)
     with pytest.raises(StreamError, match="without being allocated for it or kept alive"):
@@ -160,6 +159,7 @@ def test_w3_device_rows_written_on_another_stream_are_caught(monkeypatch):
         def run(stream, fn, *args, **kwargs):     # only this thread's scatters; the I/O worker's fetches pass
             if fn is slots_module._scatter_rows:
                 stream = self._write_stream
+                rt.keep_alive(args[1], stream)          # the row ids: owned, so the missing wait is what fails
                 rt.wait(stream, rt.record(rt.compute()))
             return real_run(stream, fn, *args, **kwargs)
         rt.run = run
@@ -168,7 +168,10 @@ def test_w3_device_rows_written_on_another_stream_are_caught(monkeypatch):
         finally:
             del rt.run
 
-    def write_back(self, rows_cpu, device_names, landed, host, copied):
+    def write_back(self, updated, device_names, landed, host, copied):
+        rows_cpu = updated.rows_cpu
+        for name in updated.states:
+            self.bank.note_issued(name, rows_cpu)
         for name in device_names:           # counted at enqueue: the data has not landed
             self.bank.store(name).count_landed(rows_cpu)
         self.runtime.synchronize(copied)
@@ -192,6 +195,16 @@ def test_missing_wait_on_the_ready_event_gives_wrong_numbers(monkeypatch):
         self._event = None                  # dropped, not waited on
         return self
     monkeypatch.setattr(Slot, "wait", wait)
+    # The I/O worker's cold fetch finishes before the step queues the patch (a fast
+    # worker), so the worker's own wait for the fetch stream does not cover the patch.
+    real_after_step = Stager.after_step
+
+    def after_step(self, updated):
+        if self._next is not None:
+            for fut in self._next[1]._futures:
+                fut.result()
+        real_after_step(self, updated)
+    monkeypatch.setattr(Stager, "after_step", after_step)
     try:
         got = _train(_tiered("host"), _batches(STEPS), delays={"fetch": 0.02})
     except StreamError:

@@ -10,9 +10,11 @@ step t runs on slot A:
    waits for its copy to the host (the host thread does not), splits it, and fetches
    the cold rows ``S(t+1) \\ S(t)`` into B at once (on GPU: on a side stream).
 2. ``after_step`` (optimizer step t done): the overlapping rows ``S(t) ∩ S(t+1)`` are
-   copied from A into B, never earlier (before the step they would be stale); then A
-   is written back asynchronously. Every write is counted as *issued* at once and
-   as *completed* by the store when it lands (per-row versions).
+   copied from A into B, never earlier (before the step they would be stale), found on
+   the device by binary search in the sorted row sets; then A is written back
+   asynchronously. The I/O worker counts every write as *issued* before anything it
+   runs later, and the store as *completed* when it lands (per-row versions). The
+   training thread handles no row ids: it queues fixed numbers of ops.
 3. ``take`` (forward t+1): B is exposed only when both paths finished (the ready
    gate: futures on CPU, plus a CUDA event the compute stream waits on).
 
@@ -37,7 +39,7 @@ from .base import ClassBank
 from .quantized import RowwiseInt8Store
 from .rows import move_rows_torch_
 from .split import SplitStore
-from .streams import Runtime, runtime_for
+from .streams import CpuRuntime, Runtime, runtime_for
 from .tiered import TieredBank
 
 __all__ = ["Slot", "SlotBank", "Stager", "merge_slots"]
@@ -68,8 +70,7 @@ class Slot:
         self.runtime = runtime
         self._futures: list[Future] = []
         self._event = None           # recorded on the fetch stream once the overlap patch is queued
-        self.overlap = None          # (positions in this slot, their rows), on the CPU: filled after the step
-        self._split = None           # a prefetched slot: set once the I/O worker split cold and overlap rows
+        self.overlap = None          # a prefetched slot: "device" while rows held by live slots await the patch
         self.buffers = None          # the pooled full-capacity tensors behind ``states``
         # Events of side-stream work that reads this slot (overlap patches, write-backs):
         # its buffers may be reused only after them.
@@ -85,11 +86,6 @@ class Slot:
             self.runtime.synchronize(event)
             self._rows_event = None
         return self._rows_cpu
-
-    def wait_split(self) -> None:
-        """(prefetched slots) Block until ``overlap`` is known."""
-        if self._split is not None:
-            self._split.wait()
 
     def wait(self) -> "Slot":
         """The ready gate: block until the cold fetch and the overlap patch finished."""
@@ -333,39 +329,33 @@ class Stager:
         if self.mapped:
             self._prefetch_mapped(rows, key, live)
             return
+        # The cold rows' bytes, counted on the device (no sync); the overlap rows are
+        # patched on the device after the step (_patch), so this thread needs no row ids.
+        held = _held_by(rows, [s.rows for s in live])
+        row_bytes = self._row_bytes()
+        if held is None:
+            self.bank.count_traffic(staged_in=rows.numel() * row_bytes)
+        else:
+            self.bank.count_staged_on_device((~held).sum() * row_bytes)
         slot = self._empty_slot(rows)
-        # The split into cold and overlapping rows needs the row ids on the host: the
-        # I/O worker waits for their copy, and the host goes on queueing this step's
-        # work meanwhile. ``after_step`` and ``take`` wait for the split, not the fetch.
-        slot._split = threading.Event()
+        # The cold rows are found and fetched on the I/O worker, which waits for the
+        # copy of the row ids to the host; this thread goes on queueing the step.
         slot._futures.append(self._io.submit(self._split_and_fetch, slot, list(live)))
-        if self.patch_before_step:
-            slot.wait_split()
-            if slot.overlap is not None:
+        if held is not None:
+            slot.overlap = "device"         # patched from the live slots after their step
+            if self.patch_before_step:      # the test hook's ordering bug (see __init__)
                 self._patch(slot, live)
                 # Completed now, so that it reads the pre-step values on every runtime.
                 self.runtime.synchronize(slot._event)
         self._next = (key, slot)
 
     def _split_and_fetch(self, slot: Slot, live: list[Slot]) -> None:
-        """(I/O worker) split a prefetched slot's rows into cold ones, fetched now,
-        and ones the ``live`` slots hold, copied from them after the step."""
-        try:
-            rows_cpu = slot.rows_cpu
-            # Both sides are sorted: a binary search per row, not isin's sort of both sets.
-            in_live = _held_by(rows_cpu, [s.rows_cpu for s in live])
-            if in_live is None:
-                in_live = torch.zeros(rows_cpu.shape, dtype=torch.bool)
-            cold = torch.nonzero(~in_live).squeeze(1)
-            overlap = torch.nonzero(in_live).squeeze(1)
-            if overlap.numel():
-                slot.overlap = (overlap, rows_cpu[overlap])
-            # Traffic is counted when a transfer is issued, before the split is
-            # published: the step that waits for it reports it, however fast the worker.
-            if cold.numel():
-                self.bank.count_traffic(staged_in=cold.numel() * self._row_bytes())
-        finally:
-            slot._split.set()
+        """(I/O worker) fetch the prefetched slot's cold rows: those the ``live`` slots
+        do not hold (the others are copied from them after the step)."""
+        rows_cpu = slot.rows_cpu
+        # Both sides are sorted: a binary search per row, not isin's sort of both sets.
+        in_live = _held_by(rows_cpu, [s.rows_cpu for s in live])
+        cold = torch.arange(rows_cpu.numel()) if in_live is None else torch.nonzero(~in_live).squeeze(1)
         if cold.numel():
             self._fetch(slot, cold, rows_cpu[cold])
 
@@ -380,36 +370,32 @@ class Stager:
             slot.wait()                     # drop it, but surface its errors
             self.release(slot)
             return None
-        slot.wait_split()
         if slot.overlap is not None:        # no step since prefetch: live values are current
             self._patch(slot, live)
         return slot.wait()
 
     def _patch(self, slot: Slot, sources: list[Slot]) -> None:
-        """Copy ``slot``'s overlapping rows from ``sources`` (after their update),
-        on the fetch stream, ordered after the compute stream's work so far."""
-        if self.mapped:
-            self._patch_mapped(slot, sources)
-            return
-        positions, rows = slot.overlap
+        """Copy ``slot``'s rows that ``sources`` hold from them (after their update), on
+        the fetch stream, ordered after the compute stream's work so far, rounded through
+        each state's storage: found on the device by binary search in the sorted row
+        sets, so the host needs no row ids (both paths)."""
         slot.overlap = None
         rt = self.runtime
         rt.wait(self._fetch_stream, rt.record(rt.compute()))
+        move = self._move or move_rows_torch_
+        exclusive = not self.mapped and isinstance(rt, CpuRuntime)
         patched = []
         for src in sources:
-            if src.rows_cpu.numel() == 0 or rows.numel() == 0:
+            if src.rows.numel() == 0:
                 continue
-            hit = _found_in(src.rows_cpu, rows)
-            if not bool(hit.any()):
-                continue
-            src_pos = torch.searchsorted(src.rows_cpu, rows[hit])
-            dst_pos = positions[hit]
+            rt.keep_alive(src.rows, self._fetch_stream)
+            rt.keep_alive(slot.rows, self._fetch_stream)
             for name, dst in slot.states.items():
-                rt.run(self._fetch_stream, _patch_rows, dst, dst_pos, src.states[name], src_pos,
-                       self.bank.store(name), reads=(src.states[name],), writes=(dst,))
+                values = src.states[name]
+                rt.keep_alive(values, self._fetch_stream)
+                rt.run(self._fetch_stream, _patch_from, move, dst, slot.rows, values, src.rows,
+                       self.bank.store(name), exclusive, reads=(values, src.rows, slot.rows), writes=(dst,))
             patched.append(src)
-            rows, positions = rows[~hit], positions[~hit]
-        assert rows.numel() == 0, "overlapping rows missing from the updated slots"
         slot._event = rt.record(self._fetch_stream)
         for src in patched:
             src.readers.append(slot._event)
@@ -470,30 +456,9 @@ class Stager:
             self._fetch_mapped(slot, cold)
             slot.overlap = "device"         # patched from the live slots after their step
             if self.patch_before_step:      # the test hook's ordering bug (see __init__)
-                self._patch_mapped(slot, live)
+                self._patch(slot, live)
                 self.runtime.synchronize(slot._event)
         self._next = (key, slot)
-
-    def _patch_mapped(self, slot: Slot, sources: list[Slot]) -> None:
-        """Copy ``slot``'s rows that ``sources`` hold from them (after their update), on
-        the fetch stream, rounded through each state's storage dtype."""
-        slot.overlap = None
-        rt = self.runtime
-        rt.wait(self._fetch_stream, rt.record(rt.compute()))
-        patched = []
-        for src in sources:
-            if src.rows.numel() == 0:
-                continue
-            for name, dst in slot.states.items():
-                values = src.states[name]
-                rt.keep_alive(values, self._fetch_stream)
-                rt.keep_alive(src.rows, self._fetch_stream)
-                rt.run(self._fetch_stream, _patch_from, self._move, dst, slot.rows, values, src.rows,
-                       self.bank.store(name), reads=(values, src.rows, slot.rows), writes=(dst,))
-            patched.append(src)
-        slot._event = rt.record(self._fetch_stream)
-        for src in patched:
-            src.readers.append(slot._event)
 
     def _write_back_mapped(self, updated: Slot) -> None:
         """Write every stepped row of ``updated`` into the tables, on the fetch stream."""
@@ -526,17 +491,14 @@ class Stager:
         for t in updated.states.values():
             rt.keep_alive(t, self._fetch_stream)
             rt.keep_alive(t, self._write_stream)
-        if self._next is not None:
-            self._next[1].wait_split()
-            if self._next[1].overlap is not None:
-                self._patch(self._next[1], [updated])
+        if self._next is not None and self._next[1].overlap is not None:
+            self._patch(self._next[1], [updated])
         if self.mapped:
             self._write_back_mapped(updated)
             return
-        rows_cpu = updated.rows_cpu
-        for name in updated.states:
-            self.bank.note_issued(name, rows_cpu)
-        self.bank.count_traffic(out=rows_cpu.numel() * self._row_bytes())
+        # The row ids reach the host on the I/O worker, which counts the writes as issued
+        # before anything it runs later could read those rows: no row work here.
+        self.bank.count_traffic(out=updated.rows.numel() * self._row_bytes())
         stepped = rt.record(rt.compute())
         device_names = [n for n in updated.states if self.bank.store(n).tier == "device"]
         host_names = [n for n in updated.states if n not in device_names]
@@ -544,14 +506,15 @@ class Stager:
         if device_names:
             # Device-tier rows never leave the device: written on the stream that reads them.
             rt.wait(self._fetch_stream, stepped)
+            rt.keep_alive(updated.rows, self._fetch_stream)
             for name in device_names:
                 store = self.bank.store(name)
                 if isinstance(store, RowwiseInt8Store):
-                    rt.run(self._fetch_stream, store.write_rows, rows_cpu, updated.states[name],
-                           reads=(updated.states[name],), writes=store.tables())
+                    rt.run(self._fetch_stream, store.write_rows, updated.rows, updated.states[name],
+                           reads=(updated.states[name], updated.rows), writes=store.tables())
                 else:
-                    rt.run(self._fetch_stream, _scatter_rows, store.data, rows_cpu, updated.states[name],
-                           reads=(updated.states[name],), writes=(store.data,))
+                    rt.run(self._fetch_stream, _scatter_rows, store.data, updated.rows, updated.states[name],
+                           reads=(updated.states[name], updated.rows), writes=(store.data,))
             landed = rt.record(self._fetch_stream)
             updated.readers.append(landed)
         host = {}
@@ -564,7 +527,7 @@ class Stager:
                 rt.run(self._write_stream, _copy_out, host[name], values, reads=(values,), writes=(host[name],))
             copied = rt.record(self._write_stream)
             updated.readers.append(copied)
-        future = self._io.submit(self._write_back, rows_cpu, device_names, landed, host, copied)
+        future = self._io.submit(self._write_back, updated, device_names, landed, host, copied)
         # Slot A goes back to the pool only when its write-back has finished, and is
         # reused only after its readers (the step, the patch, the copies) completed.
         events = [stepped] + updated.readers
@@ -572,9 +535,13 @@ class Stager:
         self._writebacks.append(future)
         self._writebacks = [f for f in self._writebacks if not f.done() or f.exception() is not None]
 
-    def _write_back(self, rows_cpu, device_names, landed, host, copied) -> None:
-        """(I/O worker) complete a write-back: a row's version counts it only once its
-        data has landed, so a read that could see old data is a StaleRowError."""
+    def _write_back(self, updated, device_names, landed, host, copied) -> None:
+        """(I/O worker) complete a write-back: its writes are counted as issued first
+        (before any later read on this worker), and a row's version counts a write only
+        once its data has landed, so a read that could see old data is a StaleRowError."""
+        rows_cpu = updated.rows_cpu
+        for name in updated.states:
+            self.bank.note_issued(name, rows_cpu)
         self.runtime.synchronize(landed)
         for name in device_names:
             self.bank.store(name).count_landed(rows_cpu)
@@ -697,8 +664,8 @@ def _fetch_coded(store, rows, dst, cold) -> None:
     dst.copy_(values)
 
 
-def _scatter_rows(data, rows_cpu, values) -> None:
-    data.index_copy_(0, rows_cpu.to(data.device, non_blocking=True), values.to(data.dtype))
+def _scatter_rows(data, rows, values) -> None:
+    data.index_copy_(0, rows.to(data.device, non_blocking=True), values.to(data.dtype))
 
 
 def _copy_out(host: torch.Tensor, values: torch.Tensor) -> None:
@@ -727,13 +694,23 @@ def _positions_in(sorted_set: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(sorted_set, rows).clamp_(max=sorted_set.numel() - 1)
 
 
-def _patch_from(move, dst, dst_rows, src, src_rows, store) -> None:
+def _patch_from(move, dst, dst_rows, src, src_rows, store, exclusive: bool = False) -> None:
     """(fetch stream) ``dst``'s rows that ``src`` holds, from ``src``, rounded through the
     store's storage as a write-back and a read would round them."""
     pos = _positions_in(src_rows, dst_rows)
     hit = src_rows.index_select(0, pos) == dst_rows
+    # ``exclusive``: the I/O worker may be writing the cold rows of ``dst`` at this moment
+    # (the plain CPU runtime, whose "streams" are threads): write the held rows alone,
+    # selected on the host (there is no device to wait for). Otherwise both writes are
+    # ordered on the fetch stream, and a masked move (no host sync) may rewrite the
+    # other rows with their own values.
+    at = torch.arange(dst_rows.numel(), device=dst.device) if exclusive else None
     if isinstance(store, RowwiseInt8Store):
         values = store.round_trip(src.index_select(0, pos))
-        dst.copy_(torch.where(hit[:, None], values, dst))
+        if at is None:
+            dst.copy_(torch.where(hit[:, None], values, dst))
+        else:
+            keep = torch.nonzero(hit).squeeze(1)
+            dst.index_copy_(0, keep, values.index_select(0, keep))
         return
-    move(src, pos, dst, None, hit, store.dtype if src.is_floating_point() else None)
+    move(src, pos, dst, at, hit, store.dtype if src.is_floating_point() else None)

@@ -274,7 +274,8 @@ class TieredBank(ClassBank):
 
     def note_issued(self, name: str, rows_cpu: torch.Tensor) -> None:
         """Count a write of ``rows`` as issued (before it lands, for async write-back)."""
-        self._issued[name][rows_cpu] += 1
+        issued = self._issued[name]
+        issued.index_add_(0, rows_cpu, torch.ones((), dtype=issued.dtype).expand(rows_cpu.numel()))
 
     def export(self, name):
         return self.store(name).read_all().to(self._logical[name])
