@@ -15,7 +15,7 @@ References, independent of the code under test:
 * host work per step with the op counter: the bank's torch ops do not grow with |S|, and
   none of them synchronises with the device.
 
-Each trajectory runs with the plain CPU runtime and with the stream emulator (late,
+Trajectories run with the plain CPU runtime or the stream emulator (late,
 out-of-order side-stream work, poisoned pool buffers, hazard checks).
 """
 from __future__ import annotations
@@ -44,10 +44,9 @@ needs_kernel = pytest.mark.skipif(not triton_rows.available(),
                                   reason="triton is not installed or TRITON_INTERPRET=1 was not set before import")
 
 
-@pytest.fixture(params=["streams-sync", "streams-emulated"])
-def stream_mode(request, monkeypatch):
-    monkeypatch.setenv(DEBUG_ENV, "1" if request.param == "streams-emulated" else "0")
-    return request.param
+def _streams(monkeypatch, mode: str) -> None:
+    """Run with the plain CPU runtime ("sync") or the stream emulator ("emulated")."""
+    monkeypatch.setenv(DEBUG_ENV, "1" if mode == "emulated" else "0")
 
 
 # ---------------------------------------------------------------- the kernel
@@ -228,14 +227,18 @@ PLACEMENTS = {
 }
 
 
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
-@pytest.mark.parametrize("prefetch", [False, True], ids=["staged", "prefetch"])
-@pytest.mark.parametrize("mover", ["kernel", "torch"])
-def test_mapped_access_matches_device_bank_bitwise(stream_mode, placement, prefetch, mover):
+# (placement, prefetch, mover, streams): every placement through both movers with prefetch
+# under the emulator, and the other combinations once each (the interpreter is slow).
+BITWISE = [(p, True, m, "emulated") for p in PLACEMENTS for m in ("kernel", "torch")] + [
+    ("host", False, "kernel", "sync"), ("host", True, "kernel", "sync"), ("w-host/m-device", False, "torch", "emulated"),
+    ("adamw-mixed", False, "torch", "sync"), ("device", True, "torch", "sync")]
+
+
+@pytest.mark.parametrize("placement,prefetch,mover,streams", BITWISE, ids=["-".join(map(str, c)) for c in BITWISE])
+def test_mapped_access_matches_device_bank_bitwise(monkeypatch, placement, prefetch, mover, streams):
+    _streams(monkeypatch, streams)
     if mover == "kernel" and not triton_rows.available():
         pytest.skip("triton is not installed or TRITON_INTERPRET=1 was not set before import")
-    if mover == "kernel" and placement == "device" and not prefetch:
-        pytest.skip("covered by the other kernel cases (the interpreter is slow)")
     opt = "adamw" if placement.startswith("adamw") else "sgd"
     placements, default = PLACEMENTS[placement]
     b = _batches(STEPS)
@@ -250,7 +253,8 @@ def test_mapped_access_matches_device_bank_bitwise(stream_mode, placement, prefe
 
 
 @pytest.mark.parametrize("opt,accum", [("sgd", 2), ("adamw", 3)])
-def test_mapped_gradient_accumulation_with_prefetch_matches_device_bank(stream_mode, opt, accum):
+def test_mapped_gradient_accumulation_with_prefetch_matches_device_bank(monkeypatch, opt, accum):
+    _streams(monkeypatch, "emulated")
     b = _batches(3 * accum, seed=1)
     ref = _run(opt, None, b, prefetch=False, accum=accum)
     # torch moves for AdamW (four states: slow under the interpreter), the kernel for SGD
@@ -260,11 +264,12 @@ def test_mapped_gradient_accumulation_with_prefetch_matches_device_bank(stream_m
     assert got["hits"] == len(b) - 1        # within a step and across steps
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["staged", "prefetch"])
-def test_mapped_bf16_host_weights_round_at_every_write(stream_mode, prefetch):
+@pytest.mark.parametrize("prefetch,streams", [(False, "sync"), (True, "sync"), (True, "emulated")])
+def test_mapped_bf16_host_weights_round_at_every_write(monkeypatch, prefetch, streams):
     """bfloat16 storage through the kernel rounds as torch rounds: the run equals the
     device bank whose centers are rounded to bfloat16 after every write, and a prefetched
     slot's overlap rows (patched from the stepped slot) are rounded too."""
+    _streams(monkeypatch, streams)
     b = _batches(STEPS)
     ref = _head("sgd")
     _round_bf16(ref)
@@ -453,11 +458,12 @@ def test_rows_benchmark_runs_dry(tmp_path):
 
 
 # ---------------------------------------------------------------- a share of rows in device memory
-@pytest.mark.parametrize("share", [0.3, 0.95])
-@pytest.mark.parametrize("mover", ["kernel", "torch"])
-def test_hbm_share_matches_device_bank_bitwise(stream_mode, share, mover):
+@pytest.mark.parametrize("share,mover,streams", [(0.3, "kernel", "emulated"), (0.3, "torch", "emulated"),
+                                                 (0.95, "torch", "sync")])
+def test_hbm_share_matches_device_bank_bitwise(monkeypatch, share, mover, streams):
     """Host-tier states with a share of their rows in device memory: each fetch and
     write-back splits into a move from (to) each part; same trajectory as the device bank."""
+    _streams(monkeypatch, streams)
     if mover == "kernel" and not triton_rows.available():
         pytest.skip("triton is not installed or TRITON_INTERPRET=1 was not set before import")
     b = _batches(STEPS)
