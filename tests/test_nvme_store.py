@@ -1,11 +1,14 @@
-"""NvmeStore: a file-backed row store through DeepSpeed's async I/O op.
+"""NvmeStore: a file-backed row store through libaio (its default engine) or DeepSpeed's
+async I/O op.
 
 Reference: a plain torch tensor updated with ``index_copy_`` by the test itself (and
-a per-row count of scatters), never read back from the store. Every file-format error
-is provoked on files the test writes or damages itself.
+a per-row count of scatters), never read back from the store; the file itself is also
+read with a plain numpy memmap. Every file-format error is provoked on files the test
+writes or damages itself.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -13,6 +16,7 @@ import time
 import zlib
 from collections import namedtuple
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,7 +46,27 @@ def row_shape(width):
     return () if width == 0 else (width,)
 
 
-Case = namedtuple("Case", "width dtype block_rows iop stage_bytes")
+def file_rows(path, num_rows):
+    """Rows, the rows past num_rows and the block padding of an NvmeStore file, read
+    with a plain numpy memmap and the documented layout (not through the store)."""
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    fields = nvme._HEADER.unpack(raw[:nvme._HEADER.size].tobytes())
+    br, rb, bb, nb, doff, fbytes = fields[8], fields[9], fields[10], fields[11], fields[13], fields[14]
+    assert raw.size == fbytes
+    blocks = np.asarray(raw[doff:]).reshape(nb, bb)
+    rows = blocks[:, :br * rb].reshape(nb * br, rb)
+    return torch.from_numpy(rows[:num_rows].copy()), rows[num_rows:], blocks[:, br * rb:]
+
+
+def assert_file_holds(path, ref):
+    """The file holds ``ref``'s bytes row after row, and zeros in padding and past the rows."""
+    n = ref.shape[0]
+    rows, phantom, padding = file_rows(path, n)
+    assert torch.equal(rows, ref.contiguous().reshape(n, -1).view(torch.uint8))
+    assert not phantom.any() and not padding.any()
+
+
+Case = namedtuple("Case", "width dtype block_rows iop stage_bytes engine io rounds", defaults=("libaio", None, 40))
 CASES = [
     Case(7, torch.float32, None, 1, 16 << 20),     # default block size: one block holds all
     Case(7, torch.float32, 100, 2, 8192),          # 100 does not divide 1021; one block per batch
@@ -51,10 +75,23 @@ CASES = [
     Case(512, torch.bfloat16, 3, 1, 5 * 4096),     # rows of 1 KiB, padded blocks, 5 per batch
     Case(512, torch.float32, None, 2, 1 << 20),    # rows of 2 KiB, default blocks
     Case(7, torch.int64, 1, 1, 4 * 4096),          # one row per block
+    # rows of 6000 bytes straddle pages; no coalescing; 1-page requests; gap pages written back
+    Case(1500, torch.float32, 5, 1, 1 << 20, "libaio", dict(coalesce_gap_bytes=0, max_request_bytes=4096,
+                                                             coalesce_write_gap_bytes=3 * 4096), 15),
+    Case(384, torch.bfloat16, None, 1, 1 << 20, "libaio", None, 15),   # rows of 768 bytes: some straddle pages
+    Case(2048, torch.float32, 3, 1, 1 << 20, "libaio", None, 15),      # rows of two whole pages
+    # DeepSpeed's handles: the same plans through the other engine
+    Case(7, torch.float32, 100, 2, 8192, "deepspeed", None, 8),
+    Case(512, torch.bfloat16, 3, 1, 5 * 4096, "deepspeed", None, 8),
+    Case(1500, torch.float32, 5, 1, 1 << 20, "deepspeed", dict(coalesce_write_gap_bytes=4096), 8),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"w{c.width}-{str(c.dtype)[6:]}-br{c.block_rows}-p{c.iop}")
+def case_id(c):
+    return f"w{c.width}-{str(c.dtype)[6:]}-br{c.block_rows}-p{c.iop}-{c.engine}" + ("-io" if c.io else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_random_rounds_match_reference(tmp_path, case):
     gen = torch.Generator().manual_seed(1234 + case.width)
     shape = (R,) + row_shape(case.width)
@@ -62,13 +99,14 @@ def test_random_rounds_match_reference(tmp_path, case):
     counts = torch.zeros(R, dtype=torch.int64)
     path = tmp_path / "bank.bin"
     store = NvmeStore(path, R, case.width, case.dtype, create=True, init=ref.clone(),
-                      block_rows=case.block_rows, intra_op_parallelism=case.iop, stage_bytes=case.stage_bytes)
+                      block_rows=case.block_rows, intra_op_parallelism=case.iop, stage_bytes=case.stage_bytes,
+                      io_engine=case.engine, **(case.io or {}))
     assert store.tier == "nvme"
     align = 1024 * case.iop
     assert store.file_bytes() % align == 0 and os.path.getsize(path) == store.file_bytes()
     assert store._block_bytes % align == 0 and store._data_offset % align == 0
     assert torch.equal(store.read_all(), ref)
-    for step in range(40):
+    for step in range(case.rounds):
         k = int(torch.randint(0, R + 1, (), generator=gen)) if step % 5 else [0, 1, R][step // 5 % 3]
         rows = torch.randperm(R, generator=gen)[:k].sort().values
         got = store.gather(rows)
@@ -84,6 +122,7 @@ def test_random_rounds_match_reference(tmp_path, case):
         assert torch.equal(store.versions, counts)
     assert torch.equal(store.read_all(), ref)
     store.close()
+    assert_file_holds(path, ref)
     with NvmeStore(path, R, case.width, case.dtype, create=False, intra_op_parallelism=case.iop) as again:
         assert torch.equal(again.read_all(), ref)
         assert torch.equal(again.versions, counts)
@@ -289,11 +328,16 @@ def test_full_disk(tmp_path, monkeypatch):
     assert not path.exists()
 
 
-def test_aio_unavailable(tmp_path, monkeypatch):
-    monkeypatch.setattr(nvme, "_AIO_OP", None)
-    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+@pytest.mark.parametrize("engine", ["libaio", "deepspeed"])
+def test_aio_unavailable(tmp_path, monkeypatch, engine):
+    if engine == "deepspeed":
+        monkeypatch.setattr(nvme, "_AIO_OP", None)
+        monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    else:
+        monkeypatch.setattr(nvme, "_LIBAIO", None)
+        monkeypatch.setattr(nvme, "_libaio_names", lambda: ["libaio-missing.so.1"])
     with pytest.raises(RuntimeError, match="libaio-dev"):
-        NvmeStore(tmp_path / "a.bin", R, 7, torch.float32, create=True)
+        NvmeStore(tmp_path / "a.bin", R, 7, torch.float32, create=True, io_engine=engine)
     assert not (tmp_path / "a.bin").exists()
 
 
@@ -306,7 +350,9 @@ def test_argument_validation(tmp_path):
         (dict(block_rows=0), ValueError, "block_rows"), (dict(intra_op_parallelism=0), ValueError,
                                                          "intra_op_parallelism"),
         (dict(queue_depth=0), ValueError, "queue_depth"), (dict(init=torch.zeros(3, 7)), ValueError, "init"),
-        (dict(path=3), TypeError, "path"),
+        (dict(path=3), TypeError, "path"), (dict(io_engine="spdk"), ValueError, "io_engine"),
+        (dict(coalesce_gap_bytes=-1), ValueError, "coalesce_gap_bytes"),
+        (dict(max_request_bytes=0), ValueError, "max_request_bytes"),
     ]
     for change, exc, word in bad:
         kw = dict(path=p, num_rows=R, width=7, dtype=torch.float32)
@@ -358,11 +404,16 @@ def test_throughput_report(tmp_path, capsys):
 
 
 def test_locked_memory_limit(tmp_path, monkeypatch):
-    """Without CAP_IPC_LOCK the op's mlock failure would abort the process: the store
-    shrinks its staging to RLIMIT_MEMLOCK, or refuses with an error."""
+    """Without CAP_IPC_LOCK DeepSpeed's mlock failure would abort the process: with
+    io_engine='deepspeed' the store shrinks its staging to RLIMIT_MEMLOCK, or refuses
+    with an error. The libaio engine locks nothing (O_DIRECT needs aligned memory only)."""
     init = torch.randn(R, 7)
+    monkeypatch.setattr(nvme, "_lock_budget", lambda: 6000)
+    with NvmeStore(tmp_path / "free.bin", R, 7, torch.float32, create=True, init=init, block_rows=100) as s:
+        assert s._stage_blocks == 11 and torch.equal(s.read_all(), init)
     monkeypatch.setattr(nvme, "_lock_budget", lambda: 4096 + 2 * 4096)
-    with NvmeStore(tmp_path / "l.bin", R, 7, torch.float32, create=True, init=init, block_rows=100) as s:
+    with NvmeStore(tmp_path / "l.bin", R, 7, torch.float32, create=True, init=init, block_rows=100,
+                   io_engine="deepspeed") as s:
         assert s._stage_blocks == 2 and s.nbytes() == 3 * 4096 + 8 * R
         rows = torch.arange(0, R, 3)
         s.scatter(rows, torch.zeros(len(rows), 7))
@@ -370,7 +421,117 @@ def test_locked_memory_limit(tmp_path, monkeypatch):
         assert torch.equal(s.read_all(), init)
     monkeypatch.setattr(nvme, "_lock_budget", lambda: 6000)
     with pytest.raises(RuntimeError, match="RLIMIT_MEMLOCK"):
-        NvmeStore(tmp_path / "l2.bin", R, 7, torch.float32, create=True, block_rows=100)
+        NvmeStore(tmp_path / "l2.bin", R, 7, torch.float32, create=True, block_rows=100, io_engine="deepspeed")
     assert not (tmp_path / "l2.bin").exists()
     with pytest.raises(RuntimeError, match="RLIMIT_MEMLOCK"):
-        NvmeStore(tmp_path / "l.bin", R, 7, torch.float32, create=False)
+        NvmeStore(tmp_path / "l.bin", R, 7, torch.float32, create=False, io_engine="deepspeed")
+
+
+def test_rows_at_file_ends_and_odd_blocks_against_the_file(tmp_path):
+    """First and last rows, the partial last block (phantom rows stay zero), padded
+    blocks of odd row counts, tiny stages: the bytes on disk match a plain read."""
+    gen = torch.Generator().manual_seed(7)
+    for width, br, stage in [(7, 100, 4096), (7, 37, 3 * 4096), (300, 11, 1 << 20), (13, 1, 2 * 4096)]:
+        path = tmp_path / f"e{width}-{br}.bin"
+        ref = torch.randn(R, width, generator=gen)
+        with NvmeStore(path, R, width, torch.float32, create=True, init=ref, block_rows=br, stage_bytes=stage) as s:
+            for rows in ([0], [R - 1], [0, R - 1], [br - 1, br, R - 2], list(range(R - 25, R))):
+                rows = torch.tensor(rows)
+                assert torch.equal(s.gather(rows), ref[rows])
+                vals = torch.randn(len(rows), width, generator=gen)
+                s.scatter(rows, vals)
+                ref[rows] = vals
+            out = torch.empty(3, width)
+            assert s.gather_into(torch.tensor([0, 5, R - 1]), out) is out       # straight into the buffer
+            assert torch.equal(out, ref[[0, 5, R - 1]])
+            assert torch.equal(s.gather_into(torch.tensor([1]), torch.empty(1, width, dtype=torch.float64)), ref[[1]])
+        assert_file_holds(path, ref)
+
+
+def test_requests_are_coalesced_batched_and_exact(tmp_path):
+    """1 KiB rows, 4 per 4 KiB page, 16 per block of 4 pages (data from page 1): a gather
+    reads the touched pages, joined across gaps of up to coalesce_gap_bytes, all of a
+    batch issued together; a scatter writes exactly the pages it touches (after the
+    dirty header) and first reads those it does not cover whole."""
+    A = 4096
+    ref = torch.randn(4096, 256)
+    with NvmeStore(tmp_path / "c.bin", 4096, 256, torch.float32, create=True, init=ref, block_rows=16,
+                   coalesce_gap_bytes=2 * A, stage_bytes=64 << 10) as s:
+        trace = s.record_io()
+        rows = torch.tensor([0, 1, 9, 21, 1000, 1001, 4095])          # pages 1, 1, 3, 6, 251, 251, 1024
+        assert torch.equal(s.gather(rows), ref[rows])
+        assert len(trace) == 1                                          # one batch: one group of requests
+        write, off, size = trace[0]
+        assert not write and off.tolist() == [A, 251 * A, 1024 * A] and size.tolist() == [6 * A, A, A]
+        # 64 KiB of stage: two buffers of two blocks (8 pages); rows every other page
+        trace.clear()
+        rows = torch.arange(0, 4096, 8)
+        assert torch.equal(s.gather(rows), ref[rows])
+        offsets = np.concatenate([o for _, o, _ in trace])
+        sizes = np.concatenate([z for _, _, z in trace])
+        assert len(trace) == 1024 // 8 and all(not w for w, _, _ in trace)
+        assert (sizes <= 8 * A).all() and sizes.sum() == 1023 * A            # every page, gaps included, once
+        assert (np.diff(offsets) > 0).all() and (offsets % A == 0).all()
+        # a scatter: page 2 covered whole (rows 4-7: not read), page 3 (row 8) and 11 (row 40) read first
+        trace.clear()
+        rows = torch.tensor([4, 5, 6, 7, 8, 40])
+        vals = torch.randn(6, 256)
+        s.scatter(rows, vals)
+        ref[rows] = vals
+        (w0, o0, z0), (w1, o1, z1), (w2, o2, z2) = trace
+        assert w0 and o0.tolist() == [0] and z0.tolist() == [A]                # the dirty header first
+        assert not w1 and o1.tolist() == [3 * A, 11 * A] and z1.tolist() == [A, A]
+        assert w2 and o2.tolist() == [2 * A, 11 * A] and z2.tolist() == [2 * A, A]
+        assert torch.equal(s.read_all(), ref)
+        # requests are capped at max_request_bytes and written gaps only when asked for
+    with NvmeStore(tmp_path / "c.bin", 4096, 256, torch.float32, create=False, coalesce_gap_bytes=2 * A,
+                   coalesce_write_gap_bytes=2 * A, max_request_bytes=2 * A) as s:
+        trace = s.record_io()
+        rows = torch.tensor([8, 20])                                    # pages 3 and 6: read [3, 7)
+        vals = torch.randn(2, 256)
+        s.scatter(rows, vals)
+        ref[rows] = vals
+        (_, _, _), (w1, o1, z1), (w2, o2, z2) = trace
+        assert not w1 and o1.tolist() == [3 * A, 5 * A] and z1.tolist() == [2 * A, 2 * A]
+        assert w2 and o2.tolist() == [3 * A, 5 * A] and z2.tolist() == [2 * A, 2 * A]
+        assert s.io_stats()["write_bytes"] == A + 4 * A and s.io_stats()["coalesce_write_gap_bytes"] == 2 * A
+    assert_file_holds(tmp_path / "c.bin", ref)
+
+
+def test_failed_requests_are_reported(tmp_path):
+    """DeepSpeed's op never checks a completion's result; the libaio engine reports a
+    short read (past the end of the file) and a rejected request, and the store goes on."""
+    init = torch.randn(R, 7)
+    with NvmeStore(tmp_path / "f.bin", R, 7, torch.float32, create=True, init=init) as s:
+        engine, size, zero = s._engine, s.file_bytes(), np.zeros(1, dtype=np.int64)
+        with pytest.raises(OSError, match="short read"):
+            engine.wait(engine.start(False, s._stage, zero, np.array([size]), np.array([4096])))
+        with pytest.raises(OSError, match="Invalid argument"):                 # misaligned for O_DIRECT
+            engine.wait(engine.start(False, s._stage, zero, np.array([100]), np.array([4096])))
+        with pytest.raises(OSError, match="Invalid argument"):
+            engine.wait(engine.start(True, s._stage, zero, np.array([4096]), np.array([100])))
+        assert torch.equal(s.gather(torch.tensor([0, R - 1])), init[[0, R - 1]])
+    assert_file_holds(tmp_path / "f.bin", init)
+
+
+def test_benchmark_smoke(tmp_path, capsys, monkeypatch):
+    """ds_pfc.bench.nvme at a tiny size: raw requests, store gathers and scatters,
+    sequential transfers, next to fio when it is installed (n/a otherwise)."""
+    from ds_pfc.bench import nvme as bench
+    out = tmp_path / "nvme.json"
+    args = ["--dir", str(tmp_path), "--file-gb", "0.004", "--block-kib", "4", "--requests", "64",
+            "--rw", "read", "--raw-engines", "libaio", "--rates", "0.01", "--repeats", "1", "--json", str(out)]
+    assert bench.main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "nvme" and doc["config"]["queue_depth"] == 32 and "date" in doc and "machine" in doc
+    parts = {r["part"] for r in doc["results"]}
+    assert parts == {"fill", "raw", "store", "sequential"}
+    store = [r for r in doc["results"] if r["part"] == "store"]
+    assert {r["op"] for r in store} == {"gather", "scatter"} and all(r["requests"] > 0 for r in store)
+    if bench.fio_binary() is not None:
+        assert all(r["ratio_to_fio"] > 0 for r in doc["results"] if r["part"] in ("raw", "store", "sequential"))
+    assert sorted(os.listdir(tmp_path)) == ["nvme.json"]                   # the scratch file is gone
+    monkeypatch.setattr(bench, "fio_binary", lambda: None)
+    assert bench.main(args[:-2] + ["--parts", "store", "--json", str(out)]) == 0
+    assert "fio not found on PATH: the floor is n/a" in capsys.readouterr().out
+    assert all(r["ratio_to_fio"] is None for r in json.loads(out.read_text())["results"] if r["part"] == "store")

@@ -1,4 +1,5 @@
-"""Benchmarks: ``ds-pfc-bench {head,bank,accuracy,data,plan,rows,hostpath} [options]`` (``python launch/bench.py``
+"""Benchmarks: ``ds-pfc-bench {head,bank,accuracy,data,plan,rows,hostpath,nvme} [options]``
+(``python launch/bench.py``
 from a checkout; ``--help`` after the benchmark's name lists its options)."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accuracy": "ds_pfc.bench.accuracy",
               "data": "ds_pfc.bench.data", "plan": "ds_pfc.bench.plan", "rows": "ds_pfc.bench.rows",
-              "hostpath": "ds_pfc.bench.hostpath"}
+              "hostpath": "ds_pfc.bench.hostpath", "nvme": "ds_pfc.bench.nvme"}
 
 
 def build_parser() -> argparse.ArgumentParser:
