@@ -1192,13 +1192,17 @@ class NvmeStore(RowStore):
                 r0, r1 = edges[k], edges[k + 1]
                 self._patch(units[r0:r1], h, values[r0:r1])
                 writes[h] = self._start(True, h * self._buf_bytes, *write_plan.batch(k))
-            for h in range(H):
-                if writes[h] is not None:
-                    ticket, writes[h] = writes[h], None
-                    self._engine.wait(ticket)
+            self._wait_all(writes)
         except BaseException:
             self._engine.drain()
             raise
+
+    def _wait_all(self, tickets: list) -> None:
+        """Wait for every outstanding ticket in ``tickets`` and clear it."""
+        for h, ticket in enumerate(tickets):
+            if ticket is not None:
+                tickets[h] = None
+                self._engine.wait(ticket)
 
     def _block_batches(self):
         hb = self._buf_blocks
@@ -1260,10 +1264,7 @@ class NvmeStore(RowStore):
                     dst[full, :count - full * br].copy_(values[b0 * br + full * br:b0 * br + count])
                     dst[full, count - full * br:].zero_()       # rows past num_rows
                 writes[h] = self._start_blocks(True, h, b0, b1)
-            for h in range(H):
-                if writes[h] is not None:
-                    ticket, writes[h] = writes[h], None
-                    self._engine.wait(ticket)
+            self._wait_all(writes)
         except BaseException:
             self._engine.drain()
             raise

@@ -329,14 +329,9 @@ class Stager:
         if self.mapped:
             self._prefetch_mapped(rows, key, live)
             return
-        # The cold rows' bytes, counted on the device (no sync); the overlap rows are
-        # patched on the device after the step (_patch), so this thread needs no row ids.
-        held = _held_by(rows, [s.rows for s in live])
-        row_bytes = self._row_bytes()
-        if held is None:
-            self.bank.count_traffic(staged_in=rows.numel() * row_bytes)
-        else:
-            self.bank.count_staged_on_device((~held).sum() * row_bytes)
+        # The overlap rows are patched on the device after the step (_patch), so this
+        # thread needs no row ids.
+        held = self._count_cold(rows, live)
         slot = self._empty_slot(rows)
         # The cold rows are found and fetched on the I/O worker, which waits for the
         # copy of the row ids to the host; this thread goes on queueing the step.
@@ -443,17 +438,24 @@ class Stager:
                        reads=(store.data, *index), writes=(dst,))
         slot._event = rt.record(self._fetch_stream)
 
-    def _prefetch_mapped(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
-        held = _held_by(rows, [s.rows for s in live])         # on the compute stream, no sync
-        slot = self._empty_slot(rows)
-        row_bytes = self._row_bytes()
+    def _count_cold(self, rows: torch.Tensor, live: list[Slot]) -> torch.Tensor | None:
+        """Which of the next set's ``rows`` the ``live`` slots hold (None: no live rows),
+        found on the compute stream, and the bytes of the others counted as staged in,
+        on the device: no host sync."""
+        held = _held_by(rows, [s.rows for s in live])
         if held is None:
-            self.bank.count_traffic(staged_in=rows.numel() * row_bytes)
+            self.bank.count_traffic(staged_in=rows.numel() * self._row_bytes())
+        else:
+            self.bank.count_staged_on_device((~held).sum() * self._row_bytes())
+        return held
+
+    def _prefetch_mapped(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
+        held = self._count_cold(rows, live)
+        slot = self._empty_slot(rows)
+        if held is None:
             self._fetch_mapped(slot, None)
         else:
-            cold = ~held
-            self.bank.count_staged_on_device(cold.sum() * row_bytes)
-            self._fetch_mapped(slot, cold)
+            self._fetch_mapped(slot, ~held)
             slot.overlap = "device"         # patched from the live slots after their step
             if self.patch_before_step:      # the test hook's ordering bug (see __init__)
                 self._patch(slot, live)
@@ -601,22 +603,6 @@ def _land_rows(dst: torch.Tensor, positions: torch.Tensor | None, values: torch.
 def _gather_rows(dst, positions, data, rows_cpu) -> None:
     values = data.index_select(0, rows_cpu.to(data.device, non_blocking=True))
     _land_rows(dst, positions, values)
-
-
-def _patch_rows(dst, dst_pos, src, src_pos, store) -> None:
-    """Overlap rows from an updated slot, rounded through the store's storage as a
-    write-back and a read would round them."""
-    values = _round_through(store, src.index_select(0, src_pos.to(src.device, non_blocking=True)))
-    dst.index_copy_(0, dst_pos.to(dst.device, non_blocking=True), values.to(dst.dtype))
-
-
-def _round_through(store, values: torch.Tensor) -> torch.Tensor:
-    """``values`` as storing them in ``store`` and reading them back leaves them."""
-    if isinstance(store, RowwiseInt8Store):
-        return store.round_trip(values)
-    if store.dtype != values.dtype:
-        return values.to(store.dtype).to(values.dtype)
-    return values
 
 
 def _tables(store) -> tuple:
