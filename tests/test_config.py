@@ -97,6 +97,11 @@ def test_bank_placements_build_a_tiered_bank():
     ({"num_classes": 10, "bank": {"default": "ssd"}}, "ds_pfc.head.bank.default tier must be one of"),
     ({"num_classes": 10, "bank": {"placements": {"weight": ["host", "int8"]}}},
      "ds_pfc.head.bank.placements.weight[1] must be one of"),
+    ({"num_classes": 10, "bank": {"nvme_budget": {"step": 300}}}, "ds_pfc.head.bank.nvme_budget has unknown keys"),
+    ({"num_classes": 10, "bank": {"nvme_budget": {"write_gbps": 0}}},
+     "ds_pfc.head.bank.nvme_budget write_gbps must be a positive number"),
+    ({"num_classes": 10, "bank": {"nvme_budget": {"check": "maybe"}}},
+     "ds_pfc.head.bank.nvme_budget check must be one of"),
 ])
 def test_bad_config_names_the_key(head, needle):
     with pytest.raises(ConfigError) as err:

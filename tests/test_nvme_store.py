@@ -535,3 +535,38 @@ def test_benchmark_smoke(tmp_path, capsys, monkeypatch):
     assert bench.main(args[:-2] + ["--parts", "store", "--json", str(out)]) == 0
     assert "fio not found on PATH: the floor is n/a" in capsys.readouterr().out
     assert all(r["ratio_to_fio"] is None for r in json.loads(out.read_text())["results"] if r["part"] == "store")
+
+
+@pytest.mark.parametrize("width,dtype,share,write_gap", [
+    (128, torch.bfloat16, 0.02, 0),      # 256 B rows, 16 per page
+    (256, torch.float32, 0.05, 0),       # 1 KiB rows, 4 per page
+    (512, torch.float32, 0.3, 0),        # 2 KiB rows: pages covered whole occur
+    (96, torch.float32, 0.03, 0),        # 384 B rows straddle pages
+    (256, torch.bfloat16, 0.05, 8192),   # written gaps
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_page_io_model_counts_what_the_store_reads_and_writes(tmp_path, width, dtype, share, write_gap):
+    """ds_pfc.bank.nvme_model (the planner's NVMe figures and the bank's refusal of a
+    per-step NVMe tier) against the store's own I/O counters: random gathers and scatters
+    of ``share`` of the rows, bytes read and written within 4% of the model's expectation."""
+    from ds_pfc.bank.nvme_model import page_io
+    n, trials = 24_576, 6
+    g = torch.Generator().manual_seed(width + int(share * 100))
+    with NvmeStore(tmp_path / "m.bin", n, width, dtype, create=True, coalesce_write_gap_bytes=write_gap) as s:
+        s.scatter(torch.tensor([0]), torch.zeros(1, width, dtype=dtype))     # the dirty header is written once
+        m = int(share * n)
+        read_g = read_s = written = 0
+        for _ in range(trials):
+            rows = torch.randperm(n, generator=g)[:m].sort().values
+            before = s.io_stats()
+            s.gather(rows)
+            mid = s.io_stats()
+            s.scatter(rows, torch.zeros(m, width, dtype=dtype))
+            after = s.io_stats()
+            read_g += mid["read_bytes"] - before["read_bytes"]
+            read_s += after["read_bytes"] - mid["read_bytes"]
+            written += after["write_bytes"] - mid["write_bytes"]
+        rb = width * torch.empty((), dtype=dtype).element_size()
+        model = page_io(rb, n, m, m, write_gap_bytes=write_gap)
+    for measured, key in ((read_g, "read_gather"), (read_s, "read_scatter"), (written, "write")):
+        expected = trials * model[key]
+        assert measured == pytest.approx(expected, rel=0.04, abs=trials * 4096 * 8), (key, measured, expected)

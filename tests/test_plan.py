@@ -162,15 +162,18 @@ def test_tolerance_would_catch_a_model_without_overlap(measured):
     assert tol < 0.01 * active * (1 - R) < active * R * (1 - R)
 
 
-def test_nvme_blocks_match_the_store_layout_and_the_sampler():
+def test_nvme_pages_match_the_store_layout_and_the_sampler():
     """The NVMe tier's I/O per step: the planner's block layout is NvmeStore's, and the
-    fraction of blocks a step's cold rows and stepped rows touch matches the real sampler's
-    active sets (drawn here at C_q = 200k, r = 0.01, where a block of 128 rows is touched
-    with probability ~0.72, far from 0 or 1)."""
+    fraction of 4 KiB pages a step's cold rows and stepped rows touch matches the real
+    sampler's active sets (drawn here at C_q = 200k, r = 0.02, bf16 rows of 1 KiB, 4 per
+    page, where a page is touched with probability ~0.08 and ~0.05, far from 0 or 1).
+    The bytes per page touched are the store's rules, checked against its I/O counters in
+    tests/test_nvme_store.py."""
     from ds_pfc.bank.nvme import NvmeStore
+    from ds_pfc.bank.nvme_model import page_io
     from ds_pfc.bank.stores import RowStore
     from ds_pfc.core.sampling import sample_active
-    classes, dim, rate, steps = 200_000, 512, 0.01, 30
+    classes, dim, rate, steps = 200_000, 512, 0.02, 30
     out = plan(classes, dim, 1, "h100-80g", rate, storage="bf16", batch=BATCH, stops=False)
     layout = {x["state"]: x for x in out["tiers"]["nvme"]["nvme_layout"]}
     store = NvmeStore.__new__(NvmeStore)          # the layout only: no file, no aio op
@@ -180,25 +183,26 @@ def test_nvme_blocks_match_the_store_layout_and_the_sampler():
     for name in ("weight", "momentum_buffer"):
         assert (layout[name]["block_rows"], layout[name]["block_bytes"], layout[name]["blocks"]) == \
             (store.block_rows, store._block_bytes, store._num_blocks)
-    br, blocks = store.block_rows, store._num_blocks
+    assert store._block_bytes == store.block_rows * 1024          # pages hold rows 4 k .. 4 k + 3
+    pages = layout["weight"]["pages"]
+    assert pages == classes // 4
     g = torch.Generator().manual_seed(3)
     sets = [sample_active(torch.randint(0, classes, (BATCH,), generator=g), classes, rate, seed=5, step=t, rank=0)
             for t in range(steps + 1)]
-    touched_in = [torch.unique(b[~torch.isin(b, a)] // br).numel() / blocks for a, b in zip(sets, sets[1:])]
-    touched_out = [torch.unique(s // br).numel() / blocks for s in sets[:-1]]
-    # Blocks touched are negatively correlated (a fixed number of rows), so the binomial
-    # variance blocks p (1 - p) bounds the count's; 5 sigma on the mean over the steps.
+    touched_in = [torch.unique(b[~torch.isin(b, a)] // 4).numel() / pages for a, b in zip(sets, sets[1:])]
+    touched_out = [torch.unique(s // 4).numel() / pages for s in sets[:-1]]
+    # Pages touched are negatively correlated (a fixed number of rows), so the binomial
+    # variance pages p (1 - p) bounds the count's; 5 sigma on the mean over the steps.
     for sim, name in ((touched_in, "touched_in"), (touched_out, "touched_out")):
         p = layout["weight"][name]
-        tol = 5 * math.sqrt(p * (1 - p) / blocks / len(sim))
-        assert 0.3 < p < 0.95
+        tol = 5 * math.sqrt(p * (1 - p) / pages / len(sim))
+        assert 0.03 < p < 0.2
         assert abs(sum(sim) / len(sim) - p) <= tol, (name, sum(sim) / len(sim), p, tol)
-    # Read: every block with a cold row, and every block a write-back patches; written: the latter.
-    per_state = blocks * store._block_bytes
+    # Node figures: both states' files, each counted by the store's rules.
+    io = page_io(1024, classes, out["moved_rows_in"], out["moved_rows_out"])
     t = out["tiers"]["nvme"]
-    assert t["nvme_write_node"] == pytest.approx(2 * per_state * layout["weight"]["touched_out"])
-    assert t["nvme_read_node"] == pytest.approx(
-        2 * per_state * (layout["weight"]["touched_in"] + layout["weight"]["touched_out"]), rel=1e-6)
+    assert t["nvme_write_node"] == pytest.approx(2 * io["write"]) and t["nvme_read_node"] == pytest.approx(2 * io["read"])
+    assert t["nvme_write_node"] == pytest.approx(2 * pages * 4096 * layout["weight"]["touched_out"])
 
 
 # ---------------------------------------------------------------- backbone constants

@@ -240,6 +240,11 @@ class BankConfig:
     kernels read and write the tables in place; device and host tiers only)."""
     hbm_share: float = 0.0
     """With mapped access: the share of each host-tier state's rows kept in GPU memory."""
+    nvme_budget: dict | None = None
+    """What a per-step NVMe tier may cost per rank (ds_pfc.bank.NvmeBudget): step_ms (300),
+    read_gbps (14), write_gbps (10), drive_tb (15.36), dwpd (1) and check ("refuse", "warn"
+    or "off"). A tier whose page I/O per step does not hide behind the step, or that writes
+    more per day than the drive is rated for, is refused with the numbers."""
 
     def _placement(self, value, where):
         from ..bank.tiered import TIERS
@@ -269,6 +274,11 @@ class BankConfig:
         if self.hbm_share >= 1.0 or (self.hbm_share > 0 and self.host_access != "mapped"):
             raise ConfigError(f"ds_pfc.head.bank.hbm_share must be in [0, 1) and needs host_access 'mapped', got "
                               f"{self.hbm_share!r} with host_access {self.host_access!r}")
+        from ..bank.nvme_model import NvmeBudget
+        try:
+            NvmeBudget.parse(self.nvme_budget)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"ds_pfc.head.bank.{err}") from None
 
     def is_default(self) -> bool:
         return self.default == "device" and not self.placements
@@ -282,7 +292,7 @@ class BankConfig:
             return TieredBank.factory(
                 {n: self._placement(v, n) for n, v in self.placements.items()},
                 default=self._placement(self.default, "default"), nvme_dir=self.nvme_dir, resume=self.resume,
-                host_access=self.host_access, hbm_share=self.hbm_share)
+                host_access=self.host_access, hbm_share=self.hbm_share, nvme_budget=self.nvme_budget)
         except (TypeError, ValueError, FileNotFoundError) as err:
             raise ConfigError(f"ds_pfc.head.bank: {err}") from None
 

@@ -42,6 +42,8 @@ _HARMLESS = (
     "ds_pfc.data.prefetch_batches", "ds_pfc.head.bank.nvme_dir", "ds_pfc.head.backend", "ds_pfc.head.block_bytes",
     # How rows move between the bank's tables and the slots: the values are the same.
     "ds_pfc.head.bank.host_access", "ds_pfc.head.bank.hbm_share",
+    # What a per-step NVMe tier may cost: checked when the bank is built, changes no value.
+    "ds_pfc.head.bank.nvme_budget",
     # Pretrained weights are read only by a fresh run.
     "ds_pfc.train.init.backbone", "ds_pfc.train.init.head",
 )

@@ -7,7 +7,9 @@ Never: ds_pfc.core and any layer above it, the root package."""
 from .base import ClassBank, initial_centers
 from .device import DeviceBank
 from .streams import StreamError, debug_streams_active
+from .nvme_model import NvmeBudget, NvmeTierError
 from .tiered import Placement, StaleRowError, TieredBank
 
-__all__ = ["ClassBank", "DeviceBank", "TieredBank", "Placement", "StaleRowError", "initial_centers",
+__all__ = ["ClassBank", "DeviceBank", "TieredBank", "Placement", "StaleRowError", "NvmeBudget", "NvmeTierError",
+           "initial_centers",
            "StreamError", "debug_streams_active"]

@@ -21,11 +21,13 @@ from typing import Callable
 import torch
 
 from .base import ClassBank
+from .nvme import DEFAULT_GAP_BYTES, SECTOR
+from .nvme_model import NvmeBudget, NvmeTierError, check_step
 from .quantized import INT8_ROWWISE, RowwiseInt8Store
 from .split import SplitStore
 from .stores import DeviceStore, HostStore, RowStore
 
-__all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS", "HOST_ACCESS"]
+__all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS", "HOST_ACCESS", "NvmeBudget", "NvmeTierError"]
 
 TIERS = ("device", "host", "nvme")
 #: How staged rows move between the bank's tables and the slots (``host_access=``):
@@ -86,14 +88,18 @@ class TieredBank(ClassBank):
     (no row id reaches the host), so :class:`StaleRowError` checks apply to the staged
     path only. ``hbm_share`` (mapped access only): the share of each host-tier state's
     rows kept in device memory (:class:`~ds_pfc.bank.split.SplitStore`); host traffic
-    scales by ``1 - hbm_share``.
+    scales by ``1 - hbm_share``. ``nvme_budget`` (:class:`~ds_pfc.bank.nvme_model.NvmeBudget`
+    or its fields as a dict): before any NVMe file is made, :meth:`check_nvme_tier` counts
+    the step's NVMe I/O from the store's layout and refuses a per-step NVMe tier that does
+    not hide behind the step or writes more than the drive's rated writes per day.
     """
 
     def __init__(self, num_rows: int, device, *, placements: dict[str, Placement] | None = None,
                  default: Placement = Placement(), nvme_dir: str | None = None, class_start: int = 0,
                  resume: bool = False, nvme_options: dict | None = None, owner: str | None = None,
-                 host_access: str = "staged", hbm_share: float = 0.0):
+                 host_access: str = "staged", hbm_share: float = 0.0, nvme_budget=None):
         super().__init__(num_rows, device)
+        self.nvme_budget = NvmeBudget.parse(nvme_budget)
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
         _check_share(hbm_share, host_access)
@@ -126,18 +132,21 @@ class TieredBank(ClassBank):
     @classmethod
     def factory(cls, placements: dict | None = None, *, default="device", nvme_dir: str | None = None,
                 resume: bool = False, nvme_options: dict | None = None,
-                host_access: str = "staged", hbm_share: float = 0.0) -> Callable[..., "TieredBank"]:
+                host_access: str = "staged", hbm_share: float = 0.0,
+                nvme_budget=None) -> Callable[..., "TieredBank"]:
         """A ``bank=`` argument for :class:`~ds_pfc.PartialFC`.
 
         ``placements`` maps state names (``"weight"``, ``"momentum_buffer"``,
         ``"exp_avg"``, ``"exp_avg_sq"``, ``"step"``) to a placement; others get
         ``default``. Example: ``TieredBank.factory({"weight": ("host", torch.bfloat16)},
         default="device")``. ``host_access``: how rows move (:data:`HOST_ACCESS`);
-        ``hbm_share``: the share of host-tier rows kept in device memory (mapped access).
+        ``hbm_share``: the share of host-tier rows kept in device memory (mapped access);
+        ``nvme_budget``: what a per-step NVMe tier may cost (:class:`NvmeBudget`).
         """
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
         _check_share(hbm_share, host_access)
+        nvme_budget = NvmeBudget.parse(nvme_budget)
         parsed = {name: Placement.parse(p) for name, p in (placements or {}).items()}
         default = Placement.parse(default)
         if nvme_dir is not None and not os.path.isdir(nvme_dir):
@@ -146,7 +155,7 @@ class TieredBank(ClassBank):
         def make(num_rows, device, class_start=0, owner=None):
             return cls(num_rows, device, placements=parsed, default=default, nvme_dir=nvme_dir,
                        class_start=class_start, resume=resume, nvme_options=nvme_options, owner=owner,
-                       host_access=host_access, hbm_share=hbm_share)
+                       host_access=host_access, hbm_share=hbm_share, nvme_budget=nvme_budget)
         make.takes_owner = True
         return make
 
@@ -178,15 +187,7 @@ class TieredBank(ClassBank):
             self._logical[name] = dtype
             self._issued[name] = store.versions.clone()
             return
-        if place.dtype == INT8_ROWWISE:      # a default of int8 codes: integer states keep their dtype
-            place = Placement(place.tier)
-        # A storage dtype applies to floating states; counters (AdamW's "step") keep
-        # their own dtype unless a placement names them explicitly.
-        storage = dtype if (place.dtype is None or (not dtype.is_floating_point and name not in self.placements)) \
-            else place.dtype
-        if dtype.is_floating_point != storage.is_floating_point:
-            raise ValueError(f"state {name!r} is {dtype}; its storage dtype must be "
-                             f"{'a floating' if dtype.is_floating_point else 'an integer'} dtype, got {storage}")
+        place, storage = self._storage(name, dtype)
         if place.tier == "device":
             store = DeviceStore(self.num_rows, width, storage, self.device)
         elif place.tier == "host" and self.hbm_share > 0:
@@ -208,6 +209,47 @@ class TieredBank(ClassBank):
         self._stores[name] = store
         self._logical[name] = dtype
         self._issued[name] = store.versions.clone()
+
+    def _storage(self, name: str, dtype: torch.dtype) -> tuple[Placement, torch.dtype]:
+        """The placement and storage dtype of a (non-int8) state of logical ``dtype``."""
+        place = self.placement(name)
+        if place.dtype == INT8_ROWWISE:      # a default of int8 codes: integer states keep their dtype
+            place = Placement(place.tier)
+        # A storage dtype applies to floating states; counters (AdamW's "step") keep
+        # their own dtype unless a placement names them explicitly.
+        storage = dtype if (place.dtype is None or (not dtype.is_floating_point and name not in self.placements)) \
+            else place.dtype
+        if dtype.is_floating_point != storage.is_floating_point:
+            raise ValueError(f"state {name!r} is {dtype}; its storage dtype must be "
+                             f"{'a floating' if dtype.is_floating_point else 'an integer'} dtype, got {storage}")
+        return place, storage
+
+    def check_nvme_tier(self, specs: list[tuple[str, int, torch.dtype]], active_rows: float, *,
+                        num_rows: int | None = None) -> dict | None:
+        """Refuse (:class:`NvmeTierError`) a per-step NVMe tier whose I/O for ``active_rows``
+        rows a step (of the states ``specs``: ``(name, width, logical dtype)``) exceeds
+        :attr:`nvme_budget`; call it before :meth:`add_state` (nothing is created yet).
+        ``num_rows``: the rows to count with (default: this bank's; a head passes its
+        largest shard's, so that every rank decides alike). Returns the step's NVMe figures
+        (:func:`~ds_pfc.bank.nvme_model.step_io`), None when no state is on NVMe."""
+        states = []
+        for name, width, dtype in specs:
+            place, storage = self._storage(name, dtype)
+            if place.tier == "nvme":
+                states.append((name, max(int(width), 1) * torch.empty((), dtype=storage).element_size()))
+        num_rows = self.num_rows if num_rows is None else int(num_rows)
+        if not states or num_rows == 0 or self.nvme_budget.check == "off":
+            return None
+        options = self.nvme_options
+        io, reason = check_step(states, num_rows, active_rows, self.nvme_budget,
+                                gap_bytes=int(options.get("coalesce_gap_bytes", DEFAULT_GAP_BYTES)),
+                                write_gap_bytes=int(options.get("coalesce_write_gap_bytes", 0)),
+                                page=SECTOR * int(options.get("intra_op_parallelism", 1)))
+        if reason is not None:
+            if self.nvme_budget.check == "refuse":
+                raise NvmeTierError(reason)
+            print(f"ds_pfc: warning: {reason}", flush=True)
+        return io
 
     def state_names(self):
         return list(self._stores)

@@ -10,7 +10,7 @@ classes per rank) and a sample rate ``r``, it computes per rank, from formulas (
   back, no CPU work, host memory touched once per byte moved), ``host-cpu`` (what
   :class:`~ds_pfc.bank.TieredBank` does today: CPU threads gather into pinned staging buffers
   and scatter back, host memory touched ~3.5 times per byte moved) and ``nvme`` (a file per
-  state, read and written in the NVMe store's blocks every step);
+  state, whose 4 KiB pages holding moved rows are read and written every step);
 * the staged slots (:mod:`ds_pfc.bank.slots`): the active rows ``|S_q|`` of every state in its
   logical dtype, twice (the slot in use and the prefetched one), the gradient of the staged
   centers, the softmax's buffers and the sampler's keys;
@@ -34,6 +34,7 @@ import re
 import sys
 
 from ..bank.nvme import DEFAULT_STAGE_BYTES, SECTOR, TARGET_BLOCK_BYTES
+from ..bank.nvme_model import page_io
 from ..core.softmax import CUDA_BLOCK_BYTES
 
 __all__ = ["plan", "PlanArgumentError", "GPUS", "BACKBONES", "TIERS", "DEFAULTS", "main", "format_plan",
@@ -176,24 +177,6 @@ def _nvme_layout(row_bytes: int, num_rows: int) -> tuple[int, int, int]:
     return br, bb, -(-num_rows // br)
 
 
-def _log_choose_ratio(a: float, b: float, k: int) -> float:
-    """log( C(a, k) / C(b, k) ) for real a <= b (lgamma), -inf when a < k."""
-    if a < k:
-        return -math.inf
-    return (math.lgamma(a + 1) - math.lgamma(a - k + 1)) - (math.lgamma(b + 1) - math.lgamma(b - k + 1))
-
-
-def _block_fractions(m: float, n: float, br: int) -> tuple[float, float]:
-    """For ``m`` rows drawn uniformly without replacement from ``n``: the probability that a
-    block of ``br`` rows holds at least one of them, and that it holds only drawn rows."""
-    if n <= 0 or m <= 0:
-        return 0.0, 0.0
-    m = min(m, n)
-    untouched = math.exp(_log_choose_ratio(n - m, n, br))
-    full = math.exp(_log_choose_ratio(m, n, br))
-    return 1.0 - untouched, full
-
-
 # --------------------------------------------------------------------- the figures
 def _figures(p: dict, classes: int) -> dict:
     """Every number of the plan at ``classes`` (other inputs from ``p``)."""
@@ -265,8 +248,8 @@ def _figures(p: dict, classes: int) -> dict:
             checks=[("GPU memory per GPU", "memory", gpu, gpu_limit), ("host RAM per node", "memory", k * host_rank,
                                                                       host_limit)]
             + [(f"{name} time", "time", t, step_s) for name, t in times.items()])
-    # -- nvme: a file per state in NvmeStore blocks; a gather reads every block holding a cold
-    # row, a write-back reads the blocks it does not cover whole and writes every block it touches.
+    # -- nvme: a file per state in NvmeStore blocks; a step reads and writes the 4 KiB pages of
+    # its moved rows (ds_pfc.bank.nvme_model: the store's own rules, gaps included).
     n_rows = math.ceil(host_rows)
     files = nvme_read = nvme_write = nvme_host = 0.0
     floor_read = floor_write = 0.0
@@ -274,21 +257,18 @@ def _figures(p: dict, classes: int) -> dict:
     for s in states:
         br, bbytes, blocks = _nvme_layout(s["row_bytes"], n_rows)
         files += SECTOR + blocks * bbytes + 32 + 8 * n_rows
-        touched_in, _ = _block_fractions(moved_in, n_rows, br)
-        touched_out, full_out = _block_fractions(moved_out, n_rows, br)
-        nvme_read += blocks * bbytes * (touched_in + touched_out - full_out)
-        nvme_write += blocks * bbytes * touched_out
+        io = page_io(s["row_bytes"], n_rows, moved_in, moved_out)
+        nvme_read += io["read"]
+        nvme_write += io["write"]
         stage_blocks = min(blocks, max(1, DEFAULT_STAGE_BYTES // bbytes))
         nvme_host += NVME_VERSION_BYTES * n_rows + SECTOR + stage_blocks * bbytes
-        # The same at the 4 KiB sector (rows moved one sector at a time): the floor of block I/O.
-        sr = max(1, SECTOR // s["row_bytes"])
-        sectors = -(-n_rows // sr)
-        t_in, _ = _block_fractions(moved_in, n_rows, sr)
-        t_out, f_out = _block_fractions(moved_out, n_rows, sr)
-        floor_read += sectors * SECTOR * (t_in + t_out - f_out)
-        floor_write += sectors * SECTOR * t_out
-        layouts.append(dict(state=s["name"], block_rows=br, block_bytes=bbytes, blocks=blocks,
-                            touched_in=touched_in, touched_out=touched_out))
+        # The pages the moved rows touch, without the gaps read to join requests: the floor of page I/O.
+        page_bytes = io["pages"] * SECTOR
+        floor_read += page_bytes * (io["touched_in"] + io["touched_out"] - io["covered_out"])
+        floor_write += page_bytes * io["touched_out"]
+        layouts.append(dict(state=s["name"], block_rows=br, block_bytes=bbytes, blocks=blocks, pages=io["pages"],
+                            touched_in=io["touched_in"], touched_out=io["touched_out"],
+                            covered_out=io["covered_out"], read=io["read"], write=io["write"]))
     staging = (moved_in + moved_out) * row
     # version counters of the rows kept in GPU memory (--hbm-share) stay on the host too
     host_rank = nvme_host + VERSION_BYTES * nstates * (cq - n_rows) + staging

@@ -17,7 +17,7 @@ from .functional import CrossEntropyOutput, check_filter_threshold
 from .margins import ArcFace, Margin
 from .optim import RowOptimizer, make_row_optimizer
 from .partition import Partition
-from .sampling import remap_labels, sample_active
+from .sampling import activation_budget, remap_labels, sample_active
 from .softmax import (BACKENDS, check_block_bytes, default_compute_dtype, margin_softmax_cross_entropy,
                       resolve_backend)
 
@@ -227,11 +227,18 @@ class PartialFC(nn.Module):
         # function of the seed and the global row) do not depend on the world size.
         start = self.class_start * sub_centers
         self.bank = factory(self.num_rows, self.device, class_start=start, **owner)
+        specs = [(name, embedding_size if width == "d" else width, dtype if state_dtype == torch.float32
+                  else state_dtype) for name, width, state_dtype in row_optimizer.state_specs]
+        if isinstance(self.bank, TieredBank):
+            # Before any file exists; with the largest shard, so that every rank decides alike.
+            largest = self.partition.bounds(0)[1] - self.partition.bounds(0)[0]
+            self.bank.check_nvme_tier([("weight", embedding_size, dtype), *specs],
+                                      activation_budget(largest, self.sample_rate) * sub_centers,
+                                      num_rows=largest * sub_centers)
         self.bank.add_state("weight", embedding_size, dtype, init=lambda lo, hi: initial_centers(
             seed, start + lo, hi - lo, embedding_size, init_std, device=self.device))
-        for name, width, state_dtype in row_optimizer.state_specs:
-            width = embedding_size if width == "d" else width
-            self.bank.add_state(name, width, dtype if state_dtype == torch.float32 else state_dtype)
+        for name, width, state_dtype in specs:
+            self.bank.add_state(name, width, state_dtype)
         # Tiered banks stage rows into slots and can prefetch the next step's rows.
         self._stager = None
         if isinstance(self.bank, TieredBank):
