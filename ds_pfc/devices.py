@@ -19,6 +19,9 @@
   finds the CPUs of the GPU's NUMA node, :func:`place_host_table` asks for huge pages
   and touches every page first from those CPUs, so that the kernel's default
   first-touch policy allocates them on that node.
+- Half-precision products on a CPU run at speed only with the CPU's bf16/fp16
+  instructions (:func:`cpu_native_half`); elsewhere torch emulates them, many times
+  slower than float32, and the head warns.
 """
 from __future__ import annotations
 
@@ -182,3 +185,24 @@ def place_host_table(table: torch.Tensor, cpus: set[int] | None = None, huge_pag
     if errors:
         raise errors[0]
     return done
+
+
+_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_native_half(dtype: torch.dtype, cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU has instructions for ``dtype`` products (bf16: AVX512-BF16 or AMX-BF16;
+    fp16: AVX512-FP16 or AMX-FP16), read from ``cpuinfo``'s flags; None when unknown (no
+    such file, another platform); True for other dtypes."""
+    flags = _HALF_FLAGS.get(dtype)
+    if flags is None:
+        return True
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return any(flag in have for flag in flags)
+    except OSError:
+        return None
+    return None

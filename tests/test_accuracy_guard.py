@@ -32,3 +32,35 @@ def test_guard_config_reaches_recorded_accuracy_and_loss():
     assert res["checks"]["accuracy"]["tolerance"] < 0.1, "the record's accuracy spread is too wide to guard"
     per_seed = ", ".join(f"{r['seed']}: acc {r['accuracy']:.3f} loss {r['final_loss']:.2f}" for r in res["runs"])
     assert res["passed"], f"{accuracy.format_verdict(res)}\nper seed: {per_seed}"
+
+
+@pytest.mark.slow
+def test_compact_bank_storage_costs_no_accuracy():
+    """bf16 centers with an 8-bit momentum (a float32 scale per row) on the device bank,
+    1,540 bytes per class at d = 512 instead of 4,096: four seeds of the guard config,
+    judged against the float32 record by the same rule (their rounding must not move the
+    final loss or lower the accuracy beyond the seed-to-seed spread)."""
+    res = accuracy.guard_check(jobs=2, seeds=range(4), storage="bf16-int8m")
+    per_seed = ", ".join(f"{r['seed']}: acc {r['accuracy']:.3f} loss {r['final_loss']:.2f}" for r in res["runs"])
+    assert res["passed"], f"{accuracy.format_verdict(res)}\nper seed: {per_seed}"
+
+
+@pytest.mark.parametrize("storage", accuracy.STORAGES)
+def test_storage_variants_build_the_bank_they_name(storage):
+    import torch
+    from ds_pfc.app.config import split_config
+    job = accuracy.with_storage(accuracy.job_config("guard"), storage)
+    _, pfc = split_config(job)
+    head = pfc.head.build()
+    try:
+        if storage == "fp32":
+            assert pfc.head.bank.is_default()
+            return
+        assert head.bank.store("weight").dtype == torch.bfloat16
+        momentum = head.bank.store("momentum_buffer")
+        assert (type(momentum).__name__, getattr(momentum, "dtype", None)) == (
+            ("RowwiseInt8Store", momentum.dtype) if storage == "bf16-int8m" else ("DeviceStore", torch.bfloat16))
+    finally:
+        head.close()
+    with pytest.raises(ValueError, match="storage must be one of"):
+        accuracy.with_storage(job, "int4")

@@ -229,3 +229,31 @@ def test_a_host_table_is_touched_from_the_given_cpus_only():
     assert seen["cpus"] == {cpu} and done["cpus"] == 1
     assert os.sched_getaffinity(0) == before        # the caller's own CPUs are untouched
     assert isinstance(done["huge_pages"], bool)
+
+
+def test_cpu_native_half_reads_the_cpu_flags(tmp_path):
+    from ds_pfc.devices import cpu_native_half
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu avx2\n")
+    sapphire = tmp_path / "spr"
+    sapphire.write_text("processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert cpu_native_half(torch.bfloat16, str(avx2)) is False
+    assert cpu_native_half(torch.float16, str(avx2)) is False
+    assert cpu_native_half(torch.bfloat16, str(sapphire)) is True
+    assert cpu_native_half(torch.float16, str(sapphire)) is False       # no avx512_fp16 / amx_fp16
+    assert cpu_native_half(torch.float32, str(avx2)) is True
+    assert cpu_native_half(torch.bfloat16, str(tmp_path / "missing")) is None
+
+
+def test_head_warns_of_emulated_half_products_on_a_cpu(monkeypatch):
+    import warnings
+    from ds_pfc import PartialFC
+    from ds_pfc.core import head as head_module
+    monkeypatch.setattr(head_module, "cpu_native_half", lambda dtype: False)
+    with pytest.warns(UserWarning, match=r"compute_dtype=torch.bfloat16 on a CPU without .* emulates"):
+        PartialFC(50, 8, compute_dtype=torch.bfloat16, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PartialFC(50, 8, device="cpu")                                   # float32: nothing to say
+        monkeypatch.setattr(head_module, "cpu_native_half", lambda dtype: True)
+        PartialFC(50, 8, compute_dtype=torch.bfloat16, device="cpu")     # native bf16: nothing either

@@ -40,7 +40,7 @@ import time
 
 from . import machine_info, versions
 
-__all__ = ["CONFIGS", "job_config", "seeded", "run_seed", "run_seeds", "mean_std", "guard_check", "guard_verdict",
+__all__ = ["CONFIGS", "STORAGES", "job_config", "with_storage", "seeded", "run_seed", "run_seeds", "mean_std", "guard_check", "guard_verdict",
            "load_guard_record", "main"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -139,6 +139,28 @@ def mean_std(values) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+#: Bank storage of the head's state (``--storage``): the config as it is (float32), or the
+#: compact device bank: bf16 weight and moments, or bf16 weight with 8-bit first moments (a
+#: float32 scale per row); the staged rows are float32 in every case.
+STORAGES = ("fp32", "bf16", "bf16-int8m")
+
+
+def with_storage(config: dict, storage: str) -> dict:
+    """``config`` with its head's bank stored as ``storage`` (:data:`STORAGES`)."""
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    config = copy.deepcopy(config)
+    if storage == "fp32":
+        return config
+    head = config["ds_pfc"]["head"]
+    bank = {"default": ["device", "bf16"]}
+    if storage == "bf16-int8m":
+        moment = "exp_avg" if head.get("optimizer", {}).get("type", "sgd") == "adamw" else "momentum_buffer"
+        bank["placements"] = {moment: ["device", "int8_rowwise"]}
+    head["bank"] = bank
+    return config
+
+
 GUARD_RECORD = os.path.join(ROOT, "benchmarks", "results", "accuracy_guard.json")
 GUARD_ENGINE = "main"
 GUARD_SEEDS = tuple(range(6))
@@ -188,12 +210,15 @@ def guard_verdict(runs: list[dict], recorded: list[dict], z: float = GUARD_Z) ->
 
 
 def guard_check(*, record: str = GUARD_RECORD, engine: str = GUARD_ENGINE, seeds=GUARD_SEEDS,
-                root: str = ROOT, jobs: int = 2, z: float = GUARD_Z, log=None) -> dict:
+                root: str = ROOT, jobs: int = 2, z: float = GUARD_Z, storage: str = "fp32", log=None) -> dict:
     """Train the ``guard`` config for ``seeds`` with the engine under ``root`` and judge
-    the runs against the ``engine`` entry of ``record`` (:func:`guard_verdict`)."""
+    the runs against the ``engine`` entry of ``record`` (:func:`guard_verdict`).
+    ``storage``: the head's bank storage of these runs (:data:`STORAGES`); the record is
+    float32, so a compact storage is judged by what it costs against it."""
     data, recorded = load_guard_record(record, engine)
-    runs = run_seeds(data["config"], list(seeds), root=root, threads=data.get("threads", 1), jobs=jobs, log=log)
-    return dict(guard_verdict(runs, recorded, z), runs=runs)
+    runs = run_seeds(with_storage(data["config"], storage), list(seeds), root=root, threads=data.get("threads", 1),
+                     jobs=jobs, log=log)
+    return dict(guard_verdict(runs, recorded, z), runs=runs, storage=storage)
 
 
 def format_verdict(res: dict) -> str:
@@ -223,6 +248,9 @@ def main(argv=None) -> int:
     p.add_argument("--label", default=None, help="name of this engine in the results file (default: its commit)")
     p.add_argument("--note", default=None, help="a remark recorded with this engine's runs")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--storage", choices=STORAGES, default="fp32",
+                   help="the head's bank storage: fp32 (the config as it is), bf16 (weight and moments), "
+                        "bf16-int8m (bf16 weight, 8-bit first moment); recorded with the engine's runs")
     p.add_argument("--out", default=None, help="JSON results file; runs are added under --label")
     p.add_argument("--guard", action="store_true",
                    help=f"instead: the regression guard (seeds {GUARD_SEEDS[0]}-{GUARD_SEEDS[-1]} of the guard config, "
@@ -230,7 +258,7 @@ def main(argv=None) -> int:
                         "exit status 1 when it fails")
     args = p.parse_args(argv)
     if args.guard:
-        res = guard_check(root=os.path.abspath(args.root), log=lambda s: print(s, flush=True))
+        res = guard_check(root=os.path.abspath(args.root), storage=args.storage, log=lambda s: print(s, flush=True))
         print(format_verdict(res), flush=True)
         return 0 if res["passed"] else 1
     if "-" in args.seeds:
@@ -248,14 +276,19 @@ def main(argv=None) -> int:
             data = json.load(f)
         if data.get("config_name") != args.config or data.get("config") != config:
             raise SystemExit(f"{args.out} holds runs of another config; use another --out")
-    print(f"{args.config}: {len(seeds)} seed(s) with the engine at {root} ({label}), {args.threads} thread(s)",
-          flush=True)
-    runs = run_seeds(config, seeds, root=root, threads=args.threads, log=lambda s: print(s, flush=True))
+    print(f"{args.config}: {len(seeds)} seed(s) with the engine at {root} ({label}), {args.storage} bank storage, "
+          f"{args.threads} thread(s)", flush=True)
+    runs = run_seeds(with_storage(config, args.storage), seeds, root=root, threads=args.threads,
+                     log=lambda s: print(s, flush=True))
     mean, std = mean_std(r["accuracy"] for r in runs)
     print(f"{label}: held-out accuracy {mean:.4f} +- {std:.4f} over {len(runs)} seeds", flush=True)
     if args.out:
         engines = data.setdefault("engines", {})
         entry = engines.setdefault(label, {"commit": commit, "runs": []})
+        if entry.get("storage", "fp32") != args.storage and entry["runs"]:
+            raise SystemExit(f"{args.out}: engine {label!r} holds runs with storage {entry.get('storage', 'fp32')!r}; "
+                             "use another --label")
+        entry["storage"] = args.storage
         done = {r["seed"] for r in runs}
         entry["runs"] = sorted([r for r in entry["runs"] if r["seed"] not in done] + runs, key=lambda r: r["seed"])
         entry["mean"], entry["std"] = mean_std(r["accuracy"] for r in entry["runs"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
 from typing import Callable
 
@@ -12,7 +13,7 @@ from . import collectives
 from .._checks import batch_probe, check_batch_table, check_embeddings, check_labels, check_peers
 from ..bank import ClassBank, DeviceBank, TieredBank, initial_centers
 from ..bank.slots import SlotBank, Stager, merge_slots
-from ..devices import collective_device, head_device
+from ..devices import collective_device, cpu_native_half, head_device
 from .functional import CrossEntropyOutput, check_filter_threshold
 from .margins import ArcFace, Margin
 from .optim import RowOptimizer, make_row_optimizer
@@ -192,6 +193,11 @@ class PartialFC(nn.Module):
         self.batch_world_size = self.world_size if self._layout is None else self._layout.batch_world
         self.batch_rank = self.rank if self._layout is None else self._layout.batch_rank
 
+        if self.device.type == "cpu" and compute_dtype in (torch.bfloat16, torch.float16) \
+                and cpu_native_half(compute_dtype) is False:
+            warnings.warn(f"compute_dtype={compute_dtype} on a CPU without {compute_dtype} instructions: torch "
+                          f"emulates these products, tens of times slower than float32; pass "
+                          f"compute_dtype=torch.float32 (the default off CUDA)", stacklevel=2)
         self.num_classes, self.embedding_size = num_classes, embedding_size
         self.sample_rate = float(sample_rate)
         self.margin, self.filter_threshold = margin, filter_threshold
