@@ -22,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="op counts for the model check from 'launch/bench.py head --predict' of the same case "
                         "(saves the minutes of counting on this machine's CPU)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>-<date>.json)")
+    p.add_argument("--timing", action="store_true",
+                   help="only the timing work, a few minutes on a GPU: step times at d = 512/256/128 with "
+                        "validate on and off and as a CUDA graph, kernel times, topk and the sampler, the model "
+                        "check; one JSON, benchmarks/results/timing-<gpu>-<date>.json")
+    p.add_argument("--no-model", action="store_true", help="with --timing: skip the model check")
+    p.add_argument("--dry", action="store_true", help="with --timing: print what would be measured and stop")
     return p
 
 
@@ -41,6 +47,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     gpu = torch.cuda.get_device_name(device) if cuda else None
+    if args.timing or args.dry or args.no_model:
+        return _timing(args, device, gpu, stamp)
     if cuda:
         print(f"ds_pfc self-check on {gpu} ({torch.cuda.device_count()} GPU(s)), torch {torch.__version__}, "
               f"CUDA {torch.version.cuda}")
@@ -65,6 +73,28 @@ def main(argv=None) -> int:
     print(f"{sum(r['status'] == 'pass' for r in rows)} passed, {len(failed)} failed, "
           f"{sum(r['status'] == 'skipped' for r in rows)} skipped")
     return 1 if failed else 0
+
+
+def _timing(args, device, gpu, stamp) -> int:
+    from ..bench.selfcheck import ROOT
+    from ..bench.timing import plan, run_timing
+    if not args.timing:
+        raise SystemExit("--dry and --no-model go with --timing")
+    what = plan(device)
+    print(f"timing on {device}: case {what['case']}, backend {what['backend']}")
+    for m in what["modes"]:
+        print(f"  step d={m['dim']} validate={m['validate']} graph={m['graph']}")
+    print("  topk, sort and the sampler at the case's C_q" + ("" if args.no_model else "; the model check"))
+    if args.dry:
+        return 0
+    results = os.path.dirname(os.path.abspath(args.out)) if args.out else os.path.join(ROOT, "benchmarks", "results")
+    path = run_timing(device, results_dir=results, stamp=stamp, gpu=(gpu or "cpu").replace(" ", "_"),
+                      model=not args.no_model)
+    if args.out and os.path.abspath(args.out) != os.path.abspath(path):
+        os.replace(path, args.out)
+        path = args.out
+    print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
