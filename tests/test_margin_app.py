@@ -19,6 +19,7 @@ pytest.importorskip("deepspeed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, EVERY = 90, 30
+SIZE = 40           # pixels: the smallest the backbones' strides take that still learn in 90 steps
 CONFIGS = ["cpu_adaface.json", "cpu_magface.json", "cpu_curricularface.json", "cpu_elastic_arcface.json",
            "cpu_elastic_cosface.json", "cpu_subcenter_arcface.json"]
 STATEFUL = {"cpu_adaface.json", "cpu_curricularface.json", "cpu_elastic_arcface.json"}
@@ -32,8 +33,8 @@ def _small(name, out_dir):
     config["optimizer"]["params"]["lr"] = 0.05
     pfc = config["ds_pfc"]
     pfc["head"]["num_classes"] = 120
-    pfc["backbone"]["options"] = {"image_size": 56}
-    pfc["data"]["synthetic"].update(images_per_identity=8, held_out_identities=60, image_size=56)
+    pfc["backbone"]["options"] = {"image_size": SIZE}
+    pfc["data"]["synthetic"].update(images_per_identity=8, held_out_identities=60, image_size=SIZE)
     pfc["train"].update(epochs=100.0, max_steps=STEPS, log_every=15, output_dir=out_dir)
     pfc["evaluation"].update(synthetic_pairs=400)
     pfc["checkpoint"].update(every_steps=EVERY, keep=3, export=False)

@@ -5,6 +5,8 @@ References used here, all independent of ``ds_pfc.core.sampling``:
   decimal ``r`` the user wrote;
 - the documented draw written again with Python integers (splitmix64 mod 2**64, the
   positives first, then the negatives by decreasing key), for exact sets;
+- the selection of the largest keys against a Python sort of (key, id) pairs and
+  against ``torch.topk`` + ``torch.sort``;
 - uniformity without replacement by counting: per-class inclusion frequencies and,
   for tiny pools, the frequency of every k-subset, judged by a chi-square statistic
   computed here (Wilson-Hilferty normal approximation; no scipy on this machine).
@@ -23,7 +25,8 @@ import torch
 
 from ds_pfc import ArcFace, PartialFC
 from ds_pfc.bench.counting import OpCounter
-from ds_pfc.core.sampling import remap_labels, sample_active
+from ds_pfc.core.sampling import (POSITIVE_KEY, _bucket_capacity, _largest_ids, activation_budget, class_keys,
+                                 remap_labels, sample_active)
 
 # A chi-square statistic is accepted while its Wilson-Hilferty z-score stays below
 # this (one-sided p ~ 1e-6). Deterministic seeds: no flakiness, only a margin.
@@ -360,3 +363,179 @@ def test_key_kernel_matches_the_torch_keys_bit_for_bit(num_local, seed, step, ra
     assert counter.by_op["triton:_keys_kernel"] == 2
     assert torch.equal(got_int, expected) and torch.equal(got_t, expected)
     assert int(expected.min()) >= 0 and int(expected.max()) < 2 ** 62
+
+
+# ---------------------------------------------------------------- the selection of the largest keys
+def largest_reference(keys: torch.Tensor, k: int) -> list[int]:
+    """Ascending ids of the k largest keys, ties to the smaller id: a Python sort of (key, id)."""
+    values = keys.tolist()
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+    return sorted(order[:k])
+
+
+def topk_reference(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """topk, then a sort of the ids (with no tie at the boundary, the set of the k largest)."""
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.sort(torch.topk(keys, k, sorted=False).indices).values
+
+
+BUCKET = 1 << 48            # keys sharing key >> 48 share a histogram bucket
+
+
+def _key_vectors():
+    """(name, keys) with every shape the selection meets: uniform keys, ties of every
+    width, one crowded bucket, positives, extremes and bucket edges, odd lengths."""
+    gen = torch.Generator().manual_seed(7)
+
+    def uniform(n):
+        return torch.randint(0, POSITIVE_KEY, (n,), generator=gen)
+
+    cases = []
+    for n in (1, 2, 3, 5, 64, 1021, 4093):
+        cases.append((f"uniform-{n}", uniform(n)))
+    for n in (1, 2, 7, 1000):
+        cases.append((f"all-zero-{n}", torch.zeros(n, dtype=torch.int64)))
+        cases.append((f"all-positive-{n}", torch.full((n,), POSITIVE_KEY)))
+        cases.append((f"all-equal-{n}", torch.full((n,), 12345 * BUCKET + 42)))
+    # one bucket, keys differing only in their low bits (many ties among them too)
+    cases.append(("one-bucket-low-bits", 5 * BUCKET + torch.randint(0, 50, (4001,), generator=gen)))
+    cases.append(("one-bucket-distinct", 9 * BUCKET + torch.randperm(3001, generator=gen)))
+    # two neighbouring buckets and their edges
+    edges = torch.tensor([BUCKET - 1, BUCKET, BUCKET + 1, 2 * BUCKET - 1, 0, POSITIVE_KEY - 1, POSITIVE_KEY])
+    cases.append(("bucket-edges", edges[torch.randint(0, edges.numel(), (999,), generator=gen)]))
+    # positives (tied at POSITIVE_KEY) among uniform keys; a crowded bucket below them
+    keys = uniform(2047)
+    keys[torch.randint(0, 2047, (300,), generator=gen)] = POSITIVE_KEY
+    cases.append(("positives", keys))
+    keys = uniform(3333)
+    keys[::3] = POSITIVE_KEY - 1 - torch.randint(0, 4, (1111,), generator=gen)
+    keys[::7] = POSITIVE_KEY
+    cases.append(("positives-over-a-crowded-bucket", keys))
+    return cases
+
+
+KEY_VECTORS = _key_vectors()
+
+
+@pytest.mark.parametrize("name,keys", KEY_VECTORS, ids=[c[0] for c in KEY_VECTORS])
+def test_largest_ids_equals_a_sort_of_key_id_pairs(name, keys):
+    n = keys.numel()
+    gen = torch.Generator().manual_seed(n)
+    sizes = {0, 1, n // 2, n - 1, n} | set(torch.randint(0, n + 1, (6,), generator=gen).tolist())
+    for k in sorted(s for s in sizes if 0 <= s <= n):
+        got = _largest_ids(keys, k)
+        assert got.dtype == torch.int64 and got.shape == (k,)
+        assert got.tolist() == largest_reference(keys, k), (name, k)
+        sorted_keys = torch.sort(keys, descending=True).values
+        if 0 < k < n and sorted_keys[k - 1] != sorted_keys[k]:
+            # the k largest are unique: topk + sort, whatever its tie rule, gives the same set
+            assert torch.equal(got, topk_reference(keys, k)), (name, k)
+
+
+@pytest.mark.parametrize("n", [4097, 65_537, 300_007])
+def test_largest_ids_equals_topk_on_uniform_keys_past_the_minimum_capacity(n):
+    """Past 4096 keys the boundary bucket is sorted within its capacity; uniform keys stay
+    far below it."""
+    gen = torch.Generator().manual_seed(n)
+    keys = torch.randint(0, POSITIVE_KEY, (n,), generator=gen)
+    keys[torch.randint(0, n, (500,), generator=gen)] = POSITIVE_KEY
+    num_pos = int((keys == POSITIVE_KEY).sum())
+    for k in sorted(k for k in {num_pos, num_pos + 1, n // 10, n // 2, n - 1} if k >= num_pos):
+        assert torch.equal(_largest_ids(keys, k), topk_reference(keys, k)), k
+    for k in (1, num_pos // 2):       # a split of the tied positives: the smaller ids first
+        assert torch.equal(_largest_ids(keys, k), torch.nonzero(keys == POSITIVE_KEY).squeeze(1)[:k])
+
+
+def test_largest_ids_takes_a_crowded_bucket_whole_or_refuses():
+    """A bucket above its capacity is fine above the boundary, or as the boundary when it
+    is taken whole (the positives' bucket when exactly the positives are drawn); as a
+    boundary split in two it fails loudly rather than return another set."""
+    n = 20_000
+    crowd = _bucket_capacity(n) + 1000
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randint(0, POSITIVE_KEY, (n,), generator=gen)
+    keys[:crowd] = POSITIVE_KEY
+    for k in (crowd, crowd + 1, crowd + 777):
+        assert _largest_ids(keys, k).tolist() == largest_reference(keys, k), k
+    keys[crowd:] = torch.randint(0, 1 << 40, (n - crowd,), generator=gen)       # all in bucket 0
+    assert _largest_ids(keys, crowd).tolist() == list(range(crowd))
+    assert _largest_ids(keys, n).tolist() == list(range(n))
+    with pytest.raises(RuntimeError, match="boundary bucket"):
+        _largest_ids(keys, crowd + 1)
+
+
+def test_largest_ids_names_bad_arguments():
+    keys = torch.arange(10)
+    with pytest.raises(ValueError, match="size"):
+        _largest_ids(keys, 11)
+    with pytest.raises(ValueError, match="size"):
+        _largest_ids(keys, -1)
+    with pytest.raises(ValueError, match="keys"):
+        _largest_ids(keys.int(), 3)
+    with pytest.raises(ValueError, match="keys"):
+        _largest_ids(keys.view(2, 5), 3)
+
+
+def topk_draw(labels, num_local, rate, seed, step, rank):
+    """The documented draw with topk + sort as the selection: the keys, the positives' keys
+    overwritten, the size read from the device below N labels."""
+    keys = class_keys(num_local, seed, step, rank, spare=1)
+    owned = labels.reshape(-1).long()
+    owned = torch.where(owned >= 0, owned, torch.full_like(owned, num_local))
+    keys.index_fill_(0, owned, POSITIVE_KEY)
+    keys = keys[:num_local]
+    size = activation_budget(num_local, rate)
+    if size < owned.numel():
+        size = max(size, int((keys == POSITIVE_KEY).sum()))
+    return topk_reference(keys, size)
+
+
+@pytest.mark.parametrize("num_local,rate,num_labels", [
+    (1021, 0.1, 37),
+    (4099, 0.25, 200),
+    (65_537, 0.1, 512),
+    (300_007, 0.1, 1024),
+    (300_007, 0.01, 1024),
+    (1021, 0.01, 64),        # budget 10 < 64 labels: the size is read from the device
+    (65_537, 0.001, 512),    # budget 65 < 512 labels
+])
+def test_sample_active_equals_the_topk_draw(num_local, rate, num_labels):
+    gen = torch.Generator().manual_seed(num_local + num_labels)
+    for seed, step, rank in ((0, 0, 0), (5, 1, 3), (2 ** 40 + 1, 2 ** 33, 7)):
+        labels = torch.randint(-1, num_local, (num_labels,), generator=gen)
+        labels[: num_labels // 4] = labels[num_labels // 4: 2 * (num_labels // 4)]    # repeats
+        labels[::9] = -1                                                           # another rank's
+        expected = topk_draw(labels, num_local, rate, seed, step, rank)
+        got = sample_active(labels, num_local, rate, seed=seed, step=step, rank=rank)
+        assert torch.equal(got, expected), (seed, step, rank)
+        got_t = sample_active(labels, num_local, rate, seed=seed, step=torch.tensor(step), rank=rank)
+        assert torch.equal(got_t, expected)
+
+
+def test_sample_active_draws_exactly_many_positives_past_the_bucket_capacity():
+    """b_q = N = |P_q| > the capacity of a bucket: the positives' bucket is the boundary and
+    is taken whole, with no sync."""
+    num_local = 50_000
+    labels = torch.randperm(num_local, generator=torch.Generator().manual_seed(0))[:5000]
+    assert 5000 > _bucket_capacity(num_local)
+    with OpCounter() as c:
+        active = sample_active(labels, num_local, 0.1, seed=1, step=torch.tensor(2), rank=0)
+    assert c.syncs == 0, c.sync_ops
+    assert torch.equal(active, torch.sort(labels).values)
+
+
+@pytest.mark.parametrize("num_local", [1000, 100_003])
+def test_selection_needs_no_host_sync(num_local):
+    """The selection reads no device value: the boundary bucket, its count and the ranks
+    stay on the device, every shape is fixed by the host's size."""
+    gen = torch.Generator().manual_seed(2)
+    keys = class_keys(num_local, 3, torch.tensor(4), 0)
+    labels = torch.randint(-1, num_local, (min(256, num_local // 10),), generator=gen)   # budget >= N
+    with OpCounter() as c:
+        ids = _largest_ids(keys, num_local // 10)
+        active = sample_active(labels, num_local, 0.1, seed=3, step=torch.tensor(4), rank=0)
+    assert c.syncs == 0, c.sync_ops
+    assert "topk" not in c.by_op and "nonzero" not in c.by_op
+    assert torch.equal(ids, topk_reference(keys, num_local // 10))
+    assert torch.equal(active, topk_draw(labels, num_local, 0.1, 3, 4, 0))
