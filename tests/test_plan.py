@@ -257,12 +257,12 @@ def _closed_form(which: str, p: dict) -> float:
         return p["step_ms"] / 1e3 * p["host_gbps"] * 1e9 / ((r * (1 - r) + r) * row)
     if which == "GPU memory":
         # device tier per GPU: bank row + 2 float32 slots (2 x 8 d B per row) + float32 gradient (4 d)
-        # + normalised bf16 centers and norms (2 d + 4) per active row + 16 B sampler keys, per
+        # + normalised bf16 centers and norms (2 d + 4) per active row + 14 B sampler keys, per
         # class of the rank; fixed: the backbone (16 B/param + 128 x activations), the G block
         # (256 MiB) and 3 x N x d float32 embeddings; 3 GB reserve.
         bb = BACKBONES["r100"]
         fixed = bb["params"] * 16 + 128 * bb["saved_bytes_batch2"] / 2 + (1 << 28) + 3 * 128 * k * d * 4
-        per_class = row + r * (2 * 8 * d + 4 * d + 2 * d + 4) + 16
+        per_class = row + r * (2 * 8 * d + 4 * d + 2 * d + 4) + 14
         return k * (77e9 - fixed) / per_class
     raise KeyError(which)
 

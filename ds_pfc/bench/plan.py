@@ -75,7 +75,7 @@ BACKBONES = {
 BACKBONE_BYTES_PER_PARAM = {"sgd": 16, "adamw": 20}
 
 HOST_TOUCHES = {"host": 1.0, "host-cpu": 3.5}   # host-memory bytes per byte moved (assumed)
-SAMPLER_BYTES_PER_CLASS = 16                     # int64 keys + topk scratch (core/sampling.py)
+SAMPLER_BYTES_PER_CLASS = 14   # int64 keys, int32 buckets and two byte masks of the select (core/sampling.py)
 VERSION_BYTES = 8   # per row and state: the bank's int32 "issued" and the store's int32 "versions"
 NVME_VERSION_BYTES = 12   # the NVMe store keeps int64 versions, the bank int32 "issued"
 
