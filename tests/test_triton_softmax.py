@@ -241,6 +241,18 @@ def test_gradient_in_several_blocks(compute_dtype):
            seed=21, block_bytes=16 * 37 * item)
 
 
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_large_batch_splits_the_samples(compute_dtype):
+    # N = 200 over samples_per_split (64 here: the interpreter's) runs the G and dW kernels in 4
+    # sample splits, the last ragged, in 3 class blocks: their partial rho and dW must add up.
+    if not ts._INTERPRET:
+        pytest.skip("the GPU's split is 4096 samples: the interpreter runs the small one")
+    assert 2 * ts.samples_per_split(compute_dtype) < 200 < 4 * ts.samples_per_split(compute_dtype)
+    item = torch.empty((), dtype=compute_dtype).element_size()
+    _check(200, 129, 40, scale=64.0, threshold=0.2, compute_dtype=compute_dtype, want_max_cos=False,
+           seed=30, block_bytes=48 * 200 * item)
+
+
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
 def test_reduced_precision_and_strided_centers(w_dtype):
     """Centers stored in bf16/fp16 and with a row stride (a view into a wider table) are taken as
@@ -406,7 +418,8 @@ _COMPILE_SM90 = textwrap.dedent("""
     def compile_sm90(name, dtype, **flags):
         kernel = KERNELS[name]
         a, b, k, num_warps, num_stages = K.tile_config(name, DTYPES[dtype], interpret=False)
-        values = dict(flags, UPCAST=False, PRECISION="ieee", COMPUTE=K._TL_DTYPES[DTYPES[dtype]])
+        values = dict(flags, UPCAST=False, PRECISION="ieee", COMPUTE=K._TL_DTYPES[DTYPES[dtype]],
+                      SPLIT_N=K.samples_per_split(DTYPES[dtype], interpret=False))
         for key, v in zip(BLOCKS[name], (a, b, k)):
             if key:
                 values[key] = v

@@ -97,6 +97,20 @@ _INTERPRET_TILES = {"lse": (16, 16, 16, 1, 1), "lse_max": (16, 16, 16, 1, 1), "g
 # count of the interpreter (small, so that CPU tests still exercise several splits).
 _WAVES = 4
 _INTERPRET_SMS = 2
+# Samples per split of the backward kernels (G and dW): above it they also split the samples
+# over programs, so that a large batch with few active classes per rank (e.g. N = 24,576 at a
+# few thousand classes per class block) still fills the GPU. A function of N alone, so results
+# do not depend on the GPU's SM count; a multiple of the G kernel's two sample tiles and of the
+# dW kernel's K step in every tile row. Under the interpreter: small, so that tests split.
+SAMPLES_PER_SPLIT = 4096
+_INTERPRET_SAMPLES_PER_SPLIT = 64
+
+
+def samples_per_split(compute_dtype: torch.dtype, interpret: bool | None = None) -> int:
+    """Samples each program of the G and dW kernels covers (see :data:`SAMPLES_PER_SPLIT`)."""
+    if interpret if interpret is not None else (_INTERPRET and not _target.active()):
+        return _INTERPRET_SAMPLES_PER_SPLIT
+    return SAMPLES_PER_SPLIT
 
 
 def tile_config(kernel: str, compute_dtype: torch.dtype, interpret: bool | None = None):
@@ -373,26 +387,38 @@ def _g_kernel(x_ptr, w_ptr, tgt_ptr, coef_ptr, row_max_ptr, g_ptr, rho_ptr,
               N, S, d, scale, threshold,
               HAS_THRESHOLD: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
               PRECISION: tl.constexpr,
-              BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Grid (class tiles,): ``G^T`` rows of one class tile over every sample, class-major
-    ``[S, N]`` in COMPUTE, and ``rho = sum_n G^T cos`` per class (float32). ``coef`` is already
-    divided by the block's scale ``c``; ``w_ptr`` points at the block's first center. Samples go
-    two ``BLOCK_N`` tiles at a time, sharing each loaded class K-slice."""
+              BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_N: tl.constexpr):
+    """Grid (class tiles, sample splits): ``G^T`` rows of one class tile over the split's
+    ``SPLIT_N`` samples (a multiple of ``2 BLOCK_N``), class-major ``[S, N]`` in COMPUTE,
+    and the split's part of ``rho = sum_n G^T cos`` per class (float32, row ``split`` of
+    ``rho_ptr``'s ``[splits, S]``). ``coef`` is already divided by the block's scale ``c``;
+    ``w_ptr`` points at the block's first center. Samples go two ``BLOCK_N`` tiles at a time,
+    sharing each loaded class K-slice."""
     cols = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     col_ok = cols < S
+    # The split's samples as a batch of their own (pointers moved to its first sample; G keeps
+    # its row stride N), so that the loop is the unsplit kernel's. SPLIT_N is a constexpr, so
+    # the moved pointers keep their alignment.
+    n_lo = tl.program_id(1) * SPLIT_N
+    n_here = tl.minimum(N - n_lo, SPLIT_N)
+    x_ptr += n_lo.to(tl.int64) * d
+    tgt_ptr += n_lo
+    coef_ptr += n_lo
+    row_max_ptr += n_lo
+    g_ptr += n_lo
     rho = tl.zeros([BLOCK_S], tl.float32)
-    for n0 in range(0, N, 2 * BLOCK_N):
+    for n0 in range(0, n_here, 2 * BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
+        row_ok = rows < n_here
         rows2 = rows + BLOCK_N
-        row2_ok = rows2 < N
+        row2_ok = rows2 < n_here
         cos_t, cos_t2 = _cos_tile2(w_ptr, x_ptr, cols, col_ok, rows, row_ok, rows2, row2_ok, d,
                                    BLOCK_S, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
         rho += _g_part(cos_t, cols, col_ok, rows, row_ok, tgt_ptr, coef_ptr, row_max_ptr, g_ptr, N, scale,
                        threshold, HAS_THRESHOLD, COMPUTE, UPCAST)
         rho += _g_part(cos_t2, cols, col_ok, rows2, row2_ok, tgt_ptr, coef_ptr, row_max_ptr, g_ptr, N, scale,
                        threshold, HAS_THRESHOLD, COMPUTE, UPCAST)
-    tl.store(rho_ptr + cols, rho, mask=col_ok)
+    tl.store(rho_ptr + tl.program_id(1).to(tl.int64) * S + cols, rho, mask=col_ok)
 
 
 @triton.jit
@@ -408,20 +434,25 @@ def _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw
 @triton.jit
 def _dw_kernel(g_ptr, x_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr, dw_ptr,
                N, S, d, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Grid (class tiles, quads of dim tiles): ``dw = c * w_inv * (G^T x_hat - w_hat rho)``.
+               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_N: tl.constexpr):
+    """Grid (class tiles, quads of dim tiles, sample splits): ``dw = c * w_inv * (G^T x_hat -
+    w_hat rho)``, each sample split's part into its own ``[S, d]`` of ``dw_ptr`` (the first
+    split carries the ``w_hat rho`` term; the parts sum to ``dw``).
 
-    The GEMM's K runs over the samples, and each loaded G slice serves four ``BLOCK_D`` dim
-    tiles. The epilogue applies the derivative of the normalisation ``w_hat = w * w_inv`` (the
-    tangent projection, with the float32 ``w_hat``)."""
+    The GEMM's K runs over the split's ``SPLIT_N`` samples (a multiple of ``BLOCK_K``), and
+    each loaded G slice serves four ``BLOCK_D`` dim tiles. The epilogue applies the derivative
+    of the normalisation ``w_hat = w * w_inv`` (the tangent projection, with the float32
+    ``w_hat``)."""
     cols = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     col_ok = cols < S
     d0 = tl.program_id(1) * 4 * BLOCK_D + tl.arange(0, BLOCK_D)
+    split = tl.program_id(2)
+    n_lo = split * SPLIT_N
     acc0 = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     acc1 = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     acc2 = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     acc3 = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
-    for n0 in range(0, N, BLOCK_K):
+    for n0 in range(n_lo, tl.minimum(N, n_lo + SPLIT_N), BLOCK_K):
         rows = n0 + tl.arange(0, BLOCK_K)
         row_ok = rows < N
         g = _dot_operand(tl.load(g_ptr + cols.to(tl.int64)[:, None] * N + rows[None, :],
@@ -440,8 +471,9 @@ def _dw_kernel(g_ptr, x_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr,
         x = tl.load(x_off + dims[None, :], mask=row_ok[:, None] & (dims < d)[None, :], other=0.0)
         acc3 = tl.dot(g, _dot_operand(x, UPCAST), acc3, input_precision=PRECISION)
     inv = tl.load(inv_ptr + cols, mask=col_ok, other=0.0)
-    rho = tl.load(rho_ptr + cols, mask=col_ok, other=0.0)
+    rho = tl.load(rho_ptr + cols, mask=col_ok, other=0.0) * (split == 0).to(tl.float32)
     c = tl.load(c_ptr)
+    dw_ptr += split.to(tl.int64) * S * d
     _dw_part(acc0, cols, col_ok, d0, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
     _dw_part(acc1, cols, col_ok, d0 + BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
     _dw_part(acc2, cols, col_ok, d0 + 2 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
@@ -626,25 +658,38 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
     tg = tile_config("g", compute_dtype)
     tw = tile_config("dw", compute_dtype)
     step = block_classes(n, s, compute_dtype, block_bytes)
+    per_split = samples_per_split(compute_dtype)
+    splits = triton.cdiv(n, per_split)
     g_buf = torch.empty(min(step, s), n, dtype=compute_dtype, device=dev)
     rho = torch.empty(s, dtype=torch.float32, device=dev)
     dx_hat = torch.zeros(n, d, dtype=torch.float32, device=dev)
     dw = torch.empty(s, d, dtype=torch.float32, device=dev)
+    # Several sample splits: each writes its part of rho and dw, summed below in a fixed order.
+    rho_parts = torch.empty(splits, min(step, s), dtype=torch.float32, device=dev) if splits > 1 else None
+    dw_parts = torch.empty(splits, min(step, s), d, dtype=torch.float32, device=dev) if splits > 1 else None
     thr = float(threshold if threshold is not None else 0.0)
     with on_device(dev):
         for j in range(0, s, step):
             k = min(s, j + step)
             b = k - j
             g = g_buf[:b]
-            _g_kernel[(triton.cdiv(b, tg[0]),)](
-                xc, w_hat[j:k], target_col - j, coef_rel, row_max, g, rho[j:k],
+            rho_out = rho[j:k] if splits == 1 else rho_parts.view(-1)[:splits * b].view(splits, b)
+            _g_kernel[(triton.cdiv(b, tg[0]), splits)](
+                xc, w_hat[j:k], target_col - j, coef_rel, row_max, g, rho_out,
                 n, b, d, float(scale), thr,
                 HAS_THRESHOLD=threshold is not None, COMPUTE=_TL_DTYPES[compute_dtype], **consts,
-                BLOCK_S=tg[0], BLOCK_N=tg[1], BLOCK_K=tg[2], num_warps=tg[3], num_stages=tg[4])
+                BLOCK_S=tg[0], BLOCK_N=tg[1], BLOCK_K=tg[2], SPLIT_N=per_split, num_warps=tg[3],
+                num_stages=tg[4])
+            if splits > 1:
+                torch.sum(rho_out, 0, out=rho[j:k])
             dx_hat.add_(_gemm_f32(g.t(), w_hat[j:k]))
             w_blk = w[j:k]
-            _dw_kernel[(triton.cdiv(b, tw[0]), triton.cdiv(d, 4 * tw[1]))](
-                g, xc, w_blk, w_blk.stride(0), w_blk.stride(1), w_inv_norm[j:k], rho[j:k], c, dw[j:k],
+            dw_out = dw[j:k] if splits == 1 else dw_parts.view(-1)[:splits * b * d].view(splits, b, d)
+            _dw_kernel[(triton.cdiv(b, tw[0]), triton.cdiv(d, 4 * tw[1]), splits)](
+                g, xc, w_blk, w_blk.stride(0), w_blk.stride(1), w_inv_norm[j:k], rho[j:k], c, dw_out,
                 n, b, d, **consts,
-                BLOCK_S=tw[0], BLOCK_D=tw[1], BLOCK_K=tw[2], num_warps=tw[3], num_stages=tw[4])
+                BLOCK_S=tw[0], BLOCK_D=tw[1], BLOCK_K=tw[2], SPLIT_N=per_split, num_warps=tw[3],
+                num_stages=tw[4])
+            if splits > 1:
+                torch.sum(dw_out, 0, out=dw[j:k])
     return dx_hat.mul_(c), dw
