@@ -361,3 +361,223 @@ def test_selfcheck_reuses_saved_counts_only_for_the_same_case_and_sm_count(tmp_p
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shipped = os.path.join(root, "benchmarks", "results", "predict-h200-d512-s800k-k1.json")
     assert _saved_counts(shipped, case, 132), "the shipped counts no longer match the selfcheck's case"
+
+
+# --------------------------------------------------------------------- the calibrated model
+# The measured H200 step (benchmarks/results/gpu-h200-20261126.json) against the model
+# calibrated by it; the prediction side takes the committed op counts of that case.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+STEP_TOL, KERNEL_TOL = 0.10, 0.15
+
+
+def _load(name):
+    import json
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def _measured_runs(backend):
+    """Per run of the committed measurement: group -> seconds (``step`` included), read directly."""
+    runs = _load("gpu-h200-20261126.json")["model_check"]["runs"]
+    return [{r["kernel"]: r["measured_s"] for r in run[backend]} for run in runs.values()]
+
+
+def _prediction(case, gpu, counts_file):
+    from ds_pfc.bench.selfcheck import _saved_counts
+    counts = _saved_counts(os.path.join(RESULTS, counts_file), case, model.GPUS[gpu]["sms"])
+    assert counts, f"{counts_file} holds no counts of {case}"
+    return model.predict_case(case, gpu, counts=counts, compile_code=False)
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    """(calibration, {backend: roofline prediction of the measured case on the H200})."""
+    from ds_pfc.bench import calibration
+    cal = calibration.load_calibration()
+    case = _load("gpu-h200-20261126.json")["model_check"]["case"]
+    preds = {b: _prediction(dict(case, backend=b), "h200", "predict-h200-d512-s800k-k1.json")
+             for b in ("torch", "triton")}
+    return cal, preds
+
+
+def _off(pred, want):
+    return abs(pred / want - 1)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_calibrated_model_reproduces_the_measured_h200_step(calibrated, backend):
+    from ds_pfc.bench import calibration
+    cal, preds = calibrated
+    cpred = calibration.calibrated_prediction(preds[backend], cal)
+    assert cpred["calibration"]["source"] == "benchmarks/results/gpu-h200-20261126.json"
+    assert cpred["calibration"]["date"] == "2026-11-26" and cpred["calibration"]["estimate"] is False
+    for run in _measured_runs(backend):            # 25.8 and 26.3 ms (triton)
+        assert _off(cpred["step_s"], run["step"]) < STEP_TOL, (cpred["step_s"], run["step"])
+        # The roofline model does not: 18.0 ms against 25.8-26.3 (triton), 58.5 against 68 (torch).
+        assert _off(preds[backend]["step_s"], run["step"]) > STEP_TOL
+    if backend != "triton":
+        return
+    runs = _measured_runs("triton")
+    got = calibration.groups(cpred)
+    for key in runs[0]:
+        want = sum(r[key] for r in runs) / len(runs)
+        assert _off(got[key], want) < KERNEL_TOL, (key, got[key], want)
+    idle = sum(r["step"] - sum(v for k, v in r.items() if k != "step") for r in runs) / len(runs)
+    assert 1.2e-3 < idle < 2.0e-3 and _off(got["idle"], idle) < KERNEL_TOL
+    # Per kernel the roofline is off by more than the tolerance for G, forward, dW and prepare.
+    roof = calibration.groups(preds["triton"])
+    for key in ("triton:_g_kernel", "triton:_lse_kernel", "triton:_dw_kernel", "triton:_prep_kernel"):
+        assert _off(roof[key], sum(r[key] for r in runs) / len(runs)) > KERNEL_TOL, key
+
+
+@pytest.mark.parametrize("term", ["triton:_g_kernel", "triton:_lse_kernel", "triton:_dw_kernel",
+                                  "triton:_prep_kernel", "idle", "launch", "topk"])
+def test_dropping_a_calibrated_term_breaks_the_reproduction(calibrated, term):
+    from ds_pfc.bench import calibration
+    cal, preds = calibrated
+    runs = _measured_runs("triton")
+    want = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    want["idle"] = want["step"] - sum(v for k, v in want.items() if k != "step")
+    got = calibration.groups(calibration.calibrated_prediction(preds["triton"], cal, without=(term,)))
+    worst = max(_off(got[k], want[k]) / (STEP_TOL if k == "step" else KERNEL_TOL) for k in want)
+    assert worst > 1, f"without {term} the step and every kernel still lie within tolerance"
+    with pytest.raises(ValueError, match="without"):
+        calibration.calibrated_prediction(preds["triton"], cal, without=("gemm",))
+
+
+def test_the_calibration_is_read_from_the_measured_json(calibrated, tmp_path):
+    import json
+
+    from ds_pfc.bench import calibration
+    cal, preds = calibrated
+    # The efficiencies are the counted work over the measured time and rates of the JSON.
+    assert cal.gemm_rate == _load("gpu-h200-20261126.json")["ceilings_measured"]["bf16_gemm_8192_flops_per_s"]
+    assert 0.2 < cal.matrix["triton:_g_kernel"] < 0.3 and 0.9 < cal.matrix["cublas:triton"] <= 1.0
+    assert 0.9 < cal.stream["triton:_sgd_rows_kernel"] <= 1.0 and 0 < cal.launch_s < 1e-5
+    # A JSON in which the G kernel took twice as long halves its efficiency and doubles its time.
+    doc = _load("gpu-h200-20261126.json")
+    for run in doc["model_check"]["runs"].values():
+        rows = {r["kernel"]: r for r in run["triton"]}
+        rows["step"]["measured_s"] += rows["triton:_g_kernel"]["measured_s"]
+        rows["triton:_g_kernel"]["measured_s"] *= 2
+    slow = tmp_path / "slow-g.json"
+    slow.write_text(json.dumps(doc))
+    other = calibration.load_calibration(str(slow))
+    # (13 launches of a few us stay out of the efficiency: not exactly half)
+    assert other.matrix["triton:_g_kernel"] == pytest.approx(cal.matrix["triton:_g_kernel"] / 2, rel=5e-3)
+    assert other.idle_s == pytest.approx(cal.idle_s)
+    g = lambda c: calibration.groups(calibration.calibrated_prediction(preds["triton"], c))["triton:_g_kernel"]
+    assert g(other) == pytest.approx(2 * g(cal), rel=1e-3)
+    assert calibration.calibrated_prediction(preds["triton"], other)["calibration"]["source"] == str(slow)
+    # Bad inputs name the argument.
+    del doc["ceilings_measured"]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="path"):
+        calibration.load_calibration(str(broken))
+    with pytest.raises(FileNotFoundError, match="counts"):
+        calibration.load_calibration(counts=str(tmp_path / "none.json"))
+
+
+def test_topk_and_sort_come_from_a_timing_json_when_given(calibrated, tmp_path):
+    import json
+
+    from ds_pfc.bench import calibration
+    cal, preds = calibrated
+    assert cal.select_source == "estimate"
+    timing = tmp_path / "timing.json"
+    sampler = {"classes_per_rank": 8_000_000, "size": 800_000, "topk_s": 0.32e-3, "sort_s": 0.06e-3}
+    timing.write_text(json.dumps({"gpu": "NVIDIA_H200", "sampler": sampler}))
+    timed = calibration.load_calibration(timing=str(timing))
+    assert timed.topk_per_key_s == pytest.approx(0.32e-3 / 8_000_000)
+    assert timed.sort_per_key_s == pytest.approx(0.06e-3 / 800_000)
+    cpred = calibration.calibrated_prediction(preds["triton"], timed)
+    assert cpred["calibration"]["topk_sort"] == str(timing)
+    rows = {r["kernel"]: r["seconds"] for r in cpred["kernels"]}
+    assert rows["aten:topk"] == pytest.approx(0.32e-3) and rows["aten:sort"] == pytest.approx(0.06e-3)
+    # The other ops still sum to what was measured: launch and aten streaming take up the rest.
+    got = calibration.groups(cpred)["torch other ops"]
+    assert got == pytest.approx(cal.measured["triton"]["torch other ops"], rel=1e-9)
+    # A topk that leaves no time for the other ops' launches is refused.
+    timing.write_text(json.dumps({"gpu": "NVIDIA_H200", "sampler": dict(sampler, topk_s=1e-3)}))
+    with pytest.raises(ValueError, match="launch"):
+        calibration.load_calibration(timing=str(timing))
+    timing.write_text(json.dumps({"gpu": "NVIDIA_H100_80GB_HBM3", "sampler": sampler}))
+    with pytest.raises(ValueError, match="timing"):
+        calibration.load_calibration(timing=str(timing))
+    timing.write_text(json.dumps({"gpu": "NVIDIA_H200", "sampler": {"error": "OutOfMemoryError"}}))
+    with pytest.raises(ValueError, match="timing"):
+        calibration.load_calibration(timing=str(timing))
+
+
+def test_the_calibration_carries_to_the_h100_as_an_estimate(calibrated):
+    from ds_pfc.bench import calibration
+    cal, _ = calibrated
+    pred = _prediction(dict(model.STANDARD_CASE), "h100", "predict-h100-d512-fp32emb-triton.json")
+    h100 = calibration.calibrated_prediction(pred, cal)
+    assert h100["calibration"]["estimate"] is True and h100["calibration"]["gpu"] == "h200"
+    h200 = calibration.calibrated_prediction(dict(pred, gpu="h200"), cal)
+    assert h200["calibration"]["estimate"] is False
+    a, b = calibration.groups(h100), calibration.groups(h200)
+    # The same tensor-core peak: the products take the same time; memory passes scale with HBM.
+    for key in ("triton:_g_kernel", "triton:_lse_kernel", "triton:_dw_kernel", "torch GEMMs"):
+        assert a[key] == pytest.approx(b[key], rel=1e-9)
+    hbm = model.GPUS["h200"]["hbm_peak"] / model.GPUS["h100"]["hbm_peak"]
+    sgd = cal.launch_s
+    assert a["triton:_sgd_rows_kernel"] - sgd == pytest.approx((b["triton:_sgd_rows_kernel"] - sgd) * hbm, rel=1e-9)
+    assert 1.02 < h100["step_s"] / h200["step_s"] < 1.15
+    with pytest.raises(ValueError, match="gpu_name"):
+        calibration.calibrated_prediction(pred, cal, "a100")
+
+
+@pytest.mark.parametrize("counts_file,backend,classes,rate", [
+    ("predict-h200-n512-d512-s800k-k1.json", "triton", 8_000_000, 0.1),
+    ("predict-h200-n512-d512-s800k-k1.json", "torch", 8_000_000, 0.1),
+    ("predict-h200-n512-d512-s1600k-k1.json", "triton", 16_000_000, 0.1),
+    ("predict-h200-n512-d512-s400k-c16m-k1.json", "triton", 16_000_000, 0.025),
+    ("predict-h200-n512-d512-s100k-k1.json", "triton", 1_000_000, 0.1)])
+def test_the_calibration_predicts_steps_it_was_not_fitted_to(calibrated, counts_file, backend, classes, rate):
+    """The head benchmark at N = 512 (benchmarks/results/head-h200-n512-20261126.json). It times
+    forward, backward and update each between two device syncs, three host round trips where
+    the calibrated step has one: both predictions lie below it, the calibrated one by less than
+    half the roofline's error, and within the kernel tolerance from S = 400k up."""
+    from ds_pfc.bench import calibration
+    cal, _ = calibrated
+    bench = _load("head-h200-n512-20261126.json")
+    row = next(r for r in bench["results"] if r["impl"] == "ds_pfc" and r["backend"] == backend
+               and r["classes"] == classes and r["sample_rate"] == rate)
+    case = dict(world=1, classes=classes, sample_rate=rate, batch=512, dim=512, compute="bf16", embeddings="fp32",
+                backend=backend, block_bytes=None)
+    pred = _prediction(case, "h200", counts_file)
+    cpred = calibration.calibrated_prediction(pred, cal)
+    measured = row["step"]["median"]
+    calibrated_off, roofline_off = cpred["step_s"] / measured - 1, pred["step_s"] / measured - 1
+    assert roofline_off < calibrated_off < 0 and abs(calibrated_off) < abs(roofline_off) / 2
+    if pred["S"] >= 400_000:
+        assert abs(calibrated_off) < KERNEL_TOL < abs(roofline_off)
+
+
+def test_predict_prints_measured_calibrated_roofline_and_floor(tmp_path, capsys):
+    import json
+    out = tmp_path / "p.json"
+    argv = ["--predict", "h200", "--world", "1", "--classes", "8000000", "--backend", "triton", "--no-compile",
+            "--counts", os.path.join(RESULTS, "predict-h200-d512-s800k-k1.json"), "--out", str(out)]
+    assert model.main_predict(argv) == 0
+    text = capsys.readouterr().out
+    assert "calibrated by benchmarks/results/gpu-h200-20261126.json (2026-11-26" in text
+    header = next(line for line in text.splitlines() if "measured" in line and "roofline" in line)
+    assert header.split() == ["ms", "measured", "calibrated", "roofline", "floor", "part"]
+    x_floor = next(line for line in text.splitlines() if line.strip().startswith("x floor")).split()
+    assert [float(v) for v in x_floor[2:]] == pytest.approx([2.85, 2.85, 1.96, 1.0], abs=0.01)
+    result = json.loads(out.read_text())["results"][0]
+    assert result["calibrated"]["calibration"]["source"] == "benchmarks/results/gpu-h200-20261126.json"
+    assert result["measured"]["step"] == pytest.approx(0.02605, rel=1e-3)
+    # The H100: an estimate, no measurement; the calibration can be turned off.
+    argv = ["--predict", "h100", "--backend", "triton", "--no-compile", "--out", str(out),
+            "--counts", os.path.join(RESULTS, "predict-h100-d512-fp32emb-triton.json")]
+    assert model.main_predict(argv) == 0
+    assert "ESTIMATE carried from the H200 calibration" in capsys.readouterr().out
+    assert model.main_predict(argv + ["--calibration", "none"]) == 0
+    assert "calibrated" not in capsys.readouterr().out
+    assert "calibrated" not in json.loads(out.read_text())["results"][0]

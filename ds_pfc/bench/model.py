@@ -39,6 +39,13 @@ cuBLAS rate (bf16/fp16; float32 without TF32 at the SGEMM rate) with their bytes
 rate, everything else is bytes at the HBM rate. Floor: ``6 N S d`` FLOPs at the GEMM rate plus
 the row optimizer's 20 bytes per element of ``S x d`` (SGD with momentum) at the HBM rate.
 Collectives (world > 1) are not modelled. Constants and their sources: :data:`GPUS`.
+
+Calibrated. The rule above is a roofline: it predicted 18.0 ms for the standard step that took
+25.8-26.3 ms on an H200 (``benchmarks/results/gpu-h200-20261126.json``). :mod:`ds_pfc.bench.calibration`
+replaces its assumed rates by what that GPU achieved, kernel by kernel, and adds the launch
+and idle costs it measured and a cost per key of topk and sort; ``--predict`` prints both
+predictions, the measurement where there is one, and the floor (``--calibration none``: the
+roofline alone).
 """
 from __future__ import annotations
 
@@ -55,8 +62,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["GPUS", "CostCounter", "count_step", "fit_counts", "predict", "predict_case", "main_predict",
-           "kernel_time", "compare", "STANDARD_CASE"]
+__all__ = ["GPUS", "CostCounter", "count_step", "fit_counts", "fit_case", "case_rows", "predict", "predict_case",
+           "main_predict", "kernel_time", "compare", "STANDARD_CASE"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -780,20 +787,30 @@ def _standard_runs(case: dict) -> list[tuple[int, int | None]]:
     return [(64, 32), (64, 16), (S2, S2 // 2), (2 * S2, S2 // 2)]
 
 
+def case_rows(case: dict) -> int:
+    """S: the active rows of one rank of ``case`` (``floor(r * ceil(C / k))``, at least 1)."""
+    return max(math.floor(case["sample_rate"] * math.ceil(case["classes"] / case["world"]) + 1e-9), 1)
+
+
+def fit_case(case: dict, counts: list[dict]) -> dict:
+    """Each kernel's counts at the case's S and class blocks, fitted from its counted ``counts``."""
+    from ..core.softmax import class_blocks
+    S = case_rows(case)
+    block_bytes = case.get("block_bytes") or (256 << 20)
+    return fit_counts(counts, S, class_blocks(case["backend"], case["batch"], S, _DTYPES[case["compute"]],
+                                              block_bytes))
+
+
 def predict_case(case: dict, gpu_name: str, *, counts: list[dict] | None = None, compile_code: bool = True) -> dict:
     """Count (or take ``counts``), fit and predict one case on ``gpu_name`` (a key of GPUS)."""
     gpu = GPUS[gpu_name]
-    classes_per_rank = math.ceil(case["classes"] / case["world"])
-    S = max(math.floor(case["sample_rate"] * classes_per_rank + 1e-9), 1)
-    block_bytes = case.get("block_bytes") or (256 << 20)
+    S = case_rows(case)
     if counts is None:
         counts = [count_step(s, batch=case["batch"], dim=case["dim"], sample_rate=case["sample_rate"],
                              compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"],
                              block_rows=b, world=case["world"], sms=gpu["sms"])
                   for s, b in _standard_runs(dict(case, sms=gpu["sms"], S=S))]
-    from ..core.softmax import class_blocks
-    fitted = fit_counts(counts, S, class_blocks(case["backend"], case["batch"], S, _DTYPES[case["compute"]],
-                                                block_bytes))
+    fitted = fit_case(case, counts)
     out = predict(fitted, gpu, S=S, batch=case["batch"], dim=case["dim"], compile_code=compile_code)
     out.update(case=dict(case), gpu=gpu_name, gpu_name=gpu["name"], S=S, counts=counts)
     return out
@@ -832,6 +849,7 @@ def format_prediction(pred: dict) -> str:
 
 def main_predict(argv=None) -> int:
     """``launch/bench.py head --predict {h100,h200,a100} [case options]``."""
+    from . import calibration
     s = STANDARD_CASE
     p = argparse.ArgumentParser(prog="bench.py head --predict", description="Predict a head step on a GPU model "
                                 "from op counts taken on this machine (ds_pfc/bench/model.py).")
@@ -846,6 +864,17 @@ def main_predict(argv=None) -> int:
     p.add_argument("--backend", default="torch,triton", help="comma-separated softmax backends")
     p.add_argument("--block-bytes", type=int, default=None)
     p.add_argument("--no-compile", action="store_true", help="skip reading the kernels' machine code")
+    p.add_argument("--counts", default=None,
+                   help="a --predict JSON whose op counts to reuse when it holds the same case counted for the "
+                        "same SM count (else the case is counted here, which takes minutes)")
+    p.add_argument("--calibration", default=calibration.DEFAULT,
+                   help="a self-check JSON that calibrates the prediction (ds_pfc/bench/calibration.py), or "
+                        "'none' (default: %(default)s)")
+    p.add_argument("--calibration-counts", default=calibration.DEFAULT_COUNTS,
+                   help="the op counts of the calibration's measured case (default: %(default)s)")
+    p.add_argument("--calibration-timing", default=None,
+                   help="a 'python -m ds_pfc.selfcheck --timing' JSON of the same GPU: its topk and sort times "
+                        "(default: estimates, see ds_pfc/bench/calibration.py)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/predict-<gpu>-<date>.json)")
     args = p.parse_args(argv)
     for name in ("world", "classes", "batch", "dim"):
@@ -856,14 +885,33 @@ def main_predict(argv=None) -> int:
     for backend in args.backend.split(","):
         if backend not in ("torch", "triton"):
             p.error(f"--backend: expected torch and/or triton, got {backend!r}")
+    if args.counts is not None and not os.path.exists(args.counts):
+        p.error(f"--counts: no such file {args.counts!r}")
+    from .selfcheck import _saved_counts
+    cal = None
+    if args.calibration.lower() != "none":
+        try:
+            cal = calibration.load_calibration(args.calibration, args.calibration_counts, args.calibration_timing)
+            cal.rates(args.predict)
+        except (OSError, ValueError) as err:
+            print(f"no calibrated prediction: {err}\n", flush=True)
+            cal = None
     results = []
+    sms = GPUS[args.predict]["sms"]
     for backend in args.backend.split(","):
         case = dict(world=args.world, classes=args.classes, sample_rate=args.sample_rate, batch=args.batch,
                     dim=args.dim, compute=args.compute, embeddings=args.embeddings, backend=backend,
                     block_bytes=args.block_bytes)
-        counts = _count_in_subprocess(case, GPUS[args.predict]["sms"])
+        counts = _saved_counts(args.counts, case, sms) if args.counts else None
+        if args.counts and counts is None:
+            print(f"{args.counts} holds no counts of this case for {sms} SMs: counting it here", flush=True)
+        counts = counts or _count_in_subprocess(case, sms)
         pred = predict_case(case, args.predict, counts=counts, compile_code=not args.no_compile)
         print(format_prediction(pred) + "\n", flush=True)
+        if cal is not None:
+            pred["calibrated"] = calibration.calibrated_prediction(pred, cal)
+            pred["measured"] = calibration.measured_groups(cal, args.predict, case)
+            print(calibration.format_comparison(pred) + "\n", flush=True)
         results.append(pred)
     from . import write_json
     out = args.out or os.path.join("benchmarks", "results",

@@ -1,0 +1,408 @@
+"""The GPU step model calibrated by a measured step: ``launch/bench.py head --predict h200``.
+
+The roofline model (:mod:`ds_pfc.bench.model`) bounds each kernel by assumed rates. A
+calibration replaces them by what one GPU achieved on one step, read from the JSON that
+``python -m ds_pfc.selfcheck`` wrote there (:data:`DEFAULT`:
+``benchmarks/results/gpu-h200-20261126.json``, the standard step on one H200), with the op
+counts of that same step (:data:`DEFAULT_COUNTS`, a ``--predict`` JSON of the case):
+
+* **reference rates**: the GPU's own bf16 GEMM rate (``ceilings_measured.
+  bf16_gemm_8192_flops_per_s``) and copy rate (``ceilings_measured.device_copy_bytes_per_s``);
+* **efficiencies**, each an achieved rate over a reference rate: a Triton GEMM kernel's
+  counted FLOPs per measured second over the GEMM rate; cuBLAS's the same, per backend (its
+  shape: ``[N, b] x [b, d]`` products in triton, ``[b, d] x [d, N]`` blocks in torch); a
+  streaming Triton kernel's distinct (HBM) bytes per second over the copy rate;
+* **launch** (``launch_s``, the device time of one small kernel) and **aten streaming
+  efficiency**: the two unknowns of the two backends' "torch other ops" groups, each the
+  ops' bytes at that efficiency plus their launches, solved together;
+* **topk and sort**, time per key: from a ``python -m ds_pfc.selfcheck --timing`` JSON of the
+  same GPU when given (``sampler.topk_s`` per ``classes_per_rank`` key, ``sampler.sort_s`` per
+  ``size`` key); else the estimates :data:`TOPK_PER_KEY_S` and :data:`SORT_PER_KEY_S` (the
+  self-check JSON's rows group them with the other torch ops);
+* **idle** (``idle_s``): the part of a ``validate=True`` step (one host sync) that no kernel
+  covers: the measured step minus the sum of its measured groups, triton backend.
+
+Each value is the mean over the JSON's runs (``model_check.runs``). Calibrated time of a
+kernel: ``body / fill + launches * launch_s``, where ``body`` is ``max(FLOPs / (eff * GEMM
+rate), distinct bytes / copy rate)`` for a product, ``distinct bytes / (eff * copy rate)``
+for a streaming Triton kernel, ``bytes / (eff_aten * copy rate)`` for other aten ops and
+``keys * per_key`` for topk and sort (their small kernels included). The step adds ``idle_s``.
+A kernel the calibration did not see keeps the roofline rule (a Triton kernel at the measured
+reference rates), and so do products in another compute dtype; each row names its ``rule``.
+
+**Another GPU** of the same architecture (H100 from an H200 calibration): the same kernels
+and counts (132 SMs on both), the same efficiencies, launch and idle; reference rates scaled
+by the two GPUs' data-sheet peaks in :data:`~ds_pfc.bench.model.GPUS` (``tensor_peak`` for
+the GEMM rate, ``hbm_peak`` for the copy rate and the per-key rules). That prediction is an
+estimate (``estimate: True``), not a calibration of that GPU. Another architecture (A100,
+sm_80) compiles other kernels: no calibrated prediction.
+
+The calibration is exact at its own case by construction; elsewhere (other ``d``, ``N``,
+``S``) the efficiencies are taken as constants, which the kernels' fixed per-logit epilogue
+work makes optimistic at small ``d``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+__all__ = ["Calibration", "load_calibration", "calibrated_prediction", "kernel_seconds", "measured_groups",
+           "floor_parts", "groups", "format_comparison", "DEFAULT", "DEFAULT_COUNTS", "TOPK_PER_KEY_S",
+           "SORT_PER_KEY_S", "TERMS"]
+
+# The checkout that holds benchmarks/ (absent from an installed package).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT = "benchmarks/results/gpu-h200-20261126.json"
+DEFAULT_COUNTS = "benchmarks/results/predict-h200-d512-s800k-k1.json"
+
+# torch.topk(keys, k, sorted=False) on CUDA is a multi-block radix select: 8 passes of 8 bits over
+# the int64 keys (64 MB at C_q = 8M) plus ~30 small kernels, estimated at 0.2-0.35 ms for 8M keys
+# on an H200; the midpoint per key. The sort of the selected 800k int64 keys that follows: a radix
+# sort estimated at 0.05-0.1 ms; the midpoint per key. Neither is in
+# benchmarks/results/gpu-h200-20261126.json on its own: its profiler rows group them with the
+# other torch ops ("torch other ops"), which the launch and aten terms then account for.
+TOPK_PER_KEY_S = 0.275e-3 / 8_000_000
+SORT_PER_KEY_S = 0.075e-3 / 800_000
+_KEY_BYTES = 8              # the sampler's keys are int64: keys = bytes the op reads / 8
+
+# What a calibration calibrates, by name (``without=`` drops any of them back to the roofline):
+# a kernel's name ("triton:_g_kernel"), "cublas" (the torch products), "aten" (aten streaming
+# ops), "launch", "topk" (topk and sort) and "idle".
+TERMS = ("cublas", "aten", "launch", "topk", "idle")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """What one GPU achieved on one step (:func:`load_calibration`)."""
+
+    gpu: str
+    """Key of :data:`~ds_pfc.bench.model.GPUS` of the measured GPU."""
+    source: str
+    """The measured JSON, relative to the checkout."""
+    date: str
+    """The measurement's date (the JSON's ``date``)."""
+    counts_source: str
+    """The ``--predict`` JSON holding the op counts of the measured case."""
+    case: dict
+    """The measured case: one rank's classes, rate, N, d, dtypes (``model_check.case``)."""
+    gemm_rate: float
+    """Measured bf16 GEMM rate at 8192^3, FLOP/s."""
+    copy_rate: float
+    """Measured device copy rate, bytes read + written per second."""
+    matrix: dict
+    """Achieved FLOP/s over ``gemm_rate``: Triton GEMM kernels by name, ``cublas:<backend>``."""
+    stream: dict
+    """Achieved distinct bytes/s over ``copy_rate``: streaming Triton kernels by name, ``aten``."""
+    launch_s: float
+    """Device seconds of one small kernel."""
+    idle_s: float
+    """Seconds of a ``validate=True`` step covered by no kernel (the host sync and what follows)."""
+    topk_per_key_s: float = TOPK_PER_KEY_S
+    sort_per_key_s: float = SORT_PER_KEY_S
+    select_source: str = "estimate"
+    """Where the topk and sort times per key come from: a timing JSON, or ``estimate``."""
+    measured: dict = dataclasses.field(default_factory=dict)
+    """backend -> group -> measured seconds (mean over runs), with ``step`` and ``idle``."""
+
+    def rates(self, gpu_name: str) -> dict:
+        """Reference rates on ``gpu_name``: this calibration's, or scaled by data-sheet peaks."""
+        from .model import GPUS
+        if gpu_name not in GPUS:
+            raise ValueError(f"gpu_name must be one of {sorted(GPUS)}, got {gpu_name!r}")
+        own, other = GPUS[self.gpu], GPUS[gpu_name]
+        if other["arch"] != own["arch"]:
+            raise ValueError(f"gpu_name {gpu_name!r} is sm_{other['arch']}; this calibration ({self.source}) "
+                             f"is of sm_{own['arch']} kernels on {self.gpu}")
+        return {"gemm": self.gemm_rate * other["tensor_peak"] / own["tensor_peak"],
+                "copy": self.copy_rate * other["hbm_peak"] / own["hbm_peak"],
+                "estimate": gpu_name != self.gpu}
+
+    def describe(self, gpu_name: str) -> dict:
+        r = self.rates(gpu_name)
+        return {"source": self.source, "date": self.date, "gpu": self.gpu, "counts": self.counts_source,
+                "case": dict(self.case), "topk_sort": self.select_source, "estimate": r["estimate"],
+                "gemm_rate": r["gemm"], "copy_rate": r["copy"]}
+
+
+def _path(path: str) -> str:
+    """``path`` as given when it exists (absolute or from the working directory), else from the checkout."""
+    return path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
+
+
+def _rel(path: str) -> str:
+    full = os.path.abspath(_path(path))
+    return os.path.relpath(full, ROOT) if full.startswith(ROOT + os.sep) else full
+
+
+def _mean_groups(runs: dict, backend: str) -> dict:
+    """group -> mean measured seconds over the runs, plus ``idle`` = step - sum of groups."""
+    per = {}
+    for run in runs.values():
+        for row in run.get(backend, []):
+            if row.get("measured_s") is not None:
+                per.setdefault(row["kernel"], []).append(row["measured_s"])
+    out = {k: sum(v) / len(v) for k, v in per.items()}
+    if "step" in out:
+        out["idle"] = out["step"] - sum(v for k, v in out.items() if k != "step")
+    return out
+
+
+def _is_select(name: str) -> str | None:
+    op = name.split(":", 1)[1].split("[")[0] if name.startswith("aten:") else ""
+    return op if op in ("topk", "sort") else None
+
+
+def _is_gemm(row: dict) -> bool:
+    return row["kind"] == "gemm"
+
+
+def load_calibration(path: str = DEFAULT, counts: str = DEFAULT_COUNTS, timing: str | None = None) -> Calibration:
+    """The calibration of the step measured in ``path`` (a ``python -m ds_pfc.selfcheck`` JSON
+    with ``ceilings_measured`` and ``model_check``), with that case's op counts from
+    ``counts`` (a ``launch/bench.py head --predict`` JSON holding the same case, counted for
+    the GPU's SM count) and, when given, topk and sort times from ``timing`` (a
+    ``python -m ds_pfc.selfcheck --timing`` JSON of the same GPU model). A relative path is
+    taken from the working directory when it exists there, else from the checkout."""
+    from . import model
+    from .selfcheck import _saved_counts, gpu_model_key
+    for name, p in (("path", path), ("counts", counts), ("timing", timing)):
+        if p is not None and not os.path.exists(_path(p)):
+            raise FileNotFoundError(f"{name}: no such file {p!r} (calibrations live in a source checkout's "
+                                    "benchmarks/results)")
+    with open(_path(path)) as f:
+        doc = json.load(f)
+    try:
+        ceilings, check = doc["ceilings_measured"], doc["model_check"]
+        gemm_rate = float(ceilings["bf16_gemm_8192_flops_per_s"])
+        copy_rate = float(ceilings["device_copy_bytes_per_s"])
+        gpu, base, runs = check["gpu_model"], dict(check["case"]), check["runs"]
+    except KeyError as err:
+        raise ValueError(f"path: {path!r} has no {err} (expected a self-check JSON with ceilings_measured "
+                         "and model_check)") from None
+    if gpu not in model.GPUS:
+        raise ValueError(f"path: {path!r} measured gpu_model {gpu!r}, not one of {sorted(model.GPUS)}")
+    measured = {b: _mean_groups(runs, b) for b in ("torch", "triton")}
+    if not measured["triton"].get("step") or not measured["torch"].get("step"):
+        raise ValueError(f"path: {path!r} needs model_check runs of both backends (torch, triton)")
+    topk_per_key, sort_per_key, select_source = TOPK_PER_KEY_S, SORT_PER_KEY_S, "estimate"
+    if timing is not None:
+        with open(_path(timing)) as f:
+            tdoc = json.load(f)
+        if gpu_model_key(str(tdoc.get("gpu", "")).replace("_", " ")) != gpu:
+            raise ValueError(f"timing: {timing!r} is of gpu {tdoc.get('gpu')!r}, the calibration of {gpu}")
+        sampler = tdoc.get("sampler") or {}
+        try:
+            topk_per_key = float(sampler["topk_s"]) / int(sampler["classes_per_rank"])
+            sort_per_key = float(sampler["sort_s"]) / int(sampler["size"])
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            raise ValueError(f"timing: {timing!r} has no sampler topk_s, sort_s, classes_per_rank and size "
+                             f"(got {sampler})") from None
+        select_source = _rel(timing)
+    fitted = {}
+    for backend in ("torch", "triton"):
+        case = dict(base, backend=backend)
+        saved = _saved_counts(_path(counts), case, model.GPUS[gpu]["sms"])
+        if not saved:
+            raise ValueError(f"counts: {counts!r} holds no counts of {case} for {model.GPUS[gpu]['sms']} SMs")
+        fitted[backend] = model.fit_case(case, saved)
+
+    # launch_s and the aten streaming efficiency: each backend's "torch other ops" is its aten
+    # ops' bytes / (eff * copy) + their launches * launch_s + topk and sort.
+    system = []
+    for backend in ("torch", "triton"):
+        moved = launches = select = 0.0
+        for key, c in fitted[backend].items():
+            if not key.startswith("aten:") or _is_gemm(c):
+                continue
+            op = _is_select(key)
+            if op:
+                select += c["read"] / _KEY_BYTES * (topk_per_key if op == "topk" else sort_per_key)
+            else:
+                moved += c["read"] + c["written"]
+                launches += c["launches"]
+        system.append((moved / copy_rate, launches, measured[backend]["torch other ops"] - select))
+    (a1, b1, y1), (a2, b2, y2) = system
+    det = a1 * b2 - a2 * b1
+    if det == 0:
+        raise ValueError(f"counts: {counts!r}: the two backends' other ops do not separate launches from bytes")
+    per_byte, launch_s = (y1 * b2 - y2 * b1) / det, (a1 * y2 - a2 * y1) / det
+    if not (per_byte > 0 and launch_s > 0):
+        raise ValueError(f"path: {path!r}: the torch-other-ops groups less topk and sort ({select_source}) give "
+                         f"no positive launch time and streaming efficiency (launch {launch_s:.3g} s, "
+                         f"efficiency {1 / per_byte:.3g})")
+    matrix = {}
+    stream = {"aten": 1.0 / per_byte}
+    tri = measured["triton"]
+    for key, c in fitted["triton"].items():
+        if key.startswith("triton:") and key in tri:
+            busy = (tri[key] - c["launches"] * launch_s) * _fill(c, model.GPUS[gpu])
+            if c["flops"]:
+                matrix[key] = c["flops"] / busy / gemm_rate
+            else:
+                stream[key] = (c["unique_read"] + c["unique_written"]) / busy / copy_rate
+    for backend in ("torch", "triton"):
+        gemms = [c for c in fitted[backend].values() if _is_gemm(c)]
+        busy = measured[backend]["torch GEMMs"] - sum(c["launches"] for c in gemms) * launch_s
+        matrix[f"cublas:{backend}"] = sum(c["flops"] for c in gemms) / busy / gemm_rate
+    return Calibration(gpu=gpu, source=_rel(path), date=str(doc.get("date", "?")), counts_source=_rel(counts),
+                       case=base, gemm_rate=gemm_rate, copy_rate=copy_rate, matrix=matrix, stream=stream,
+                       launch_s=launch_s, idle_s=tri["idle"], topk_per_key_s=topk_per_key,
+                       sort_per_key_s=sort_per_key, select_source=select_source, measured=measured)
+
+
+def _fill(c: dict, gpu: dict) -> float:
+    if c["kind"] != "triton":
+        return 1.0
+    per_launch = c["programs"] / max(c["launches"], 1)
+    return min(1.0, per_launch / gpu["sms"]) if per_launch else 1.0
+
+
+def kernel_seconds(key: str, c: dict, cal: Calibration, gpu_name: str, backend: str, compute: str = "bf16",
+                   without=()) -> tuple[float, str]:
+    """``(seconds, rule)`` of one kernel's fitted counts ``c`` of a ``backend`` step with
+    ``compute`` products on ``gpu_name`` under ``cal``; terms named in ``without`` (see
+    :data:`TERMS`) fall back to the roofline rule, and so do Triton products in another compute
+    dtype than the calibration's (other machine code)."""
+    from .model import GPUS, kernel_time
+    gpu = GPUS[gpu_name]
+    rates = cal.rates(gpu_name)
+    gemm, copy = rates["gemm"], rates["copy"]
+    launch = gpu["launch_s"] if "launch" in without else cal.launch_s
+    unique = c["unique_read"] + c["unique_written"]
+    moved = c["read"] + c["written"]
+    fill = _fill(c, gpu)
+    roofline = kernel_time(c, gpu)["seconds"]
+    if key.startswith("triton:"):
+        if key in without:
+            return roofline, "roofline"
+        if c["flops"] and compute != cal.case.get("compute"):
+            return roofline, f"roofline ({compute} products; calibrated: {cal.case.get('compute')})"
+        if key in cal.matrix and c["flops"]:
+            eff = cal.matrix[key]
+            body = max(c["flops"] / (eff * gemm), unique / copy)
+            return body / fill + c["launches"] * launch, f"{eff:.1%} of {gemm / 1e12:.0f} TF/s"
+        if key in cal.stream and not c["flops"]:
+            eff = cal.stream[key]
+            return unique / (eff * copy) / fill + c["launches"] * launch, f"{eff:.1%} of {copy / 1e12:.2f} TB/s"
+        # A kernel the calibration did not see: the roofline at the calibrated reference rates.
+        body = max(c["flops"] / gemm, unique / copy)
+        return body / fill + c["launches"] * launch, "not calibrated: roofline at the measured rates"
+    if _is_gemm(c):
+        eff = cal.matrix.get(f"cublas:{backend}")
+        if "cublas" in without or eff is None or c["dtype"] not in ("bfloat16", "float16"):
+            return roofline, "roofline"
+        body = max(c["flops"] / (eff * gemm), moved / copy)
+        return body + c["launches"] * launch, f"cuBLAS {eff:.1%} of {gemm / 1e12:.0f} TF/s"
+    op = _is_select(key)
+    if op:
+        if "topk" in without:
+            return roofline, "roofline"
+        per_key = cal.topk_per_key_s if op == "topk" else cal.sort_per_key_s
+        per_key *= cal.copy_rate / copy          # memory passes: scale with the copy rate
+        return c["read"] / _KEY_BYTES * per_key, f"{per_key * 1e12:.0f} ps per key"
+    if "aten" in without:
+        return roofline, "roofline"
+    eff = cal.stream["aten"]
+    return moved / (eff * copy) + c["launches"] * launch, f"{eff:.1%} of {copy / 1e12:.2f} TB/s"
+
+
+def calibrated_prediction(pred: dict, cal: Calibration, gpu_name: str | None = None, without=()) -> dict:
+    """The calibrated twin of a :func:`ds_pfc.bench.model.predict_case` result ``pred`` (which
+    carries its case and counts): per kernel ``{kernel, seconds, rule}``, ``idle_s``,
+    ``step_s``, ``floor_s``, ``x_floor`` and ``calibration`` (source, date, whether an
+    estimate) on ``gpu_name`` (default: the prediction's GPU). ``without``: calibrated terms to
+    drop (:data:`TERMS` or a kernel's name)."""
+    from . import model
+    gpu_name = gpu_name or pred["gpu"]
+    unknown = [t for t in without if t not in TERMS and not t.startswith("triton:")]
+    if unknown:
+        raise ValueError(f"without: expected names from {TERMS} or 'triton:<kernel>', got {unknown}")
+    case = pred["case"]
+    fitted = model.fit_case(case, pred["counts"])
+    rows = []
+    for key, c in fitted.items():
+        seconds, rule = kernel_seconds(key, c, cal, gpu_name, case["backend"], case["compute"], without)
+        rows.append({"kernel": key, "seconds": seconds, "rule": rule})
+    rows.sort(key=lambda r: -r["seconds"])
+    idle = 0.0 if "idle" in without else cal.idle_s
+    step = sum(r["seconds"] for r in rows) + idle
+    floor = model.floor_time(pred["S"], case["batch"], case["dim"], model.GPUS[gpu_name])
+    return {"kernels": rows, "idle_s": idle, "step_s": step, "floor_s": floor, "x_floor": step / floor,
+            "calibration": cal.describe(gpu_name)}
+
+
+def groups(prediction: dict) -> dict:
+    """Seconds per comparison group (each Triton kernel, ``torch GEMMs``, ``torch other ops``,
+    ``idle``, ``step``), as the self-check groups its profiler rows."""
+    from .selfcheck import group_predicted
+    out = group_predicted(prediction)
+    out["idle"] = prediction.get("idle_s", 0.0)
+    out["step"] = prediction["step_s"]
+    return out
+
+
+def measured_groups(cal: Calibration, gpu_name: str, case: dict) -> dict | None:
+    """The calibration's measured groups when ``case`` is its measured one-rank shape on its own
+    GPU (the same S, N, d, dtypes, blocks and backend), else None."""
+    from .model import case_rows
+    if gpu_name != cal.gpu:
+        return None
+    keys = ("batch", "dim", "compute", "embeddings", "block_bytes")
+    if case_rows(case) != case_rows(cal.case) or any(case.get(k) != cal.case.get(k) for k in keys):
+        return None
+    return cal.measured.get(case["backend"])
+
+
+def floor_parts(pred: dict) -> dict:
+    """The floor split by group: ``2 N S d`` at the GEMM rate for each of the forward cosines,
+    dX and dW, and the SGD update's ``20 S d`` bytes at the HBM rate."""
+    from .model import GPUS
+    gpu, case, S = GPUS[pred["gpu"]], pred["case"], pred["S"]
+    gemm_pass = 2 * case["batch"] * S * case["dim"] / gpu["gemm"]
+    sgd = 20 * S * case["dim"] / gpu["hbm"]
+    if case["backend"] == "triton":
+        return {"triton:_lse_kernel": gemm_pass, "torch GEMMs": gemm_pass, "triton:_dw_kernel": gemm_pass,
+                "triton:_sgd_rows_kernel": sgd}
+    return {"torch GEMMs": 3 * gemm_pass, "triton:_sgd_rows_kernel": sgd}
+
+
+_LABELS = {"triton:_lse_kernel": "forward (lse)", "triton:_g_kernel": "G", "triton:_dw_kernel": "dW",
+           "torch GEMMs": "torch GEMMs (cuBLAS)", "triton:_prep_kernel": "prepare",
+           "triton:_sgd_rows_kernel": "SGD rows", "triton:_keys_kernel": "sampler keys",
+           "torch other ops": "torch other ops", "idle": "idle (host sync)"}
+
+
+def format_comparison(pred: dict) -> str:
+    """Measured (when the calibration measured this case on this GPU), calibrated, roofline and
+    the floor's part, per group and for the step, with each step's multiple of the floor, for a
+    :func:`ds_pfc.bench.model.predict_case` result that carries ``calibrated`` (and ``measured``)."""
+    from . import format_table
+    cpred, measured = pred["calibrated"], pred.get("measured")
+    about = cpred["calibration"]
+    cal_g, roof_g, floor_g = groups(cpred), groups(pred), floor_parts(pred)
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.2f}"
+    keys = sorted((k for k in cal_g if k != "step"), key=lambda k: -cal_g[k])
+    rows = []
+    for k in keys:
+        m = measured.get(k) if measured else None
+        rows.append([_LABELS.get(k, k), ms(m), ms(cal_g[k]), ms(roof_g.get(k) if k != "idle" else None),
+                     ms(floor_g.get(k, 0.0))])
+    floor = pred["floor_s"]
+    m_step = measured.get("step") if measured else None
+    rows.append(["step", ms(m_step), ms(cpred["step_s"]), ms(pred["step_s"]), ms(floor)])
+    rows.append(["x floor", "-" if m_step is None else f"{m_step / floor:.2f}", f"{cpred['step_s'] / floor:.2f}",
+                 f"{pred['step_s'] / floor:.2f}", "1.00"])
+    if about["estimate"]:
+        head = (f"{pred['gpu_name']}, calibrated: an ESTIMATE carried from the {about['gpu'].upper()} calibration "
+                f"{about['source']} ({about['date']}): the same kernels, efficiencies, launch and idle, reference "
+                f"rates scaled by the data-sheet peaks to {about['gemm_rate'] / 1e12:.0f} TF/s GEMM and "
+                f"{about['copy_rate'] / 1e12:.2f} TB/s copy; no measurement on this GPU")
+    else:
+        c = about["case"]
+        head = (f"{pred['gpu_name']}, calibrated by {about['source']} ({about['date']}; counts {about['counts']}; "
+                f"topk and sort: {about['topk_sort']}); "
+                + (f"measured: the same rank shape, C={c['classes']:,} on k={c['world']}" if measured
+                   else "this case was not measured"))
+    table = format_table(["ms", "measured", "calibrated", "roofline", "floor part"], rows)
+    return head + "\n" + table
