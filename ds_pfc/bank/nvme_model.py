@@ -84,8 +84,9 @@ def page_io(row_bytes: int, num_rows: int, gathered: float, scattered: float, *,
     # the pages of one period of the packing meet k_j rows each: average over them
     ks = _rows_met(row_bytes, page)
     t_in = sum(drawn_fractions(gathered, num_rows, k)[0] for k in ks) / len(ks)
-    t_out = sum(drawn_fractions(scattered, num_rows, k)[0] for k in ks) / len(ks)
-    full_out = sum(drawn_fractions(scattered, num_rows, k)[1] for k in ks) / len(ks)
+    out = [drawn_fractions(scattered, num_rows, k) for k in ks]
+    t_out = sum(t for t, _ in out) / len(ks)
+    full_out = sum(f for _, f in out) / len(ks)
     read_in = _with_gaps(t_in, gap)
     read_out = _with_gaps(t_out - full_out, gap)          # touched pages not covered whole
     written = t_out if not wgap else _with_gaps(t_out, min(gap, wgap))

@@ -219,14 +219,20 @@ def group_predicted(prediction: dict) -> dict:
     return out
 
 
+def case_head(case: dict, dim: int, device, *, backend: str, validate: bool = True):
+    """The head the timing checks step: ArcFace, SGD with momentum, the case's classes, rate
+    and compute dtype, at width ``dim``."""
+    from ..core.head import PartialFC
+    from ..core.margins import ArcFace
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[case["compute"]]
+    return PartialFC(case["classes"], dim, sample_rate=case["sample_rate"], margin=ArcFace(), device=device,
+                     compute_dtype=compute, momentum=0.9, weight_decay=5e-4, data_parallel_grad=False,
+                     backend=backend, validate=validate)
+
+
 def _time_step(device, case: dict, backend: str, steps: int = 3):
     """``(seconds per step, profiler rows per step)`` of the case's head step on ``device``."""
-    from ..core.margins import ArcFace
-    from ..core.head import PartialFC
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[case["compute"]]
-    head = PartialFC(case["classes"], case["dim"], sample_rate=case["sample_rate"], margin=ArcFace(), device=device,
-                     compute_dtype=compute, momentum=0.9, weight_decay=5e-4, data_parallel_grad=False,
-                     backend=backend)
+    head = case_head(case, case["dim"], device, backend=backend)
     gen = torch.Generator().manual_seed(1)
     batch, dim = case["batch"], case["dim"]
     data = [(torch.randn(batch, dim, generator=gen).to(device).requires_grad_(),

@@ -64,15 +64,6 @@ def _backend(device) -> str:
     return "triton" if torch.device(device).type == "cuda" and _triton_available() else "torch"
 
 
-def _head(case: dict, dim: int, device, validate: bool):
-    from ..core.head import PartialFC
-    from ..core.margins import ArcFace
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[case["compute"]]
-    return PartialFC(case["classes"], dim, sample_rate=case["sample_rate"], margin=ArcFace(), device=device,
-                     compute_dtype=compute, momentum=0.9, weight_decay=5e-4, data_parallel_grad=False,
-                     backend=_backend(device), validate=validate)
-
-
 def time_step(case: dict, dim: int, device, *, validate: bool, graph: bool, steps: int) -> dict:
     """Seconds per head step, eager or as a replayed CUDA graph (static inputs refilled
     before each step, as a training loop would). With ``profile``-able eager steps, also
@@ -80,7 +71,8 @@ def time_step(case: dict, dim: int, device, *, validate: bool, graph: bool, step
     device = torch.device(device)
     if graph and device.type != "cuda":
         raise ValueError("graph=True needs a CUDA device")
-    head = _head(case, dim, device, validate)
+    from .selfcheck import case_head
+    head = case_head(case, dim, device, backend=_backend(device), validate=validate)
     try:
         batch, classes = case["batch"], case["classes"]
         gen = torch.Generator(device=device).manual_seed(1)

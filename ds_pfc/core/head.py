@@ -237,7 +237,7 @@ class PartialFC(nn.Module):
                   else state_dtype) for name, width, state_dtype in row_optimizer.state_specs]
         if isinstance(self.bank, TieredBank):
             # Before any file exists; with the largest shard, so that every rank decides alike.
-            largest = self.partition.bounds(0)[1] - self.partition.bounds(0)[0]
+            largest = self.partition.num_local(0)
             self.bank.check_nvme_tier([("weight", embedding_size, dtype), *specs],
                                       activation_budget(largest, self.sample_rate) * sub_centers,
                                       num_rows=largest * sub_centers)
