@@ -206,6 +206,9 @@ if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INT
         (ARC_ST, 0.25, torch.float32, {"backend": "triton"}),
         (COS, 0.1, torch.float32, {"backend": "triton"}),
         (COMB, 0.25, torch.float32, {"backend": "triton"}),
+        # The recompute path (the default above keeps the cosines for backward).
+        (ARC_ST, 0.25, torch.float32, {"backend": "triton", "keep_bytes": 0}),
+        (COMB, None, torch.float32, {"backend": "triton", **_RECOMPUTE}),
     ]
 
 

@@ -561,8 +561,10 @@ def test_the_calibration_predicts_steps_it_was_not_fitted_to(calibrated, counts_
 def test_predict_prints_measured_calibrated_roofline_and_floor(tmp_path, capsys):
     import json
     out = tmp_path / "p.json"
+    # The measured step recomputed its cosines in backward (keep_bytes=0 today).
     argv = ["--predict", "h200", "--world", "1", "--classes", "8000000", "--backend", "triton", "--no-compile",
-            "--counts", os.path.join(RESULTS, "predict-h200-d512-s800k-k1.json"), "--out", str(out)]
+            "--keep-bytes", "0", "--counts", os.path.join(RESULTS, "predict-h200-d512-s800k-k1.json"),
+            "--out", str(out)]
     assert model.main_predict(argv) == 0
     text = capsys.readouterr().out
     assert "calibrated by benchmarks/results/gpu-h200-20261126.json (2026-11-26" in text
@@ -574,7 +576,7 @@ def test_predict_prints_measured_calibrated_roofline_and_floor(tmp_path, capsys)
     assert result["calibrated"]["calibration"]["source"] == "benchmarks/results/gpu-h200-20261126.json"
     assert result["measured"]["step"] == pytest.approx(0.02605, rel=1e-3)
     # The H100: an estimate, no measurement; the calibration can be turned off.
-    argv = ["--predict", "h100", "--backend", "triton", "--no-compile", "--out", str(out),
+    argv = ["--predict", "h100", "--backend", "triton", "--no-compile", "--out", str(out), "--keep-bytes", "0",
             "--counts", os.path.join(RESULTS, "predict-h100-d512-fp32emb-triton.json")]
     assert model.main_predict(argv) == 0
     assert "ESTIMATE carried from the H200 calibration" in capsys.readouterr().out

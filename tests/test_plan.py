@@ -257,12 +257,14 @@ def _closed_form(which: str, p: dict) -> float:
         return p["step_ms"] / 1e3 * p["host_gbps"] * 1e9 / ((r * (1 - r) + r) * row)
     if which == "GPU memory":
         # device tier per GPU: bank row + 2 float32 slots (2 x 8 d B per row) + float32 gradient (4 d)
-        # + normalised bf16 centers and norms (2 d + 4) per active row + 14 B sampler keys, per
-        # class of the rank; fixed: the backbone (16 B/param + 128 x activations), the G block
-        # (256 MiB) and 3 x N x d float32 embeddings; 3 GB reserve.
+        # + normalised bf16 centers and norms (2 d + 4) + the kept float16 cosines (2 N, N = 128 k:
+        # within the 4 GiB keep budget at these stops) per active row + 14 B sampler keys, per
+        # class of the rank; fixed: the backbone (16 B/param + 128 x activations) and 3 x N x d
+        # float32 embeddings; 3 GB reserve.
         bb = BACKBONES["r100"]
-        fixed = bb["params"] * 16 + 128 * bb["saved_bytes_batch2"] / 2 + (1 << 28) + 3 * 128 * k * d * 4
-        per_class = row + r * (2 * 8 * d + 4 * d + 2 * d + 4) + 14
+        n = 128 * k
+        fixed = bb["params"] * 16 + 128 * bb["saved_bytes_batch2"] / 2 + 3 * n * d * 4
+        per_class = row + r * (2 * 8 * d + 4 * d + 2 * d + 4 + 2 * n) + 14
         return k * (77e9 - fixed) / per_class
     raise KeyError(which)
 
@@ -411,3 +413,17 @@ def test_hbm_share_matches_the_banks_split(share):
     row = 2 * D * 2                                     # bf16 weight + bf16 momentum
     assert resident["device"] == out["tiers"]["host"]["gpu_bank_bytes"] == round(share * C) * row
     assert resident["host"] == out["tiers"]["host"]["host_bytes_rank"] == (C - round(share * C)) * row + C * 2 * 8
+
+
+def test_kept_cosines_count_until_they_exceed_the_keep_budget():
+    """The softmax's buffer is the float16 cosines N x |S_q| while they fit keep_bytes (the
+    triton backend's default path), else one G block of block_bytes; nothing else changes."""
+    args = dict(H100, storage="bf16", batch=128)
+    cosines = 128 * 8 * 1_600_000 * 2
+    kept = plan(**args)["gpu"]
+    assert kept["cosines_kept"] and kept["logits_block_bytes"] == cosines
+    recompute = plan(**args, keep_bytes=cosines - 1)["gpu"]
+    assert not recompute["cosines_kept"] and recompute["logits_block_bytes"] == 1 << 28
+    assert kept["common_bytes"] - recompute["common_bytes"] == cosines - (1 << 28)
+    with pytest.raises(ValueError, match="--keep-bytes: must be >= 0"):
+        plan(**args, keep_bytes=-1)

@@ -27,13 +27,13 @@ SIGNATURES = {
         "optimizer: 'str | RowOptimizer' = 'sgd', compute_dtype: 'torch.dtype | None' = None, "
         "init_std: 'float' = 0.01, dtype: 'torch.dtype' = torch.float32, data_parallel_grad: 'bool' = True, "
         "bank: 'Callable[[int, torch.device], ClassBank] | None' = None, block_bytes: 'int | None' = None, "
-        "backend: 'str' = 'auto', validate: 'bool' = True, sub_centers: 'int' = 1, **optimizer_kwargs)"),
+        "backend: 'str' = 'auto', validate: 'bool' = True, sub_centers: 'int' = 1, keep_bytes: 'int | None' = None, **optimizer_kwargs)"),
     "margin_cross_entropy": (
         "(embeddings: 'torch.Tensor', labels: 'torch.Tensor', centers: 'torch.Tensor', *, margin: 'Margin', "
         "filter_threshold: 'float | None' = None, group=None, batch_group=None, class_start: 'int' = 0, "
         "compute_dtype: 'torch.dtype | None' = None, return_details: 'bool' = False, "
         "block_bytes: 'int | None' = None, backend: 'str' = 'auto', validate: 'bool' = True, "
-        "update_state: 'bool | None' = None, sub_centers: 'int' = 1)"),
+        "update_state: 'bool | None' = None, sub_centers: 'int' = 1, keep_bytes: 'int | None' = None)"),
     "initialize": (
         "(*, model: 'nn.Module', config: 'dict', heads: 'dict | None' = None, model_parameters=None, "
         "optimizer=None, lr_scheduler=None, mpu=None, **kwargs) -> \"'PfcEngine'\""),

@@ -15,8 +15,11 @@ from ds_pfc.cli import selfcheck as cli
 def test_gpu_plan_times_every_width_with_validate_off_and_as_a_graph(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * 2**30, 80 * 2**30))
     what = timing.plan(torch.device("cuda", 0))
-    modes = {(m["dim"], m["validate"], m["graph"]) for m in what["modes"]}
-    assert modes == {(512, True, False)} | {(d, False, g) for d in (512, 256, 128) for g in (False, True)}
+    modes = {(m["dim"], m["validate"], m["graph"], m.get("cosines")) for m in what["modes"]}
+    expected = {(512, True, False, None)} | {(d, False, g, None) for d in (512, 256, 128) for g in (False, True)}
+    if what["backend"] == "triton":     # and the recompute path of the validate=False eager step
+        expected |= {(d, False, False, "recompute") for d in (512, 256, 128)}
+    assert modes == expected
     case = what["case"]
     assert case["batch"] == 2048 and case["sample_rate"] == 0.1 and case["compute"] == "bf16"
     assert round(case["classes"] * case["sample_rate"]) == 800_000      # the standard rank fits 60 GiB free

@@ -117,7 +117,11 @@ def _assert_bounded(actual, expected, bound, name):
 
 
 def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, target=None, block_bytes=None,
-           coef_scale=1.0):
+           coef_scale=1.0, keep=False):
+    """lse_stats and the backward against float64. ``keep``: the forward keeps the cosines
+    (rounded to float16 for bf16/fp16 products) and the backward is grad_kept's G pass over
+    them, whose extra error is that rounding: ``scale * 2**-12`` in a logit, i.e. a relative
+    ``exp(scale * 2**-12) - 1`` in G, and ``2**-12`` per cosine in rho."""
     x_hat, w, w_inv_norm, tgt, coef = _data(n, s, d, seed=seed)
     coef = coef * coef_scale
     if target is not None:
@@ -125,8 +129,16 @@ def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, targ
     kw = dict(scale=scale, threshold=threshold, compute_dtype=compute_dtype)
     ref = _reference(x_hat, w, w_inv_norm, tgt, **kw)
 
-    m, l, max_cos = ts.lse_stats(x_hat, w, w_inv_norm, tgt, want_max_cos=want_max_cos, **kw)
+    kept = torch.full((s, n), float("nan"), dtype=ts.keep_dtype(compute_dtype), device=DEVICE) if keep else None
+    m, l, max_cos = ts.lse_stats(x_hat, w, w_inv_norm, tgt, want_max_cos=want_max_cos, keep=kept, **kw)
     assert m.dtype == l.dtype == torch.float32 and m.shape == l.shape == (n,)
+    if keep:
+        # Every cosine, class-major, rounded once to the kept dtype from the float32 accumulation.
+        cos64 = ref["x_c"] @ ref["w_c"].T
+        if threshold is not None:     # filtered negatives are stored as +inf (the targets never are)
+            cos64 = cos64.masked_fill(cos64 > threshold, float("inf"))
+        torch.testing.assert_close(kept.cpu().double(), cos64.T.to(kept.dtype).double(), rtol=0,
+                                   atol=2.0 ** -11 if kept.dtype == torch.float16 else 1e-6)
     # Forward statistics see only rounded operands (identical to the reference's) and float32
     # accumulation, so the fp32 tolerance applies to every compute dtype.
     torch.testing.assert_close(m.cpu().double(), ref["m"], rtol=_RTOL, atol=_RTOL * scale * 0.1)
@@ -140,7 +152,10 @@ def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, targ
     g_gen = torch.Generator().manual_seed(seed + 1)
     base = torch.where(torch.isinf(ref["m"]), torch.full_like(ref["m"], scale * 0.5), ref["m"])
     row_max = (base + torch.rand(n, generator=g_gen, dtype=torch.float64)).float().to(DEVICE)
-    dx_hat, dw = ts.grad(x_hat, w, w_inv_norm, tgt, coef, row_max, block_bytes=block_bytes, **kw)
+    if keep:
+        dx_hat, dw = ts.grad_kept(kept, x_hat, w, w_inv_norm, tgt, coef, row_max, **kw)
+    else:
+        dx_hat, dw = ts.grad(x_hat, w, w_inv_norm, tgt, coef, row_max, block_bytes=block_bytes, **kw)
     assert dx_hat.shape == (n, d) and dw.shape == (s, d)
     assert dx_hat.dtype == dw.dtype == torch.float32
     g, dx_ref, dw_ref = _reference_grad(ref, x_hat, w, coef, row_max)
@@ -148,7 +163,8 @@ def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, targ
     # Elementwise error bounds: each output is a sum of G entries times operand entries; G
     # carries ~_RTOL from the recomputed exp plus the rounding of G to the compute dtype
     # (relative _ROUNDOFF, or absolute _UNDERFLOW for float16 subnormals) before the second dot.
-    u = _RTOL + _ROUNDOFF[compute_dtype]
+    half_ulp = 2.0 ** -12 if keep and compute_dtype != torch.float32 else 0.0
+    u = _RTOL + _ROUNDOFF[compute_dtype] + math.expm1(scale * half_ulp)
     under = _UNDERFLOW[compute_dtype] * coef.abs().max().item()
     abs_w, abs_x = ref["w_c"].abs(), ref["x_c"].abs()
     dx_bound = u * (g.abs() @ abs_w) + under * abs_w.sum(0) + 1e-7 * coef_scale
@@ -156,7 +172,9 @@ def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, targ
     # dw = P(dw_hat) / ||w|| with P = I - w_hat w_hat^T: |P e|_i <= |e_i| + |w_hat_i| * ||e||_2.
     e = u * (g.abs().T @ abs_x) + under * abs_x.sum(0) + 1e-7
     w_hat = w.cpu().double() * w_inv_norm.cpu().double()[:, None]
-    dw_bound = (e + w_hat.abs() * e.norm(dim=1, keepdim=True)) * w_inv_norm.cpu().double()[:, None]
+    # rho from kept cosines: each G entry times a cosine off by up to half an ulp.
+    rho_err = (half_ulp * g.abs().sum(0))[:, None]
+    dw_bound = (e + w_hat.abs() * (e.norm(dim=1, keepdim=True) + rho_err)) * w_inv_norm.cpu().double()[:, None]
     _assert_bounded(dw, dw_ref, dw_bound + 1e-7 * coef_scale, "dw")
     return dict(ref, g=g, dx_hat=dx_hat, dw=dw, dx_ref=dx_ref, dw_ref=dw_ref)
 
@@ -182,6 +200,43 @@ def test_matches_float64_reference(n, s, d, scale, threshold, compute_dtype, wan
         # The data must exercise the filter on negatives, not only on targets.
         assert bool((ref["x_c"] @ ref["w_c"].T > threshold).any())
 
+
+
+@pytest.mark.parametrize("n,s,d,scale,threshold,compute_dtype,want_max_cos", CASES)
+def test_kept_cosines_match_float64_reference(n, s, d, scale, threshold, compute_dtype, want_max_cos):
+    """The keep path: the forward stores every cosine, the backward's G pass runs over them in
+    place, and cuBLAS-style products and a projection pass follow; same bounds plus the float16
+    rounding of the kept cosines."""
+    _check(n, s, d, scale=scale, threshold=threshold, compute_dtype=compute_dtype, want_max_cos=want_max_cos,
+           seed=n * 1000 + s * 10 + d + 1, keep=True)
+
+
+@pytest.mark.parametrize("d,compute_dtype", [(64, torch.bfloat16), (1024, torch.float16), (100, torch.float32)])
+def test_kept_cosines_embedding_widths(d, compute_dtype):
+    _check(19, 37, d, scale=64.0, threshold=0.2, compute_dtype=compute_dtype, want_max_cos=True, seed=d + 3,
+           keep=True)
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_kept_cosines_large_batch_splits_the_samples(compute_dtype):
+    # N = 200 over the interpreter's 64-sample split: the G pass's partial rho must add up.
+    if not ts._INTERPRET:
+        pytest.skip("the GPU's split is 4096 samples: the interpreter runs the small one")
+    _check(200, 129, 40, scale=64.0, threshold=0.2, compute_dtype=compute_dtype, want_max_cos=False, seed=30,
+           keep=True)
+
+
+def test_kept_cosines_validation():
+    x_hat, w, w_inv_norm, tgt, coef = _data(5, 7, 16, seed=2)
+    kw = dict(scale=64.0, threshold=None, compute_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="keep: expected dtype torch.float16"):
+        ts.lse_stats(x_hat, w, w_inv_norm, tgt, want_max_cos=False, keep=torch.empty(7, 5, device=DEVICE), **kw)
+    with pytest.raises(ValueError, match=r"keep: expected shape \[7, 5\]"):
+        ts.lse_stats(x_hat, w, w_inv_norm, tgt, want_max_cos=False,
+                     keep=torch.empty(5, 7, dtype=torch.float16, device=DEVICE), **kw)
+    with pytest.raises(ValueError, match="kept: expected a contiguous"):
+        ts.grad_kept(torch.empty(5, 7, dtype=torch.float16, device=DEVICE).t(), x_hat, w, w_inv_norm, tgt, coef,
+                     coef, **kw)
 
 
 @pytest.mark.parametrize("d,compute_dtype", [(64, torch.bfloat16), (100, torch.float32), (256, torch.float16),
@@ -410,16 +465,20 @@ _COMPILE_SM90 = textwrap.dedent("""
     DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     PTR = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
     BLOCKS = {"lse": ("BLOCK_N", "BLOCK_S", "BLOCK_K"), "lse_max": ("BLOCK_N", "BLOCK_S", "BLOCK_K"), "g": ("BLOCK_S", "BLOCK_N", "BLOCK_K"),
-              "dw": ("BLOCK_S", "BLOCK_D", "BLOCK_K"), "prep": ("ROWS", "BLOCK_D", None)}
-    KERNELS = {"lse": K._lse_kernel, "lse_max": K._lse_kernel, "g": K._g_kernel, "dw": K._dw_kernel, "prep": K._prep_kernel}
+              "dw": ("BLOCK_S", "BLOCK_D", "BLOCK_K"), "prep": ("ROWS", "BLOCK_D", None),
+              "gpass": ("BLOCK_S", "BLOCK_N", None), "proj": ("ROWS", "BLOCK_D", None)}
+    KERNELS = {"lse": K._lse_kernel, "lse_max": K._lse_kernel, "g": K._g_kernel, "dw": K._dw_kernel, "prep": K._prep_kernel,
+               "gpass": K._g_pass_kernel, "proj": K._project_kernel}
     # Pointers in the compute dtype (the rest float32; targets int64; centers read by dw/prep as float32).
     COMPUTE_PTRS = {"x_ptr", "g_ptr", "wc_ptr"}
+    KEEP_PTR = {"float32": "*fp32", "bfloat16": "*fp16", "float16": "*fp16"}    # the kept cosines
 
     def compile_sm90(name, dtype, **flags):
         kernel = KERNELS[name]
         a, b, k, num_warps, num_stages = K.tile_config(name, DTYPES[dtype], interpret=False)
         values = dict(flags, UPCAST=False, PRECISION="ieee", COMPUTE=K._TL_DTYPES[DTYPES[dtype]],
-                      SPLIT_N=K.samples_per_split(DTYPES[dtype], interpret=False))
+                      SPLIT_N=K.samples_per_split(DTYPES[dtype], interpret=False),
+                      KEEP=K._TL_DTYPES[K.keep_dtype(DTYPES[dtype])])
         for key, v in zip(BLOCKS[name], (a, b, k)):
             if key:
                 values[key] = v
@@ -433,7 +492,8 @@ _COMPILE_SM90 = textwrap.dedent("""
                 continue
             if arg.endswith("_ptr"):
                 compute = arg in COMPUTE_PTRS or (arg == "w_ptr" and name in ("lse", "lse_max", "g"))
-                signature[arg] = "*i64" if arg == "tgt_ptr" else (PTR[dtype] if compute else "*fp32")
+                signature[arg] = ("*i64" if arg == "tgt_ptr" else KEEP_PTR[dtype] if arg == "cos_ptr"
+                                  else PTR[dtype] if compute else "*fp32")
             else:
                 signature[arg] = "fp32" if arg in ("scale", "threshold", "eps") else "i32"
             # As Triton specialises a launch at the standard shape: 16-byte aligned pointers and
@@ -464,12 +524,20 @@ _COMPILE_SM90 = textwrap.dedent("""
     for dtype in DTYPES:
         # What lse_stats launches: the running max of the cosines only with a threshold, on
         # the lse_max tiles; without one it is the log-sum-exp's own max.
-        jobs.append(("lse_max", dtype, dict(HAS_THRESHOLD=True, WANT_MAX_COS=True)))
+        jobs.append(("lse_max", dtype, dict(HAS_THRESHOLD=True, WANT_MAX_COS=True, STORE_COS=False)))
         for threshold in (True, False):
-            jobs.append(("lse", dtype, dict(HAS_THRESHOLD=threshold, WANT_MAX_COS=False)))
+            jobs.append(("lse", dtype, dict(HAS_THRESHOLD=threshold, WANT_MAX_COS=False, STORE_COS=False)))
             jobs.append(("g", dtype, dict(HAS_THRESHOLD=threshold)))
         jobs.append(("dw", dtype, {}))
         jobs.append(("prep", dtype, {}))
+        # The kept-cosine path: the forward with its side store, the in-place G pass.
+        jobs.append(("lse", dtype, dict(HAS_THRESHOLD=True, WANT_MAX_COS=False, STORE_COS=True)))
+        jobs.append(("gpass", dtype, dict(HAS_THRESHOLD=True)))
+        if dtype == "bfloat16":
+            jobs.append(("lse", dtype, dict(HAS_THRESHOLD=False, WANT_MAX_COS=False, STORE_COS=True)))
+            jobs.append(("lse_max", dtype, dict(HAS_THRESHOLD=True, WANT_MAX_COS=True, STORE_COS=True)))
+            jobs.append(("gpass", dtype, dict(HAS_THRESHOLD=False)))
+            jobs.append(("proj", dtype, {}))      # no compute-dtype operand: one build covers all
     shard, shards = int(sys.argv[1]), int(sys.argv[2])
     for name, dtype, flags in jobs[shard::shards]:
         print(json.dumps(compile_sm90(name, dtype, **flags)), flush=True)
@@ -513,7 +581,7 @@ def test_kernels_compile_for_sm90():
         assert proc.returncode == 0, err[-3000:]
         results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
-    assert len(results) == 3 * (1 + 2 + 2 + 1 + 1)
+    assert len(results) == 3 * (1 + 2 + 2 + 1 + 1 + 2) + 4
     problems = []
     for r in results:
         what = f"{r['kernel']} {r['dtype']} {r['flags']} row={r['config']}"
@@ -525,7 +593,8 @@ def test_kernels_compile_for_sm90():
             problems.append(f"{what}: {r['regs']} registers > {_SM90_REGS}")
         if r["spills"] > _MAX_SPILLS[r["dtype"]]:
             problems.append(f"{what}: {r['spills']} spilled words > {_MAX_SPILLS[r['dtype']]} ({r['regs']} registers)")
-        if r["kernel"] != "prep" and r["dtype"] != "float32" and (r["hgmma"] == 0 or r["hmma"] > 0):
+        if r["kernel"] not in ("prep", "gpass", "proj") and r["dtype"] != "float32" \
+                and (r["hgmma"] == 0 or r["hmma"] > 0):
             problems.append(f"{what}: tensor-core products not on wgmma (HGMMA {r['hgmma']}, HMMA {r['hmma']})")
     assert not problems, "\n".join(problems)
 
@@ -618,3 +687,64 @@ def test_float16_products_keep_tiny_gradients_end_to_end(backend):
     for got, ref in ((dw16[negatives], dw64[negatives]), (dx16, dx64)):
         err = (got - ref).norm() / ref.norm()
         assert err.item() < 2e-2, f"relative error {err.item():.3g}"
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_softmax_keeps_cosines_within_the_budget(monkeypatch, compute_dtype):
+    """Through the autograd function: a training step within keep_bytes runs grad_kept (no
+    recompute), one over the budget or with keep_bytes=0 runs grad; both match a CosFace
+    loss in float64 by autograd; a second backward (retain_graph) finds the cosines spent and
+    recomputes."""
+    from ds_pfc.core.margins import CosFace
+    from ds_pfc.core.softmax import margin_softmax_cross_entropy
+    n, s, d = 29, 53, 40
+    x_hat, w, _, _, _ = _data(n, s, d, seed=41)
+    tgt = torch.randint(0, s, (n,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    # float32: roundoff only; bf16 products and float16 kept cosines: G within ~2% per entry
+    tol = 1e-4 if compute_dtype == torch.float32 else 5e-2
+    calls = []
+    for name in ("grad", "grad_kept"):
+        original = getattr(ts, name)
+        monkeypatch.setattr(ts, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+
+    def run(keep_bytes, backward_twice=False):
+        x = (x_hat * 3.0).detach().requires_grad_()
+        ww = w.detach().clone().requires_grad_()
+        res = margin_softmax_cross_entropy(x, ww, tgt, CosFace(64.0, 0.35), backend="triton", compute_dtype=compute_dtype,
+                                           keep_bytes=keep_bytes)
+        res.loss.backward(retain_graph=backward_twice)
+        grads = (x.grad.clone(), ww.grad.clone())
+        if backward_twice:
+            res.loss.backward()
+            # kept (float16 cosines) + recomputed: twice the first, to the float16 rounding of G
+            torch.testing.assert_close(x.grad, 2 * grads[0], rtol=0, atol=2 * tol * grads[0].abs().max().item())
+            torch.testing.assert_close(ww.grad, 2 * grads[1], rtol=0, atol=2 * tol * grads[1].abs().max().item())
+        return res.loss.detach(), grads
+
+    item = 4 if compute_dtype == torch.float32 else 2
+    loss_k, (gx_k, gw_k) = run(n * s * item, backward_twice=True)
+    assert calls == ["grad_kept", "grad"]
+    calls.clear()
+    loss_r, (gx_r, gw_r) = run(n * s * item - 1)
+    assert calls == ["grad"]
+    calls.clear()
+    run(0)
+    assert calls == ["grad"]
+    assert torch.equal(loss_k, loss_r)            # keeping changes nothing in the forward
+
+    # CosFace (s = 64, m = 0.35) in float64 by autograd.
+    x64 = (x_hat * 3.0).double().cpu().requires_grad_()
+    w64 = w.double().cpu().requires_grad_()
+    xh = x64 / x64.norm(dim=1, keepdim=True)
+    wh = w64 / w64.norm(dim=1, keepdim=True)
+    cos = xh @ wh.T
+    rows, cols = torch.arange(n), tgt.cpu()
+    t = cos[rows, cols]
+    logits = (64.0 * cos).index_put((rows, cols), 64.0 * (t - 0.35))
+    loss64 = (torch.logsumexp(logits, dim=1) - logits[rows, cols]).mean()
+    gx64, gw64 = torch.autograd.grad(loss64, (x64, w64))
+    for what, gx, gw in (("kept", gx_k, gw_k), ("recompute", gx_r, gw_r)):
+        torch.testing.assert_close(gx.cpu().double(), gx64, rtol=0, atol=tol * gx64.abs().max().item(),
+                                   msg=lambda m: f"{what} dx: {m}")
+        torch.testing.assert_close(gw.cpu().double(), gw64, rtol=0, atol=tol * gw64.abs().max().item(),
+                                   msg=lambda m: f"{what} dw: {m}")

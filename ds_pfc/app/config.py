@@ -317,6 +317,11 @@ class HeadConfig:
     block_bytes: int | None = None
     """Bytes of float32 logits per class block of the softmax and of rows per optimizer
     chunk (null: 256 MiB on CUDA, 2 MiB on CPU); larger logits are recomputed in backward."""
+    keep_bytes: int | None = None
+    """Most bytes a training step keeps for backward instead of recomputing: float32 logits
+    (torch backend) or cosines (triton: float16 for bf16/fp16 products; the standard rank of
+    N = 2048, S = 800k keeps 3.3 GB and its backward runs no recompute product). null:
+    block_bytes when set, else 4 GiB (triton) or 256 MiB (torch); 0: never keep."""
     backend: str = "auto"
     """Softmax backend: auto (fused Triton kernels on CUDA when triton imports), torch or triton."""
     sub_centers: int = 1
@@ -341,6 +346,10 @@ class HeadConfig:
                                              or self.block_bytes < 1):
             raise ConfigError(f"ds_pfc.head.block_bytes must be null or a positive integer of bytes, "
                               f"got {self.block_bytes!r}")
+        if self.keep_bytes is not None and (isinstance(self.keep_bytes, bool) or not isinstance(self.keep_bytes, int)
+                                            or self.keep_bytes < 0):
+            raise ConfigError(f"ds_pfc.head.keep_bytes must be null or a non-negative integer of bytes (0: never "
+                              f"keep), got {self.keep_bytes!r}")
         if isinstance(self.sub_centers, bool) or not isinstance(self.sub_centers, int) or self.sub_centers < 1:
             raise ConfigError(f"ds_pfc.head.sub_centers must be a positive integer, got {self.sub_centers!r}")
         from ..core.softmax import BACKENDS
@@ -356,7 +365,8 @@ class HeadConfig:
                          device=device, seed=self.seed, optimizer=self.optimizer.type,
                          compute_dtype=compute,
                          data_parallel_grad=data_parallel_grad, bank=self.bank.build(), block_bytes=self.block_bytes,
-                         backend=self.backend, sub_centers=self.sub_centers, **self.optimizer.kwargs())
+                         backend=self.backend, sub_centers=self.sub_centers, keep_bytes=self.keep_bytes,
+                         **self.optimizer.kwargs())
 
 
 @dataclass(kw_only=True)

@@ -27,8 +27,10 @@ kernel: ``body / fill + launches * launch_s``, where ``body`` is ``max(FLOPs / (
 rate), distinct bytes / copy rate)`` for a product, ``distinct bytes / (eff * copy rate)``
 for a streaming Triton kernel, ``bytes / (eff_aten * copy rate)`` for other aten ops and
 ``keys * per_key`` for topk and sort (their small kernels included). The step adds ``idle_s``.
-A kernel the calibration did not see keeps the roofline rule (a Triton kernel at the measured
-reference rates), and so do products in another compute dtype; each row names its ``rule``.
+A streaming Triton kernel the calibration did not see runs at the lowest streaming efficiency
+it measured (of its Triton kernels); a product kernel it did not see keeps the roofline rule
+at the measured reference rates, and so do products in another compute dtype; each row names
+its ``rule``.
 
 **Another GPU** of the same architecture (H100 from an H200 calibration): the same kernels
 and counts (132 SMs on both), the same efficiencies, launch and idle; reference rates scaled
@@ -285,6 +287,15 @@ def kernel_seconds(key: str, c: dict, cal: Calibration, gpu_name: str, backend: 
         if key in cal.stream and not c["flops"]:
             eff = cal.stream[key]
             return unique / (eff * copy) / fill + c["launches"] * launch, f"{eff:.1%} of {copy / 1e12:.2f} TB/s"
+        if not c["flops"]:
+            # A streaming kernel the calibration did not see: the least efficient streaming
+            # Triton kernel it measured (no kernel is assumed to do better than what ran).
+            measured = {k: v for k, v in cal.stream.items() if k.startswith("triton:")}
+            if measured:
+                worst = min(measured, key=measured.get)
+                eff = measured[worst]
+                return (unique / (eff * copy) / fill + c["launches"] * launch,
+                        f"not calibrated: {eff:.1%} of {copy / 1e12:.2f} TB/s, as {worst.split(':', 1)[1]}")
         # A kernel the calibration did not see: the roofline at the calibrated reference rates.
         body = max(c["flops"] / gemm, unique / copy)
         return body / fill + c["launches"] * launch, "not calibrated: roofline at the measured rates"
@@ -351,6 +362,9 @@ def measured_groups(cal: Calibration, gpu_name: str, case: dict) -> dict | None:
     keys = ("batch", "dim", "compute", "embeddings", "block_bytes")
     if case_rows(case) != case_rows(cal.case) or any(case.get(k) != cal.case.get(k) for k in keys):
         return None
+    from .selfcheck import _with_path
+    if _with_path(case).get("cosines") != _with_path(dict(cal.case, backend=case["backend"])).get("cosines"):
+        return None
     return cal.measured.get(case["backend"])
 
 
@@ -361,6 +375,8 @@ def floor_parts(pred: dict) -> dict:
     gpu, case, S = GPUS[pred["gpu"]], pred["case"], pred["S"]
     gemm_pass = 2 * case["batch"] * S * case["dim"] / gpu["gemm"]
     sgd = 20 * S * case["dim"] / gpu["hbm"]
+    if case["backend"] == "triton" and case.get("cosines") == "kept":     # dX and dW both on cuBLAS
+        return {"triton:_lse_kernel": gemm_pass, "torch GEMMs": 2 * gemm_pass, "triton:_sgd_rows_kernel": sgd}
     if case["backend"] == "triton":
         return {"triton:_lse_kernel": gemm_pass, "torch GEMMs": gemm_pass, "triton:_dw_kernel": gemm_pass,
                 "triton:_sgd_rows_kernel": sgd}
@@ -368,6 +384,7 @@ def floor_parts(pred: dict) -> dict:
 
 
 _LABELS = {"triton:_lse_kernel": "forward (lse)", "triton:_g_kernel": "G", "triton:_dw_kernel": "dW",
+           "triton:_g_pass_kernel": "G pass (kept cosines)", "triton:_project_kernel": "projection",
            "torch GEMMs": "torch GEMMs (cuBLAS)", "triton:_prep_kernel": "prepare",
            "triton:_sgd_rows_kernel": "SGD rows", "triton:_keys_kernel": "sampler keys",
            "torch other ops": "torch other ops", "idle": "idle (host sync)"}

@@ -62,7 +62,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["GPUS", "CostCounter", "count_step", "fit_counts", "fit_case", "case_rows", "predict", "predict_case",
+__all__ = ["GPUS", "CostCounter", "count_step", "fit_counts", "fit_case", "case_rows", "case_keeps", "cosines_path",
+           "predict", "predict_case",
            "main_predict", "kernel_time", "compare", "STANDARD_CASE"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -454,11 +455,14 @@ def _constexpr_json(value):
 # --------------------------------------------------------------------- one counted step
 def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str = "bf16",
                embeddings: str = "fp32", backend: str = "triton", block_rows: int | None = None,
-               world: int = 1, sms: int = 132, seed: int = 0, grids_only: bool = False) -> dict:
+               world: int = 1, sms: int = 132, seed: int = 0, grids_only: bool = False, keep: bool = False) -> dict:
     """Counts of one head step (forward, backward, fused row SGD) with ``S`` active rows.
 
     ``grids_only``: launch no Triton kernel, only record each launch's grid (in seconds:
     what follows a launch computes on uninitialised outputs); returns ``{name: [grids]}``.
+
+    ``keep``: the triton backend keeps its cosines for backward (``keep_bytes`` unbounded),
+    else it recomputes them (``keep_bytes=0``); the torch backend ignores it.
 
     ``block_rows``: class rows per block of the torch backend (None: a 256 MiB block). Runs on
     CPU tensors; Triton kernels need ``TRITON_INTERPRET=1`` set before triton was imported.
@@ -479,7 +483,8 @@ def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str
     head = PartialFC(num_classes, dim, sample_rate=sample_rate, margin=ArcFace(), device="cpu",
                      compute_dtype=None if compute_dtype == torch.float32 else compute_dtype, optimizer="sgd",
                      momentum=0.9, weight_decay=5e-4, data_parallel_grad=False, block_bytes=block_bytes,
-                     backend=backend, seed=seed, fused=True)
+                     backend=backend, seed=seed, fused=True,
+                     keep_bytes=(1 << 62 if keep else 0) if backend == "triton" else None)
     if backend == "triton" or os.environ.get("TRITON_INTERPRET") == "1":
         # Imported before counting starts, so that the counter instruments its interpreter.
         from ..kernels import triton_optim  # noqa: F401
@@ -765,7 +770,8 @@ def _standard_runs(case: dict) -> list[tuple[int, int | None]]:
         if S not in grids:
             grids[S] = count_step(S, batch=case["batch"], dim=case["dim"], sample_rate=rate,
                                   compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"],
-                                  block_rows=S // 2, world=case["world"], sms=case.get("sms", 132), grids_only=True)
+                                  block_rows=S // 2, world=case["world"], sms=case.get("sms", 132), grids_only=True,
+                                  keep=case_keeps(case))
         return grids[S]
 
     # The probe: the grids at (up to) 64k rows, with every class active (a small table).
@@ -785,6 +791,23 @@ def _standard_runs(case: dict) -> list[tuple[int, int | None]]:
         S2 = -(-S2 // tile) * tile
         return [(2 * tile, tile), (2 * tile, 2 * tile), (S2, tile), (2 * S2, tile)]
     return [(64, 32), (64, 16), (S2, S2 // 2), (2 * S2, S2 // 2)]
+
+
+def case_keeps(case: dict) -> bool:
+    """Whether the case's triton step keeps its cosines for backward: ``case["cosines"]`` is
+    ``"kept"`` (cases that name no ``cosines``, counted before the kept path existed,
+    recompute)."""
+    return case.get("backend") == "triton" and case.get("cosines") == "kept"
+
+
+def cosines_path(backend: str, batch: int, S: int, compute: str, keep_bytes: int | None) -> str | None:
+    """``"kept"`` or ``"recompute"``: what a triton step of ``batch`` samples and ``S`` active
+    rows does under ``keep_bytes`` (None: the default budget); None for the torch backend."""
+    from ..core.softmax import COSINE_KEEP_BYTES, keeps_cosines
+    if backend != "triton":
+        return None
+    budget = COSINE_KEEP_BYTES if keep_bytes is None else keep_bytes
+    return "kept" if keeps_cosines(batch, S, _DTYPES[compute], budget) else "recompute"
 
 
 def case_rows(case: dict) -> int:
@@ -808,7 +831,7 @@ def predict_case(case: dict, gpu_name: str, *, counts: list[dict] | None = None,
     if counts is None:
         counts = [count_step(s, batch=case["batch"], dim=case["dim"], sample_rate=case["sample_rate"],
                              compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"],
-                             block_rows=b, world=case["world"], sms=gpu["sms"])
+                             block_rows=b, world=case["world"], sms=gpu["sms"], keep=case_keeps(case))
                   for s, b in _standard_runs(dict(case, sms=gpu["sms"], S=S))]
     fitted = fit_case(case, counts)
     out = predict(fitted, gpu, S=S, batch=case["batch"], dim=case["dim"], compile_code=compile_code)
@@ -863,6 +886,9 @@ def main_predict(argv=None) -> int:
     p.add_argument("--embeddings-dtype", dest="embeddings", choices=sorted(_DTYPES), default=s["embeddings"])
     p.add_argument("--backend", default="torch,triton", help="comma-separated softmax backends")
     p.add_argument("--block-bytes", type=int, default=None)
+    p.add_argument("--keep-bytes", type=int, default=None,
+                   help="the head's keep_bytes: the triton step keeps its float16 cosines for backward when they "
+                        "fit (default: 4 GiB); 0 recomputes them")
     p.add_argument("--no-compile", action="store_true", help="skip reading the kernels' machine code")
     p.add_argument("--counts", default=None,
                    help="a --predict JSON whose op counts to reuse when it holds the same case counted for the "
@@ -880,6 +906,8 @@ def main_predict(argv=None) -> int:
     for name in ("world", "classes", "batch", "dim"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be a positive int, got {getattr(args, name)}")
+    if args.keep_bytes is not None and args.keep_bytes < 0:
+        p.error(f"--keep-bytes must be a non-negative int, got {args.keep_bytes}")
     if not 0 < args.sample_rate <= 1:
         p.error(f"--sample-rate must lie in (0, 1], got {args.sample_rate}")
     for backend in args.backend.split(","):
@@ -902,6 +930,9 @@ def main_predict(argv=None) -> int:
         case = dict(world=args.world, classes=args.classes, sample_rate=args.sample_rate, batch=args.batch,
                     dim=args.dim, compute=args.compute, embeddings=args.embeddings, backend=backend,
                     block_bytes=args.block_bytes)
+        path = cosines_path(backend, args.batch, case_rows(case), args.compute, args.keep_bytes)
+        if path is not None:
+            case["cosines"] = path
         counts = _saved_counts(args.counts, case, sms) if args.counts else None
         if args.counts and counts is None:
             print(f"{args.counts} holds no counts of this case for {sms} SMs: counting it here", flush=True)
@@ -947,7 +978,7 @@ def _count_main(spec: str) -> int:
     case["S"] = max(math.floor(case["sample_rate"] * math.ceil(case["classes"] / case["world"]) + 1e-9), 1)
     out = [count_step(s, batch=case["batch"], dim=case["dim"], sample_rate=case["sample_rate"],
                       compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"], block_rows=b,
-                      world=case["world"], sms=case["sms"])
+                      world=case["world"], sms=case["sms"], keep=case_keeps(case))
            for s, b in _standard_runs(case)]
     print(json.dumps(out))
     return 0

@@ -35,7 +35,7 @@ import sys
 
 from ..bank.nvme import DEFAULT_STAGE_BYTES, SECTOR, TARGET_BLOCK_BYTES
 from ..bank.nvme_model import page_io
-from ..core.softmax import CUDA_BLOCK_BYTES
+from ..core.softmax import COSINE_KEEP_BYTES, CUDA_BLOCK_BYTES
 
 __all__ = ["plan", "PlanArgumentError", "GPUS", "BACKBONES", "TIERS", "DEFAULTS", "main", "format_plan",
            "format_sweep", "parse_classes"]
@@ -82,7 +82,7 @@ NVME_VERSION_BYTES = 12   # the NVMe store keeps int64 versions, the bank int32 
 DEFAULTS = dict(optimizer="sgd", storage="fp32", backbone="none", batch=128, step_ms=300.0, host_gbps=450.0,
                 pcie_gbps=50.0, zero_copy_gbps=45.0, host_ram_gb=2048.0, nvme_drives=8, nvme_read_gbps=14.0,
                 nvme_write_gbps=10.0, nvme_tb=15.36, nvme_dwpd=1.0, cpu_gbps=6.0, cpu_cores=112, hbm_share=0.0,
-                block_bytes=CUDA_BLOCK_BYTES, momentum=0.9)
+                block_bytes=CUDA_BLOCK_BYTES, keep_bytes=COSINE_KEEP_BYTES, momentum=0.9)
 
 # CLI spelling of each argument (errors name the option to change).
 FLAGS = {"classes": "--classes", "dim": "--dim", "gpus": "--gpus", "gpu": "--gpu", "sample_rate": "--sample_rate",
@@ -91,7 +91,8 @@ FLAGS = {"classes": "--classes", "dim": "--dim", "gpus": "--gpus", "gpu": "--gpu
          "zero_copy_gbps": "--zero-copy-gbps", "host_ram_gb": "--host-ram-gb", "nvme_drives": "--nvme-drives",
          "nvme_read_gbps": "--nvme-read-gbps", "nvme_write_gbps": "--nvme-write-gbps", "nvme_tb": "--nvme-tb",
          "nvme_dwpd": "--nvme-dwpd", "cpu_gbps": "--cpu-gbps", "cpu_cores": "--cpu-cores",
-         "hbm_share": "--hbm-share", "block_bytes": "--block-bytes", "momentum": "--momentum"}
+         "hbm_share": "--hbm-share", "block_bytes": "--block-bytes", "keep_bytes": "--keep-bytes",
+         "momentum": "--momentum"}
 
 
 class PlanArgumentError(ValueError):
@@ -116,6 +117,7 @@ def _check_inputs(p: dict) -> dict:
     for name in ("classes", "dim", "gpus", "batch", "block_bytes", "cpu_cores"):
         number(name, 1, integer=True)
     number("nvme_drives", 0, integer=True)
+    number("keep_bytes", 0, integer=True)
     number("sample_rate", 0.0, 1.0, low_open=True)
     number("hbm_share", 0.0, 1.0)
     number("momentum", 0.0, 1.0)
@@ -202,7 +204,11 @@ def _figures(p: dict, classes: int) -> dict:
     # GPU memory besides the bank, per GPU.
     slot = active * row_logical
     staged = 2 * slot + active * d * 4                        # two slots + the centers' float32 gradient
-    logits = min(p["block_bytes"], n_gathered * active * 2)   # one class block of G (bf16, Triton backend)
+    # The Triton backend keeps the float16 cosines (G is then formed over them) within keep_bytes,
+    # else one class block of G in bf16.
+    cosines = n_gathered * active * 2
+    kept = cosines <= p["keep_bytes"]
+    logits = cosines if kept else min(p["block_bytes"], cosines)
     softmax = logits + active * (2 * d + 4) + 3 * n_gathered * d * 4   # + normalised centers, norms, x/x_hat/dx
     sampler = SAMPLER_BYTES_PER_CLASS * cq
     bb = BACKBONES.get(p["backbone"])
@@ -314,7 +320,7 @@ def _figures(p: dict, classes: int) -> dict:
         states=per_state, row_bytes=row, logical_row_bytes=row_logical, bank_bytes_rank=bank_storage,
         bank_bytes_node=k * bank_storage, version_bytes_rank=counters,
         gpu=dict(slot_bytes=slot, slots=2, center_grad_bytes=active * d * 4, staged_bytes=staged,
-                 logits_block_bytes=logits, softmax_bytes=softmax, sampler_bytes=sampler,
+                 logits_block_bytes=logits, cosines_kept=kept, softmax_bytes=softmax, sampler_bytes=sampler,
                  backbone_state_bytes=bb_state, backbone_activation_bytes=bb_act, backbone_params=bb_params,
                  common_bytes=common_gpu, limit_bytes=gpu_limit, reserve_bytes=GPU_RESERVE_GB * GB,
                  memory_bytes=GPUS[p["gpu"]]["memory_gb"] * GB),
@@ -387,7 +393,7 @@ def plan(classes: int, dim: int, gpus: int, gpu: str, sample_rate: float, *, hin
     of :data:`GPUS`) at ``sample_rate``; ``options`` override :data:`DEFAULTS` (``optimizer``,
     ``storage``, ``backbone``, ``batch``, ``step_ms``, ``host_gbps``, ``pcie_gbps``,
     ``zero_copy_gbps``, ``host_ram_gb``, ``nvme_*``, ``cpu_gbps``, ``cpu_cores``, ``hbm_share``,
-    ``block_bytes``, ``momentum``).
+    ``block_bytes``, ``keep_bytes``, ``momentum``).
 
     Returns a dict: ``inputs``; per rank the classes, active and cold rows, each state's bytes;
     ``gpu`` (staged slots, softmax buffers, sampler, backbone); ``tiers`` (per tier: memory per
@@ -537,7 +543,8 @@ def format_plan(out: dict) -> str:
              _gb(2 * g["slot_bytes"])],
             ["gradient of the staged centers", f"{out['active_rows']:,} x {p['dim']} x 4 B",
              _gb(g["center_grad_bytes"])],
-            ["softmax buffers", f"G block {_gb(g['logits_block_bytes'])} GB, normalised centers, embeddings",
+            ["softmax buffers", ("kept cosines (G formed over them)" if g["cosines_kept"] else "G block")
+             + f" {_gb(g['logits_block_bytes'])} GB, normalised centers, embeddings",
              _gb(g["softmax_bytes"])],
             ["sampler keys", f"{SAMPLER_BYTES_PER_CLASS} B x C_q", _gb(g["sampler_bytes"])]]
     if bb:
@@ -715,6 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default=d["hbm_share"], help="fraction f of each rank's rows kept in GPU memory")
     ap.add_argument("--block-bytes", "--block_bytes", dest="block_bytes", type=_typed(int, 1),
                     default=d["block_bytes"], help="the head's block_bytes (default 256 MiB, as on CUDA)")
+    ap.add_argument("--keep-bytes", "--keep_bytes", dest="keep_bytes", type=_typed(int, 0),
+                    default=d["keep_bytes"], help="the head's keep_bytes: float16 cosines kept for backward "
+                    "when they fit (default 4 GiB, the triton backend's)")
     ap.add_argument("--json", default=None, help="also write the inputs, the date and every number here")
     return ap
 

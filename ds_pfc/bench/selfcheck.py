@@ -221,13 +221,15 @@ def group_predicted(prediction: dict) -> dict:
 
 def case_head(case: dict, dim: int, device, *, backend: str, validate: bool = True):
     """The head the timing checks step: ArcFace, SGD with momentum, the case's classes, rate
-    and compute dtype, at width ``dim``."""
+    and compute dtype, at width ``dim``; a triton case's ``cosines`` ("kept" or "recompute")
+    sets its ``keep_bytes`` (absent: the default budget)."""
     from ..core.head import PartialFC
     from ..core.margins import ArcFace
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[case["compute"]]
+    keep = {"kept": 1 << 62, "recompute": 0}.get(case.get("cosines"))
     return PartialFC(case["classes"], dim, sample_rate=case["sample_rate"], margin=ArcFace(), device=device,
                      compute_dtype=compute, momentum=0.9, weight_decay=5e-4, data_parallel_grad=False,
-                     backend=backend, validate=validate)
+                     backend=backend, validate=validate, keep_bytes=keep)
 
 
 def _time_step(device, case: dict, backend: str, steps: int = 3):
@@ -276,9 +278,17 @@ def _saved_counts(path: str | None, case: dict, sms: int) -> list[dict] | None:
     if doc.get("gpu_constants", {}).get("sms") != sms:
         return None
     for result in doc.get("results", []):
-        if result.get("case") == case and result.get("counts"):
+        if _with_path(result.get("case")) == _with_path(case) and result.get("counts"):
             return result["counts"]
     return None
+
+
+def _with_path(case):
+    """``case`` with its triton ``cosines`` path spelled out: cases that name none were
+    counted (or measured) before the kept-cosine path existed, and recompute."""
+    if isinstance(case, dict) and case.get("backend") == "triton" and "cosines" not in case:
+        return dict(case, cosines="recompute")
+    return case
 
 
 def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 2.0,
@@ -296,6 +306,9 @@ def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 
     doc, bad = {"gpu": kind, "case": base, "factor": factor, "backends": {}}, []
     for backend in ("torch", "triton") if _triton_available() else ("torch",):
         case = dict(base, backend=backend)
+        path = model.cosines_path(backend, case["batch"], model.case_rows(case), case["compute"], None)
+        if path is not None:
+            case["cosines"] = path          # what the head's default keep budget makes the step do
         sms = model.GPUS[kind]["sms"]
         counts = _saved_counts(counts_from, case, sms) or model._count_in_subprocess(case, sms)
         pred = model.predict_case(case, kind, counts=counts)

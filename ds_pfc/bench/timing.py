@@ -7,7 +7,10 @@ A few minutes on one GPU, one JSON (``benchmarks/results/timing-<gpu>-<date>.jso
   free memory) for ``d`` = 512, 256 and 128: eager with ``validate=True`` (the default, one
   host sync a step), eager with ``validate=False``, and a CUDA graph replay of the
   ``validate=False`` step (no launch or host cost at all); milliseconds per step. The gaps
-  between the three are the host sync's and the launches' cost.
+  between the three are the host sync's and the launches' cost. These steps keep their
+  cosines for backward (the default budget holds them at every width); the triton backend's
+  recompute path (``keep_bytes=0``) is timed too, eager with ``validate=False``
+  (``..._recompute``): the step before and after the kept-cosine design, kernel by kernel.
 * ``kernels``: the profiler's device time per kernel group of the ``validate=False`` step
   (the groups the model predicts: each Triton kernel, the torch products, other torch ops),
   per ``d``.
@@ -186,8 +189,12 @@ def plan(device) -> dict:
         case, dims = dict(_TOY), (_TOY["dim"],)
     modes = [(d, True, False) for d in dims[:1]] + [(d, False, g) for d in dims for g in ((False, True) if cuda
                                                                                               else (False,))]
-    return {"case": case, "dims": list(dims), "backend": _backend(device),
-            "modes": [{"dim": d, "validate": v, "graph": g} for d, v, g in modes]}
+    modes = [{"dim": d, "validate": v, "graph": g} for d, v, g in modes]
+    if _backend(device) == "triton":
+        # The default step keeps its cosines when they fit (4 GiB: all three widths here);
+        # the recompute path of the same step, eager, for the before/after per kernel.
+        modes += [{"dim": d, "validate": False, "graph": False, "cosines": "recompute"} for d in dims]
+    return {"case": case, "dims": list(dims), "backend": _backend(device), "modes": modes}
 
 
 def run_timing(device, *, results_dir: str, stamp: str, gpu: str, model: bool = True, steps: int | None = None,
@@ -203,9 +210,12 @@ def run_timing(device, *, results_dir: str, stamp: str, gpu: str, model: bool = 
            "machine": machine_info(), "versions": versions(), "gpu": gpu, **what, "steps": {}, "sampler": {}}
     for m in what["modes"]:
         key = f"d{m['dim']}_validate{int(m['validate'])}_graph{int(m['graph'])}"
+        if m.get("cosines"):
+            key += f"_{m['cosines']}"
         log(f"  step {key} ...")
-        _attempt(doc["steps"], key, lambda m=m: time_step(case, m["dim"], device, validate=m["validate"],
-                                                          graph=m["graph"], steps=steps))
+        mode_case = dict(case, cosines=m["cosines"]) if m.get("cosines") else case
+        _attempt(doc["steps"], key, lambda m=m, c=mode_case: time_step(c, m["dim"], device, validate=m["validate"],
+                                                                         graph=m["graph"], steps=steps))
         res = doc["steps"][key]
         if "seconds" in res:
             log(f"  step {key}: {res['seconds'] * 1e3:.3f} ms")

@@ -83,7 +83,8 @@ def _timing(args, device, gpu, stamp) -> int:
     what = plan(device)
     print(f"timing on {device}: case {what['case']}, backend {what['backend']}")
     for m in what["modes"]:
-        print(f"  step d={m['dim']} validate={m['validate']} graph={m['graph']}")
+        print(f"  step d={m['dim']} validate={m['validate']} graph={m['graph']}"
+              + (f" cosines={m['cosines']}" if m.get("cosines") else ""))
     print("  topk, sort and the sampler at the case's C_q" + ("" if args.no_model else "; the model check"))
     if args.dry:
         return 0

@@ -8,7 +8,7 @@ import torch
 from . import collectives
 from .._checks import check_embeddings, check_labels, check_values
 from .margins import Margin
-from .softmax import check_block_bytes, default_compute_dtype, margin_softmax_cross_entropy, resolve_backend
+from .softmax import check_block_bytes, check_keep_bytes, default_compute_dtype, margin_softmax_cross_entropy, resolve_backend
 
 __all__ = ["margin_cross_entropy", "CrossEntropyOutput"]
 
@@ -36,6 +36,7 @@ def margin_cross_entropy(
     validate: bool = True,
     update_state: bool | None = None,
     sub_centers: int = 1,
+    keep_bytes: int | None = None,
 ):
     """Exact margin softmax cross-entropy with class-sharded centers.
 
@@ -55,7 +56,9 @@ def margin_cross_entropy(
 
     ``block_bytes``: bytes of float32 logits computed per class block (None: 256 MiB
     on CUDA, 2 MiB on CPU). When the whole ``N x S`` logits exceed one block, backward
-    recomputes them block by block instead of keeping them. ``backend``: ``"auto"``
+    recomputes them block by block instead of keeping them, up to ``keep_bytes`` (None:
+    ``block_bytes`` when given, else 256 MiB of logits for torch and 4 GiB of cosines for
+    triton, float16 for bf16/fp16 products; 0: never keep). ``backend``: ``"auto"``
     (the fused Triton kernels on CUDA when triton imports, else ``"torch"``),
     ``"torch"`` or ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``).
 
@@ -85,6 +88,7 @@ def margin_cross_entropy(
             raise ValueError(f"class_start must be a non-negative int, got {class_start!r}")
         check_filter_threshold(filter_threshold)
         check_block_bytes(block_bytes)
+        check_keep_bytes(keep_bytes)
         acc = torch.float64 if torch.float64 in (embeddings.dtype, centers.dtype) else torch.float32
         resolve_backend(backend, embeddings.device, compute_dtype or default_compute_dtype(embeddings.device, acc),
                         acc, margin)
@@ -118,7 +122,7 @@ def margin_cross_entropy(
         filter_threshold=filter_threshold, group=group, compute_dtype=compute_dtype,
         return_correct=return_details, block_bytes=block_bytes, backend=backend, validate=validate,
         update_state=torch.is_grad_enabled() if update_state is None else bool(update_state),
-        sub_centers=sub_centers)
+        sub_centers=sub_centers, keep_bytes=keep_bytes)
     if not return_details:
         return result.loss
     offset = sum(sizes[:me])

@@ -19,7 +19,7 @@ from .margins import ArcFace, Margin
 from .optim import RowOptimizer, make_row_optimizer
 from .partition import Partition
 from .sampling import activation_budget, remap_labels, sample_active
-from .softmax import (BACKENDS, check_block_bytes, default_compute_dtype, margin_softmax_cross_entropy,
+from .softmax import (BACKENDS, check_block_bytes, check_keep_bytes, default_compute_dtype, margin_softmax_cross_entropy,
                       resolve_backend)
 
 __all__ = ["PartialFC"]
@@ -121,7 +121,12 @@ class PartialFC(nn.Module):
             gets ``owner="rank<global rank>"``, which names its NVMe files.
         block_bytes: bytes of float32 logits per class block of the softmax, and of
             rows per chunk of the row optimizer (None: 256 MiB on CUDA, 2 MiB on CPU).
-            Logits larger than one block are recomputed in backward, never kept.
+            Torch backend: logits larger than one block are recomputed in backward.
+        keep_bytes: the most bytes of logits (torch) or cosines (triton; float16 for
+            bf16/fp16 products) a training step keeps for backward instead of
+            recomputing them; 0 never keeps (None: ``block_bytes`` when given, else 4 GiB
+            for triton, which keeps the 3.3 GB of an N = 2048, S = 800k rank, and 256 MiB
+            for torch).
         backend: softmax backend, ``"auto"`` (the Triton kernels on CUDA for bf16/fp16
             products when triton imports; torch for float32 products and off CUDA),
             ``"torch"`` or ``"triton"``.
@@ -161,6 +166,7 @@ class PartialFC(nn.Module):
         backend: str = "auto",
         validate: bool = True,
         sub_centers: int = 1,
+        keep_bytes: int | None = None,
         **optimizer_kwargs,
     ):
         super().__init__()
@@ -175,6 +181,7 @@ class PartialFC(nn.Module):
                 optimizer, optimizer_kwargs, block_bytes, backend, self.device)
             if isinstance(sub_centers, bool) or not isinstance(sub_centers, int) or sub_centers < 1:
                 raise ValueError(f"sub_centers must be a positive int, got {sub_centers!r}")
+            check_keep_bytes(keep_bytes)
             if sub_centers > 1 and backend == "triton":
                 raise ValueError("backend='triton' does not implement sub-centers; use backend='torch' or 'auto'")
             _check_tensor_constructors(dtype)
@@ -204,6 +211,7 @@ class PartialFC(nn.Module):
         self.compute_dtype, self.dtype, self.init_std = compute_dtype, dtype, init_std
         self.data_parallel_grad = bool(data_parallel_grad)
         self.block_bytes, self.backend, self.validate = block_bytes, backend, bool(validate)
+        self.keep_bytes = keep_bytes
         # Set by PfcEngine under loss scaling: a non-finite center gradient makes the
         # embedding gradient NaN, so the engine's overflow check skips the step.
         self.guard_nonfinite = False
@@ -380,7 +388,8 @@ class PartialFC(nn.Module):
             x, centers, target_col, self.margin, filter_threshold=self.filter_threshold,
             group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details,
             block_bytes=self.block_bytes, backend=self.backend, validate=False,
-            guard_nonfinite=training and self.guard_nonfinite, update_state=training, sub_centers=self.sub_centers)
+            guard_nonfinite=training and self.guard_nonfinite, update_state=training, sub_centers=self.sub_centers,
+            keep_bytes=self.keep_bytes)
         if training:
             self._fold_finished()
             self._pending.append((bank_rows, centers, slot))

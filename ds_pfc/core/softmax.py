@@ -34,10 +34,16 @@ The math is a few stateless steps shared by both backends:
   normalised centers, ``S x d`` each, are then held during the forward).
 
 Backends: ``"torch"`` (the blocks above, the readable reference; runs anywhere) and
-``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`: a forward statistics kernel with nothing of
-size ``N x S`` written, and a backward that writes the gradient block ``G`` in the compute dtype,
-bounded by ``block_bytes``, for a cuBLAS ``dX`` product and a dW kernel with the normalisation in
-its epilogue; ``8 N S d`` matrix FLOPs per step). ``"auto"`` picks triton on CUDA for bf16/fp16
+``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`). The triton backend has two paths, chosen
+per training step by the keep budget (``keep_bytes``, :data:`COSINE_KEEP_BYTES` by default):
+
+- **kept cosines** (``N S`` float16 for bf16/fp16 products fit the budget; 3.3 GB at N = 2048,
+  S = 800k): the forward statistics kernel also stores every cosine; the backward forms ``G``
+  over them in place in one streaming pass, then two cuBLAS products (``dX``, ``dW``) and a
+  projection pass. ``6 N S d`` matrix FLOPs per step, two of the three products on cuBLAS.
+- **recompute** (otherwise): nothing of size ``N x S`` is written in forward; the backward
+  recomputes the cosines block by block (``block_bytes`` of ``G`` in the compute dtype) for a
+  cuBLAS ``dX`` product and a dW kernel with the normalisation in its epilogue. ``8 N S d``. ``"auto"`` picks triton on CUDA for bf16/fp16
 products (any embedding width, center dtype or layout) and torch for float32 products (cuBLAS
 SGEMM outruns an FMA kernel) and everywhere else.
 
@@ -58,7 +64,8 @@ from .collectives import all_reduce_, world_size
 from .margins import Margin
 
 __all__ = ["margin_softmax_cross_entropy", "SoftmaxResult", "default_block_bytes", "check_block_bytes",
-           "resolve_backend", "default_compute_dtype", "class_blocks", "CPU_BLOCK_BYTES", "CUDA_BLOCK_BYTES", "KEEP_BYTES", "BACKENDS"]
+           "resolve_backend", "default_compute_dtype", "class_blocks", "CPU_BLOCK_BYTES", "CUDA_BLOCK_BYTES", "KEEP_BYTES",
+           "COSINE_KEEP_BYTES", "default_keep_bytes", "check_keep_bytes", "keeps_cosines", "BACKENDS"]
 
 _NORM_EPS = 1e-12
 CPU_BLOCK_BYTES = 1 << 21     # ~2 MiB of logits: a block stays in a CPU core's cache
@@ -78,7 +85,18 @@ def default_block_bytes(device) -> int:
     return CUDA_BLOCK_BYTES if torch.device(device).type == "cuda" else CPU_BLOCK_BYTES
 
 
-KEEP_BYTES = CUDA_BLOCK_BYTES   # logits kept for backward by default, on every device
+KEEP_BYTES = CUDA_BLOCK_BYTES   # logits kept for backward by default, on every device (torch backend)
+# Cosines the triton backend keeps for backward by default (float16 for bf16/fp16 products): the
+# standard rank (N = 2048, S = 800k) keeps 3.3 GB, and its backward then runs no recompute product.
+COSINE_KEEP_BYTES = 4 << 30
+
+
+def default_keep_bytes(backend: str, block_bytes: int | None) -> int:
+    """The keep budget for ``keep_bytes=None``: ``block_bytes`` when given, else
+    :data:`COSINE_KEEP_BYTES` for the triton backend and :data:`KEEP_BYTES` for torch."""
+    if block_bytes is not None:
+        return block_bytes
+    return COSINE_KEEP_BYTES if backend == "triton" else KEEP_BYTES
 
 
 def check_block_bytes(value, name: str = "block_bytes") -> None:
@@ -88,12 +106,27 @@ def check_block_bytes(value, name: str = "block_bytes") -> None:
         raise ValueError(f"{name} must be None (the device's default) or a positive int of bytes, got {value!r}")
 
 
+def check_keep_bytes(value, name: str = "keep_bytes") -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be None (the default budget) or a non-negative int of bytes (0: never keep), "
+                         f"got {value!r}")
+
+
 def default_compute_dtype(device, acc_dtype) -> torch.dtype:
     """The product dtype for ``compute_dtype=None``: bf16 on CUDA when accumulating in float32,
     else the accumulation dtype itself (see the module docstring for why)."""
     if torch.device(device).type == "cuda" and acc_dtype == torch.float32:
         return torch.bfloat16
     return acc_dtype
+
+
+def keeps_cosines(n: int, s: int, compute_dtype: torch.dtype, keep_bytes: int) -> bool:
+    """Whether a triton training step keeps its ``[S, N]`` cosines for backward (float16 for
+    bf16/fp16 products, float32 otherwise) within ``keep_bytes``."""
+    item = 4 if compute_dtype == torch.float32 else 2
+    return n * s * item <= keep_bytes
 
 
 def class_blocks(backend: str, n: int, s: int, compute_dtype: torch.dtype, block_bytes: int) -> int:
@@ -480,9 +513,15 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         t_logit = torch.where(owned, plan.target, torch.full_like(cos_t, float("-inf")))
 
         kept, blocks, pre = None, None, None
+        cos_kept = None
         if backend == "triton":
+            # A training step keeps the cosines (float16 for bf16/fp16 products) when they fit the
+            # keep budget: the backward then runs no recompute product (kernels.grad_kept).
+            if want_grad and keeps_cosines(n, w.shape[0], compute, keep_bytes):
+                cos_kept = torch.empty(w.shape[0], n, dtype=kernels.keep_dtype(compute), device=x.device)
             m, l, max_cos = kernels.lse_stats(x_hat, w, w_inv, target_col, scale=scale, threshold=threshold,
-                                              compute_dtype=compute, want_max_cos=want_correct, w_hat=w_hat_c)
+                                              compute_dtype=compute, want_max_cos=want_correct, w_hat=w_hat_c,
+                                              keep=cos_kept)
             lse = m + torch.log(l)
         else:
             blocks = _Blocks(x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes,
@@ -539,6 +578,9 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         # The gradients formed in forward (world size 1, see _forward_backward_torch):
         # consumed by the first backward, which scales them in place.
         ctx.pre = pre
+        # The kept cosines (triton): an attribute, not a saved tensor, so that the backward can
+        # free them once G has been formed over them (a second backward recomputes).
+        ctx.cos_kept = cos_kept
         ctx.set_materialize_grads(False)     # an unused output's gradient arrives as None, not zeros
         correct = stats[3].clone() if want_correct else torch.zeros(n, dtype=acc, device=x.device)
         ctx.mark_non_differentiable(correct)
@@ -564,9 +606,16 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             dx_hat, dw = pre[0].mul_(grad_loss), pre[1].mul_(grad_loss)
         elif ctx.backend == "triton":
             from ..kernels import triton_softmax as kernels
-            dx_hat, dw = kernels.grad(x_hat, w, w_inv, target_col, coef, row_max, scale=margin.scale,
-                                      threshold=ctx.threshold, compute_dtype=compute, w_hat=w_hat_c,
-                                      block_bytes=ctx.block_bytes)
+            cos_kept, ctx.cos_kept = ctx.cos_kept, None
+            if cos_kept is not None:     # G is formed over the kept cosines, in place: they are spent
+                dx_hat, dw = kernels.grad_kept(cos_kept, x_hat, w, w_inv, target_col, coef, row_max,
+                                               scale=margin.scale, threshold=ctx.threshold, compute_dtype=compute,
+                                               w_hat=w_hat_c)
+                del cos_kept
+            else:
+                dx_hat, dw = kernels.grad(x_hat, w, w_inv, target_col, coef, row_max, scale=margin.scale,
+                                          threshold=ctx.threshold, compute_dtype=compute, w_hat=w_hat_c,
+                                          block_bytes=ctx.block_bytes)
             dw = dw.to(ctx.in_dtypes[1])
         else:
             blocks = _Blocks(x_hat, w, w_inv, target_col, ctx.threshold, margin.scale, compute, acc,
@@ -612,6 +661,7 @@ def margin_softmax_cross_entropy(
     guard_nonfinite: bool = False,
     update_state: bool = False,
     sub_centers: int = 1,
+    keep_bytes: int | None = None,
 ) -> SoftmaxResult:
     """Margin softmax CE of the gathered batch against this rank's active centers.
 
@@ -623,9 +673,11 @@ def margin_softmax_cross_entropy(
     reduce-scatter) and to ``w``. ``correct`` is only computed with
     ``return_correct=True``; it is all zeros otherwise.
 
-    ``block_bytes``: bytes of logits per class block, and the most logits kept for
-    backward (None: :func:`default_block_bytes` of the device per block, and
-    :data:`KEEP_BYTES` kept). ``backend``: one of :data:`BACKENDS`. ``validate=False``
+    ``block_bytes``: bytes of logits per class block (None: :func:`default_block_bytes` of
+    the device). ``keep_bytes``: the most bytes of logits (torch) or cosines (triton: float16
+    for bf16/fp16 products) a training step keeps for backward instead of recomputing them
+    (None: ``block_bytes`` when given, else :data:`COSINE_KEEP_BYTES` for triton and
+    :data:`KEEP_BYTES` for torch). ``backend``: one of :data:`BACKENDS`. ``validate=False``
     checks label ownership on the device (``torch._assert_async``) instead of with a
     host sync and a readable error. ``guard_nonfinite=True`` makes the gradient of
     ``x`` NaN when that of ``w`` is not finite (for loss-scaled training, whose
@@ -636,6 +688,7 @@ def margin_softmax_cross_entropy(
     (sub-center ArcFace), and ``target_col`` counts classes. torch backend only.
     """
     check_block_bytes(block_bytes)
+    check_keep_bytes(keep_bytes)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     compute = default_compute_dtype(x.device, acc) if compute_dtype is None else compute_dtype
     if sub_centers != 1:
@@ -643,7 +696,7 @@ def margin_softmax_cross_entropy(
             raise ValueError("backend='triton' does not implement sub-centers; use backend='torch' or 'auto'")
         backend = "torch"
     backend = resolve_backend(backend, x.device, compute, acc if w.dtype != torch.float64 else torch.float64, margin)
-    keep_bytes = KEEP_BYTES if block_bytes is None else block_bytes
+    keep_bytes = default_keep_bytes(backend, block_bytes) if keep_bytes is None else keep_bytes
     block_bytes = default_block_bytes(x.device) if block_bytes is None else block_bytes
     loss, per_sample, correct = _MarginSoftmaxCE.apply(
         x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct, block_bytes, keep_bytes,

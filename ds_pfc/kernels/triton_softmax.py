@@ -45,7 +45,8 @@ import triton.language as tl
 from . import _target
 from ._device import on_device
 
-__all__ = ["available", "check_device", "prepare", "lse_stats", "grad", "tile_config", "TILES", "on_device"]
+__all__ = ["available", "check_device", "prepare", "lse_stats", "grad", "grad_kept", "keep_dtype", "tile_config",
+           "TILES", "on_device"]
 
 # Triton decides at decoration time whether ``@triton.jit`` yields an interpreted function, so
 # what counts is the environment when this module was imported, not later. The kernels also call
@@ -88,11 +89,15 @@ TILES = {
     ("dw", "fp32"): (64, 32, 32, 4, 2),
     ("prep", "lowp"): (8, 256, 0, 4, 1),
     ("prep", "fp32"): (8, 256, 0, 4, 1),
+    ("gpass", "lowp"): (32, 128, 0, 8, 1),
+    ("gpass", "fp32"): (32, 128, 0, 8, 1),
+    ("proj", "lowp"): (8, 256, 0, 4, 1),
+    ("proj", "fp32"): (8, 256, 0, 4, 1),
 }
 # Under the interpreter every program runs as numpy on the CPU: small tiles keep tests fast and
 # make the small test shapes span several tiles, K steps and splits (ragged edges everywhere).
 _INTERPRET_TILES = {"lse": (16, 16, 16, 1, 1), "lse_max": (16, 16, 16, 1, 1), "g": (16, 16, 16, 1, 1), "dw": (16, 16, 16, 1, 1),
-                    "prep": (4, 16, 0, 1, 1)}
+                    "prep": (4, 16, 0, 1, 1), "gpass": (16, 16, 0, 1, 1), "proj": (4, 16, 0, 1, 1)}
 # Programs per SM the class split of the forward aims for (a few waves), and the pretend SM
 # count of the interpreter (small, so that CPU tests still exercise several splits).
 _WAVES = 4
@@ -294,15 +299,31 @@ def _lse_part(cos, cols, col_ok, tgt, m, l, max_z, scale, threshold,
 
 
 @triton.jit
-def _lse_kernel(x_ptr, w_ptr, tgt_ptr, m_ptr, l_ptr, max_z_ptr,
+def _store_cos(cos_ptr, cos, rows, row_ok, cols, col_ok, N, threshold, HAS_THRESHOLD: tl.constexpr,
+               KEEP: tl.constexpr):
+    """Store a ``[samples, classes]`` cosine tile class-major (``cos_ptr[col * N + row]``) in KEEP.
+
+    A cosine above the threshold is stored as +inf: the filter is decided here, on the float32
+    cosine the statistics saw, and the backward reads that decision instead of comparing a
+    rounded cosine with the threshold again (which could flip it)."""
+    if HAS_THRESHOLD:
+        cos = tl.where(cos > threshold, float("inf"), cos)
+    offs = cols.to(tl.int64)[None, :] * N + rows[:, None]
+    tl.store(cos_ptr + offs, cos.to(KEEP), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _lse_kernel(x_ptr, w_ptr, tgt_ptr, m_ptr, l_ptr, max_z_ptr, cos_ptr,
                 N, S, d, tiles_per_split, scale, threshold,
-                HAS_THRESHOLD: tl.constexpr, WANT_MAX_COS: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                HAS_THRESHOLD: tl.constexpr, WANT_MAX_COS: tl.constexpr, STORE_COS: tl.constexpr,
+                KEEP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid (sample tiles, splits): partial m, l (and max z) of one sample tile over one split.
     Class tiles go four at a time, sharing each loaded sample K-slice (``BLOCK_N x 4 BLOCK_S``
     operand reuse, one quarter's epilogue live at a time). ``WANT_MAX_COS`` is only needed with a
-    threshold: without one, the largest non-target logit is ``m`` itself."""
+    threshold: without one, the largest non-target logit is ``m`` itself. ``STORE_COS``: every
+    raw cosine is also stored, rounded to ``KEEP``, class-major ``[S, N]`` at ``cos_ptr`` (the
+    kept cosines the backward's G pass reads; filtered negatives as +inf)."""
     pid_k = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -318,15 +339,23 @@ def _lse_kernel(x_ptr, w_ptr, tgt_ptr, m_ptr, l_ptr, max_z_ptr,
         c0, c1, c2, c3 = _cos_tile4(x_ptr, w_ptr, rows, row_ok, t * BLOCK_S, end, d,
                                     BLOCK_N, BLOCK_S, BLOCK_K, UPCAST, PRECISION)
         cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
+        if STORE_COS:
+            _store_cos(cos_ptr, c0, rows, row_ok, cols, cols < end, N, threshold, HAS_THRESHOLD, KEEP)
         m, l, max_z = _lse_part(c0, cols, cols < end, tgt, m, l, max_z, scale, threshold,
                                 HAS_THRESHOLD, WANT_MAX_COS)
         cols += BLOCK_S
+        if STORE_COS:
+            _store_cos(cos_ptr, c1, rows, row_ok, cols, cols < end, N, threshold, HAS_THRESHOLD, KEEP)
         m, l, max_z = _lse_part(c1, cols, cols < end, tgt, m, l, max_z, scale, threshold,
                                 HAS_THRESHOLD, WANT_MAX_COS)
         cols += BLOCK_S
+        if STORE_COS:
+            _store_cos(cos_ptr, c2, rows, row_ok, cols, cols < end, N, threshold, HAS_THRESHOLD, KEEP)
         m, l, max_z = _lse_part(c2, cols, cols < end, tgt, m, l, max_z, scale, threshold,
                                 HAS_THRESHOLD, WANT_MAX_COS)
         cols += BLOCK_S
+        if STORE_COS:
+            _store_cos(cos_ptr, c3, rows, row_ok, cols, cols < end, N, threshold, HAS_THRESHOLD, KEEP)
         m, l, max_z = _lse_part(c3, cols, cols < end, tgt, m, l, max_z, scale, threshold,
                                 HAS_THRESHOLD, WANT_MAX_COS)
 
@@ -480,6 +509,60 @@ def _dw_kernel(g_ptr, x_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr,
     _dw_part(acc3, cols, col_ok, d0 + 3 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
 
 
+@triton.jit
+def _g_pass_kernel(cos_ptr, g_ptr, tgt_ptr, coef_ptr, row_max_ptr, rho_ptr, N, S, scale, threshold,
+                   HAS_THRESHOLD: tl.constexpr, COMPUTE: tl.constexpr, UPCAST: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr):
+    """Grid (class tiles, sample splits): G over the kept cosines, in place. Reads the forward's
+    cosines (class-major ``[S, N]`` at ``cos_ptr``), writes ``G / c = coef / c * exp(z - row_max)``
+    in COMPUTE over the same storage (``g_ptr`` aliases ``cos_ptr``: same element size, and
+    each program reads a tile before it writes it), 0 on the target and on filtered entries
+    (stored as +inf by the forward, so ``threshold`` itself is not read again), and
+    the split's part of ``rho = sum_n G^T cos`` per class (row ``split`` of ``[splits, S]``).
+    No matrix product: one read and one write of each kept element."""
+    cols = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    col_ok = cols < S
+    n_lo = tl.program_id(1) * SPLIT_N
+    n_hi = tl.minimum(N, n_lo + SPLIT_N)
+    rho = tl.zeros([BLOCK_S], tl.float32)
+    col_off = cols.to(tl.int64)[:, None] * N
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < n_hi
+        ok = col_ok[:, None] & row_ok[None, :]
+        offs = col_off + rows[None, :]
+        cos = tl.load(cos_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+        coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
+        row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
+        # The forward stored filtered negatives as +inf (its decision, on the float32 cosine).
+        z, keep = _negative_logits(cos, cols[:, None], tgt[None, :], ok, scale, threshold, False)
+        if HAS_THRESHOLD:
+            keep = keep & (cos < float("inf"))
+        g = _round(tl.where(keep, coef[None, :] * tl.exp(z - row_max[None, :]), 0.0), COMPUTE, UPCAST)
+        tl.store(g_ptr + offs, g, mask=ok)
+        rho += tl.sum(g.to(tl.float32) * tl.where(keep, cos, 0.0), axis=1)
+    tl.store(rho_ptr + tl.program_id(1).to(tl.int64) * S + cols, rho, mask=col_ok)
+
+
+@triton.jit
+def _project_kernel(dw_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr, S, d,
+                    ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (row tiles,): in place, ``dw = c * w_inv * (dw_hat - w_hat rho)`` for a float32
+    ``dw_hat = G^T x_hat`` (relative to ``c``) at ``dw_ptr``, with the float32 ``w_hat = w * w_inv``
+    (the epilogue of :func:`_dw_kernel` as a pass of its own, after a cuBLAS dW)."""
+    cols = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    col_ok = cols < S
+    inv = tl.load(inv_ptr + cols, mask=col_ok, other=0.0)
+    rho = tl.load(rho_ptr + cols, mask=col_ok, other=0.0)
+    c = tl.load(c_ptr)
+    for k0 in range(0, d, BLOCK_D):
+        dims = k0 + tl.arange(0, BLOCK_D)
+        ok = col_ok[:, None] & (dims < d)[None, :]
+        acc = tl.load(dw_ptr + cols.to(tl.int64)[:, None] * d + dims[None, :], mask=ok, other=0.0)
+        _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
+
+
 # ---------------------------------------------------------------------------------------------
 # Python entry points
 
@@ -550,8 +633,16 @@ def prepare(w: torch.Tensor, compute_dtype: torch.dtype):
     return wc, inv
 
 
+def keep_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the forward keeps the cosines in for :func:`grad_kept`: float16 for bf16/fp16
+    products (a cosine in [-1, 1] rounded to float16 moves a logit ``scale * cos`` by at most
+    ``scale * 2**-12``, 0.016 at s = 64; bf16 would move it by up to 0.125), float32 otherwise.
+    The same element size as the compute dtype, so G can be written over the kept cosines."""
+    return torch.float32 if compute_dtype == torch.float32 else torch.float16
+
+
 def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dtype, want_max_cos: bool,
-              w_hat=None):
+              w_hat=None, keep=None):
     """Per-sample log-sum-exp statistics of the non-target, unfiltered logits of this shard.
 
     ``x_hat [N, d]`` float32 normalised embeddings, ``w [S, d]`` raw centers (float32, bf16 or
@@ -561,12 +652,18 @@ def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
     Returns ``(m, l, max_cos)``, float32 ``[N]``: ``m`` the largest kept logit ``scale * cos``
     (-inf if none), ``l = sum exp(z - m)`` over kept entries (0 if none), and with
     ``want_max_cos`` the largest cosine over all classes but the target, filtered ones
-    included (-inf when there is none); otherwise ``None``. Only ``[SPLITS, N]`` partials touch memory.
+    included (-inf when there is none); otherwise ``None``. Only ``[SPLITS, N]`` partials touch
+    memory, unless ``keep`` is given: a contiguous class-major ``[S, N]`` tensor of
+    :func:`keep_dtype` that receives every raw cosine (for :func:`grad_kept`).
     """
     _validate(x_hat, w, w_inv_norm, target_col, compute_dtype)
     n, d = x_hat.shape
     s = w.shape[0]
     dev = x_hat.device
+    if keep is not None:
+        _check_tensor("keep", keep, (s, n), (keep_dtype(compute_dtype),), dev)
+        if not keep.is_contiguous():
+            raise ValueError("keep: expected a contiguous [S, N] tensor")
     m = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
     l = torch.zeros(n, dtype=torch.float32, device=dev)
     max_cos = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev) if want_max_cos else None
@@ -589,9 +686,10 @@ def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
     max_z_k = torch.empty_like(m_k) if track_max else m_k   # dummy pointer when unused
     with on_device(dev):
         _lse_kernel[(n_tiles, splits)](
-            xc, w_hat, target_col, m_k, l_k, max_z_k,
+            xc, w_hat, target_col, m_k, l_k, max_z_k, keep if keep is not None else m_k,
             n, s, d, 4 * per, float(scale), float(threshold if threshold is not None else 0.0),
-            HAS_THRESHOLD=threshold is not None, WANT_MAX_COS=track_max,
+            HAS_THRESHOLD=threshold is not None, WANT_MAX_COS=track_max, STORE_COS=keep is not None,
+            KEEP=_TL_DTYPES[keep_dtype(compute_dtype)],
             BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_K=block_k, **_consts(compute_dtype),
             num_warps=warps, num_stages=stages)
 
@@ -693,3 +791,50 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
             if splits > 1:
                 torch.sum(dw_out, 0, out=dw[j:k])
     return dx_hat.mul_(c), dw
+
+
+def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, compute_dtype, w_hat=None):
+    """:func:`grad` from the cosines the forward kept (:func:`lse_stats` with ``keep``): no
+    recomputed product. ``kept [S, N]`` (class-major, :func:`keep_dtype`) is overwritten with
+    ``G / c`` in the compute dtype by one pass that also sums ``rho``; then ``dx_hat = c G^T
+    w_hat`` and ``dw_hat = G x_hat`` are two cuBLAS products with float32 output, and ``dw`` is
+    ``dw_hat`` taken through the normalisation in place by one streaming pass. Cost: ``4 N S d``
+    FLOPs, the kept elements read and written once and read by each product; memory beyond the
+    outputs: ``4 S`` bytes of ``rho`` (per sample split). Returns ``(dx_hat, dw)``, float32; the
+    kept cosines are gone afterwards."""
+    _validate(x_hat, w, w_inv_norm, target_col, compute_dtype, coef=coef, row_max=row_max)
+    n, d = x_hat.shape
+    s = w.shape[0]
+    dev = x_hat.device
+    _check_tensor("kept", kept, (s, n), (keep_dtype(compute_dtype),), dev)
+    if not kept.is_contiguous():
+        raise ValueError("kept: expected a contiguous [S, N] tensor")
+    if n == 0 or s == 0:
+        return (torch.zeros(n, d, dtype=torch.float32, device=dev),
+                torch.zeros(s, d, dtype=torch.float32, device=dev))
+    if w_hat is None or w_inv_norm is None:
+        w_hat, w_inv_norm = prepare(w, compute_dtype)
+    xc = x_hat.to(compute_dtype).contiguous()
+    c = coef.abs().amax().clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    coef_rel = (coef / c).contiguous()
+    consts = _consts(compute_dtype)
+    g = kept.view(compute_dtype)           # the same storage, reinterpreted: G is written over the cosines
+    bs, bn, _, warps, stages = tile_config("gpass", compute_dtype)
+    per_split = samples_per_split(compute_dtype)
+    splits = triton.cdiv(n, per_split)
+    rho_parts = torch.empty(splits, s, dtype=torch.float32, device=dev)
+    with on_device(dev):
+        _g_pass_kernel[(triton.cdiv(s, bs), splits)](
+            kept, g, target_col, coef_rel, row_max, rho_parts, n, s, float(scale),
+            float(threshold if threshold is not None else 0.0),
+            HAS_THRESHOLD=threshold is not None, COMPUTE=_TL_DTYPES[compute_dtype], UPCAST=consts["UPCAST"],
+            BLOCK_S=bs, BLOCK_N=bn, SPLIT_N=per_split, num_warps=warps, num_stages=stages)
+        rho = rho_parts[0] if splits == 1 else rho_parts.sum(0)
+        dx_hat = _gemm_f32(g.t(), w_hat).mul_(c)
+        dw = _gemm_f32(g, xc)
+        rows, block_d, _, warps, stages = tile_config("proj", compute_dtype)
+        block_d = min(block_d, max(16, triton.next_power_of_2(d)))
+        _project_kernel[(triton.cdiv(s, rows),)](
+            dw, w, w.stride(0), w.stride(1), w_inv_norm, rho, c, s, d,
+            ROWS=rows, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+    return dx_hat, dw
