@@ -64,3 +64,25 @@ def test_storage_variants_build_the_bank_they_name(storage):
         head.close()
     with pytest.raises(ValueError, match="storage must be one of"):
         accuracy.with_storage(job, "int4")
+
+
+def test_head_path_variant_runs_the_triton_kernels_with_kept_cosines():
+    """``--head-path triton-kept``: the guard job's head on the triton backend with bf16
+    products and the default keep budget (which keeps the guard's cosines), run by Triton's
+    interpreter; ``default`` leaves the config alone."""
+    from ds_pfc.app.config import split_config
+    from ds_pfc.core.softmax import COSINE_KEEP_BYTES, keeps_cosines
+    import torch
+    job = accuracy.job_config("guard")
+    same, env = accuracy.with_head_path(job, "default")
+    assert same == job and env == {}
+    kept, env = accuracy.with_head_path(job, "triton-kept")
+    assert env == {"TRITON_INTERPRET": "1"}
+    _, pfc = split_config(kept)
+    assert (pfc.head.backend, pfc.head.compute_dtype, pfc.head.keep_bytes) == ("triton", "bf16", None)
+    batch = kept["train_micro_batch_size_per_gpu"]
+    active = int(pfc.head.sample_rate * pfc.head.num_classes)
+    assert keeps_cosines(batch, active, torch.bfloat16, COSINE_KEEP_BYTES)
+    assert job["ds_pfc"]["head"].get("backend", "auto") != "triton"      # the original is untouched
+    with pytest.raises(ValueError, match="head_path must be one of"):
+        accuracy.with_head_path(job, "cuda")

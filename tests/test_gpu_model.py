@@ -583,3 +583,31 @@ def test_predict_prints_measured_calibrated_roofline_and_floor(tmp_path, capsys)
     assert model.main_predict(argv + ["--calibration", "none"]) == 0
     assert "calibrated" not in capsys.readouterr().out
     assert "calibrated" not in json.loads(out.read_text())["results"][0]
+
+
+def test_kept_cosine_step_counts_three_products_and_is_calibrated_conservatively():
+    """The default triton step of the standard rank keeps its cosines (3.3 GB within 4 GiB):
+    its counted products are exactly the forward's and cuBLAS's dX and dW (6 N S d FLOPs, no
+    recompute kernel), and the calibrated prediction prices its two new streaming passes at
+    the least efficient streaming rate the H200 run showed, below the measured step."""
+    import json
+    from ds_pfc.bench import calibration
+    doc = json.load(open(os.path.join(RESULTS, "predict-h200-d512-s800k-k1-kept.json")))
+    res = doc["results"][0]
+    assert res["case"]["cosines"] == "kept"
+    pred = model.predict_case(res["case"], "h200", counts=res["counts"], compile_code=False)
+    flops = {r["kernel"]: r["flops"] for r in pred["kernels"] if r["flops"]}
+    n, s, d = 2048, 800_000, 512
+    assert set(flops) == {"triton:_lse_kernel", "aten:mm[bf16]"}
+    assert flops["triton:_lse_kernel"] == pytest.approx(2 * n * s * d, rel=1e-3)
+    assert flops["aten:mm[bf16]"] == pytest.approx(4 * n * s * d, rel=1e-3)
+    cal = calibration.load_calibration()
+    out = calibration.calibrated_prediction(pred, cal)
+    rules = {r["kernel"]: r["rule"] for r in out["kernels"]}
+    worst = min(v for k, v in cal.stream.items() if k.startswith("triton:"))
+    for kernel in ("triton:_g_pass_kernel", "triton:_project_kernel"):
+        assert rules[kernel].startswith(f"not calibrated: {worst:.1%}"), rules[kernel]
+    assert out["x_floor"] == pytest.approx(2.06, abs=0.02)
+    assert out["step_s"] < 0.75 * cal.measured["triton"]["step"]
+    # The measured case is the recompute path: its prediction is not compared with this one.
+    assert calibration.measured_groups(cal, "h200", res["case"]) is None

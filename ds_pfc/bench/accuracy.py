@@ -40,7 +40,7 @@ import time
 
 from . import machine_info, versions
 
-__all__ = ["CONFIGS", "STORAGES", "job_config", "with_storage", "seeded", "run_seed", "run_seeds", "mean_std", "guard_check", "guard_verdict",
+__all__ = ["CONFIGS", "STORAGES", "HEAD_PATHS", "job_config", "with_storage", "with_head_path", "seeded", "run_seed", "run_seeds", "mean_std", "guard_check", "guard_verdict",
            "load_guard_record", "main"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,16 +87,17 @@ def seeded(config: dict, seed: int) -> dict:
     return config
 
 
-def run_seed(config: dict, seed: int, *, root: str = ROOT, threads: int = 1) -> dict:
-    """Train ``config`` with ``seed`` using the app and library under ``root``; returns
-    ``{"seed", "accuracy", "accuracy_std", "final_loss", "steps", "wall_seconds"}``."""
+def run_seed(config: dict, seed: int, *, root: str = ROOT, threads: int = 1, env: dict | None = None) -> dict:
+    """Train ``config`` with ``seed`` using the app and library under ``root`` (``env``: extra
+    environment of the run); returns ``{"seed", "accuracy", "accuracy_std", "final_loss",
+    "steps", "wall_seconds"}``."""
     job = seeded(config, seed)
     with tempfile.TemporaryDirectory(prefix="ds_pfc-accuracy-") as tmp:
         cfg_path = os.path.join(tmp, "job.json")
         with open(cfg_path, "w") as f:
             json.dump(job, f)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
         cmd = [sys.executable, os.path.join(root, "launch", "train.py"), "--deepspeed_config", cfg_path,
@@ -117,11 +118,12 @@ def run_seed(config: dict, seed: int, *, root: str = ROOT, threads: int = 1) -> 
             "final_loss": summary["final_loss"], "steps": summary["steps"], "wall_seconds": round(wall, 1)}
 
 
-def run_seeds(config: dict, seeds, *, root: str = ROOT, threads: int = 1, jobs: int = 1, log=None) -> list[dict]:
+def run_seeds(config: dict, seeds, *, root: str = ROOT, threads: int = 1, jobs: int = 1, log=None,
+              env: dict | None = None) -> list[dict]:
     """:func:`run_seed` for each seed, ``jobs`` runs at a time (each with ``threads``
     threads; a run's result does not depend on ``jobs``). Sorted by seed."""
     def one(seed):
-        rec = run_seed(config, seed, root=root, threads=threads)
+        rec = run_seed(config, seed, root=root, threads=threads, env=env)
         if log is not None:
             log(f"seed {seed}: accuracy {rec['accuracy']:.4f}, final loss {rec['final_loss']:.3f}, "
                 f"{rec['wall_seconds']:.0f} s")
@@ -159,6 +161,26 @@ def with_storage(config: dict, storage: str) -> dict:
         bank["placements"] = {moment: ["device", "int8_rowwise"]}
     head["bank"] = bank
     return config
+
+
+#: How the head's softmax runs (``--head-path``): the config as it is (the torch backend and
+#: float32 products on a CPU), or the GPU's default path: the Triton kernels with bf16 products
+#: and the forward's cosines kept in float16 for backward, run by Triton's interpreter on the
+#: CPU (``TRITON_INTERPRET=1``; about 2 minutes per guard run instead of 20 s).
+HEAD_PATHS = ("default", "triton-kept")
+
+
+def with_head_path(config: dict, path: str) -> tuple[dict, dict]:
+    """``(config, env)``: ``config`` with its head's softmax run as ``path`` (:data:`HEAD_PATHS`)
+    and the environment the runs need."""
+    if path not in HEAD_PATHS:
+        raise ValueError(f"head_path must be one of {HEAD_PATHS}, got {path!r}")
+    config = copy.deepcopy(config)
+    if path == "default":
+        return config, {}
+    head = config["ds_pfc"]["head"]
+    head.update(backend="triton", compute_dtype="bf16", keep_bytes=None)
+    return config, {"TRITON_INTERPRET": "1"}
 
 
 GUARD_RECORD = os.path.join(ROOT, "benchmarks", "results", "accuracy_guard.json")
@@ -210,15 +232,17 @@ def guard_verdict(runs: list[dict], recorded: list[dict], z: float = GUARD_Z) ->
 
 
 def guard_check(*, record: str = GUARD_RECORD, engine: str = GUARD_ENGINE, seeds=GUARD_SEEDS,
-                root: str = ROOT, jobs: int = 2, z: float = GUARD_Z, storage: str = "fp32", log=None) -> dict:
+                root: str = ROOT, jobs: int = 2, z: float = GUARD_Z, storage: str = "fp32", head_path: str = "default",
+                log=None) -> dict:
     """Train the ``guard`` config for ``seeds`` with the engine under ``root`` and judge
     the runs against the ``engine`` entry of ``record`` (:func:`guard_verdict`).
-    ``storage``: the head's bank storage of these runs (:data:`STORAGES`); the record is
-    float32, so a compact storage is judged by what it costs against it."""
+    ``storage``: the head's bank storage of these runs (:data:`STORAGES`); ``head_path``:
+    how its softmax runs (:data:`HEAD_PATHS`). The record is float32 with the torch backend,
+    so a compact storage or the GPU path is judged by what it costs against it."""
     data, recorded = load_guard_record(record, engine)
-    runs = run_seeds(with_storage(data["config"], storage), list(seeds), root=root, threads=data.get("threads", 1),
-                     jobs=jobs, log=log)
-    return dict(guard_verdict(runs, recorded, z), runs=runs, storage=storage)
+    config, env = with_head_path(with_storage(data["config"], storage), head_path)
+    runs = run_seeds(config, list(seeds), root=root, threads=data.get("threads", 1), jobs=jobs, log=log, env=env)
+    return dict(guard_verdict(runs, recorded, z), runs=runs, storage=storage, head_path=head_path)
 
 
 def format_verdict(res: dict) -> str:
@@ -251,6 +275,9 @@ def main(argv=None) -> int:
     p.add_argument("--storage", choices=STORAGES, default="fp32",
                    help="the head's bank storage: fp32 (the config as it is), bf16 (weight and moments), "
                         "bf16-int8m (bf16 weight, 8-bit first moment); recorded with the engine's runs")
+    p.add_argument("--head-path", "--head_path", dest="head_path", choices=HEAD_PATHS, default="default",
+                   help="how the head's softmax runs: default (the config as it is) or triton-kept (the GPU's "
+                        "default path, bf16 products and float16 kept cosines, in Triton's interpreter; slow)")
     p.add_argument("--out", default=None, help="JSON results file; runs are added under --label")
     p.add_argument("--guard", action="store_true",
                    help=f"instead: the regression guard (seeds {GUARD_SEEDS[0]}-{GUARD_SEEDS[-1]} of the guard config, "
@@ -258,8 +285,13 @@ def main(argv=None) -> int:
                         "exit status 1 when it fails")
     args = p.parse_args(argv)
     if args.guard:
-        res = guard_check(root=os.path.abspath(args.root), storage=args.storage, log=lambda s: print(s, flush=True))
+        res = guard_check(root=os.path.abspath(args.root), storage=args.storage, head_path=args.head_path,
+                          log=lambda s: print(s, flush=True))
         print(format_verdict(res), flush=True)
+        if args.out:
+            from . import write_json
+            write_json(args.out, "accuracy-guard", vars(args), [res])
+            print(f"wrote {args.out}", flush=True)
         return 0 if res["passed"] else 1
     if "-" in args.seeds:
         lo, hi = (int(v) for v in args.seeds.split("-"))
@@ -278,8 +310,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"{args.out} holds runs of another config; use another --out")
     print(f"{args.config}: {len(seeds)} seed(s) with the engine at {root} ({label}), {args.storage} bank storage, "
           f"{args.threads} thread(s)", flush=True)
-    runs = run_seeds(with_storage(config, args.storage), seeds, root=root, threads=args.threads,
-                     log=lambda s: print(s, flush=True))
+    job, env = with_head_path(with_storage(config, args.storage), args.head_path)
+    runs = run_seeds(job, seeds, root=root, threads=args.threads, log=lambda s: print(s, flush=True), env=env)
     mean, std = mean_std(r["accuracy"] for r in runs)
     print(f"{label}: held-out accuracy {mean:.4f} +- {std:.4f} over {len(runs)} seeds", flush=True)
     if args.out:
@@ -288,7 +320,12 @@ def main(argv=None) -> int:
         if entry.get("storage", "fp32") != args.storage and entry["runs"]:
             raise SystemExit(f"{args.out}: engine {label!r} holds runs with storage {entry.get('storage', 'fp32')!r}; "
                              "use another --label")
+        if entry.get("head_path", "default") != args.head_path and entry["runs"]:
+            raise SystemExit(f"{args.out}: engine {label!r} holds runs with head path "
+                             f"{entry.get('head_path', 'default')!r}; use another --label")
         entry["storage"] = args.storage
+        if args.head_path != "default":
+            entry["head_path"] = args.head_path
         done = {r["seed"] for r in runs}
         entry["runs"] = sorted([r for r in entry["runs"] if r["seed"] not in done] + runs, key=lambda r: r["seed"])
         entry["mean"], entry["std"] = mean_std(r["accuracy"] for r in entry["runs"])
