@@ -611,3 +611,27 @@ def test_kept_cosine_step_counts_three_products_and_is_calibrated_conservatively
     assert out["step_s"] < 0.75 * cal.measured["triton"]["step"]
     # The measured case is the recompute path: its prediction is not compared with this one.
     assert calibration.measured_groups(cal, "h200", res["case"]) is None
+
+
+def test_calibration_takes_each_backends_case_from_the_run(tmp_path):
+    """A self-check run names each backend's exact case (``model_check.cases``): a triton step
+    that kept its cosines is fitted with the kept path's counts, and only a kept prediction is
+    compared with its measurement."""
+    import json
+    from ds_pfc.bench import calibration
+    doc = json.load(open(os.path.join(RESULTS, "gpu-h200-20261126.json")))
+    kept = json.load(open(os.path.join(RESULTS, "predict-h200-d512-s800k-k1-kept.json")))
+    old = json.load(open(os.path.join(RESULTS, "predict-h200-d512-s800k-k1.json")))
+    torch_result = next(r for r in old["results"] if r["case"]["backend"] == "torch")
+    counts = dict(kept, results=[torch_result, kept["results"][0]])
+    doc["model_check"]["cases"] = {"triton": kept["results"][0]["case"]}
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    (tmp_path / "counts.json").write_text(json.dumps(counts))
+    cal = calibration.load_calibration(str(tmp_path / "run.json"), str(tmp_path / "counts.json"))
+    assert cal.triton_cosines == "kept"
+    case = kept["results"][0]["case"]
+    assert calibration.measured_groups(cal, "h200", case) is not None
+    assert calibration.measured_groups(cal, "h200", dict(case, cosines="recompute")) is None
+    base = calibration.load_calibration()
+    assert base.triton_cosines == "recompute"
+    assert calibration.measured_groups(base, "h200", case) is None

@@ -22,7 +22,10 @@ counts of that same step (:data:`DEFAULT_COUNTS`, a ``--predict`` JSON of the ca
 * **idle** (``idle_s``): the part of a ``validate=True`` step (one host sync) that no kernel
   covers: the measured step minus the sum of its measured groups, triton backend.
 
-Each value is the mean over the JSON's runs (``model_check.runs``). Calibrated time of a
+Each backend's measured case is ``model_check.case`` with that backend, or
+``model_check.cases[backend]`` where the run names it (the triton step's ``cosines``: a run
+before the kept-cosine path recomputed). Each value is the mean over the JSON's runs
+(``model_check.runs``). Calibrated time of a
 kernel: ``body / fill + launches * launch_s``, where ``body`` is ``max(FLOPs / (eff * GEMM
 rate), distinct bytes / copy rate)`` for a product, ``distinct bytes / (eff * copy rate)``
 for a streaming Triton kernel, ``bytes / (eff_aten * copy rate)`` for other aten ops and
@@ -106,6 +109,8 @@ class Calibration:
     """Where the topk and sort times per key come from: a timing JSON, or ``estimate``."""
     measured: dict = dataclasses.field(default_factory=dict)
     """backend -> group -> measured seconds (mean over runs), with ``step`` and ``idle``."""
+    triton_cosines: str = "recompute"
+    """What the measured triton step did with its cosines: ``kept`` or ``recompute``."""
 
     def rates(self, gpu_name: str) -> dict:
         """Reference rates on ``gpu_name``: this calibration's, or scaled by data-sheet peaks."""
@@ -203,11 +208,16 @@ def load_calibration(path: str = DEFAULT, counts: str = DEFAULT_COUNTS, timing: 
         select_source = _rel(timing)
     fitted = {}
     for backend in ("torch", "triton"):
-        case = dict(base, backend=backend)
+        # A run may name each backend's exact case (``model_check.cases``: the triton step's
+        # cosine path); else the base case, whose triton step recomputed (_with_path).
+        case = dict((check.get("cases") or {}).get(backend) or dict(base, backend=backend))
         saved = _saved_counts(_path(counts), case, model.GPUS[gpu]["sms"])
         if not saved:
             raise ValueError(f"counts: {counts!r} holds no counts of {case} for {model.GPUS[gpu]['sms']} SMs")
         fitted[backend] = model.fit_case(case, saved)
+        if backend == "triton":
+            from .selfcheck import _with_path
+            triton_cosines = _with_path(case)["cosines"]
 
     # launch_s and the aten streaming efficiency: each backend's "torch other ops" is its aten
     # ops' bytes / (eff * copy) + their launches * launch_s + topk and sort.
@@ -250,7 +260,8 @@ def load_calibration(path: str = DEFAULT, counts: str = DEFAULT_COUNTS, timing: 
     return Calibration(gpu=gpu, source=_rel(path), date=str(doc.get("date", "?")), counts_source=_rel(counts),
                        case=base, gemm_rate=gemm_rate, copy_rate=copy_rate, matrix=matrix, stream=stream,
                        launch_s=launch_s, idle_s=tri["idle"], topk_per_key_s=topk_per_key,
-                       sort_per_key_s=sort_per_key, select_source=select_source, measured=measured)
+                       sort_per_key_s=sort_per_key, select_source=select_source, measured=measured,
+                       triton_cosines=triton_cosines)
 
 
 def _fill(c: dict, gpu: dict) -> float:
@@ -363,7 +374,7 @@ def measured_groups(cal: Calibration, gpu_name: str, case: dict) -> dict | None:
     if case_rows(case) != case_rows(cal.case) or any(case.get(k) != cal.case.get(k) for k in keys):
         return None
     from .selfcheck import _with_path
-    if _with_path(case).get("cosines") != _with_path(dict(cal.case, backend=case["backend"])).get("cosines"):
+    if case["backend"] == "triton" and _with_path(case)["cosines"] != cal.triton_cosines:
         return None
     return cal.measured.get(case["backend"])
 

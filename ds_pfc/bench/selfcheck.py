@@ -317,7 +317,7 @@ def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 
         names = {k.split(":", 1)[1] for k in predicted if k.startswith("triton:")}
         measured = dict(group_measured(events, names), step=seconds)
         rows = model.compare(measured, predicted, factor=factor, min_seconds=0.5e-3)
-        doc["backends"][backend] = {"rows": rows, "prediction": pred, "profile": events}
+        doc["backends"][backend] = {"case": case, "rows": rows, "prediction": pred, "profile": events}
         for r in rows:
             line = (f"{backend} {r['kernel']}: measured {1e3 * (r['measured_s'] or 0):.2f} ms, predicted "
                     f"{1e3 * (r['predicted_s'] or 0):.2f} ms")
