@@ -85,6 +85,7 @@ def test_bank_placements_build_a_tiered_bank():
     ({"num_classes": 10, "compute_dtype": "int8"}, "ds_pfc.head.compute_dtype must be one of"),
     ({"num_classes": 10, "block_bytes": 0}, "ds_pfc.head.block_bytes must be null or a positive integer"),
     ({"num_classes": 10, "block_bytes": "256MiB"}, "ds_pfc.head.block_bytes must be int or NoneType"),
+    ({"num_classes": 10, "keep_bytes": -1}, "ds_pfc.head.keep_bytes must be null or a non-negative integer"),
     ({"num_classes": 10, "backend": "cuda"}, "ds_pfc.head.backend must be one of"),
     ({"num_classes": 10, "margin": {"type": "sphere"}}, "ds_pfc.head.margin.type must be"),
     ({"num_classes": 10, "margin": {"type": "arcface", "m3": 0.2}}, "['m3'] do not apply to type 'arcface'"),
@@ -133,3 +134,23 @@ def test_top_level_typos_and_missing_clipping_warn():
 def test_keys_removed_from_deepspeed_are_refused():
     with pytest.raises(ConfigError, match=r"\['amp'\] were removed from DeepSpeed"):
         split_config({**BASE, "amp": {"enabled": True}, "ds_pfc": {"head": {"num_classes": 3}}})
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), "30", True])
+def test_checkpoint_every_minutes_is_a_number_of_minutes(value):
+    config = _config({"num_classes": 10})
+    config["ds_pfc"]["checkpoint"] = {"every_minutes": value}
+    with pytest.raises(ConfigError, match="ds_pfc.checkpoint.every_minutes must be|every_minutes must be"):
+        split_config(config)
+
+
+def test_keep_bytes_reaches_the_head():
+    config = _config({"num_classes": 10, "keep_bytes": 0})
+    config["ds_pfc"]["checkpoint"] = {"every_minutes": 30}
+    _, pfc = split_config(config)
+    assert pfc.checkpoint.every_minutes == 30.0
+    head = pfc.head.build()
+    try:
+        assert head.keep_bytes == 0
+    finally:
+        head.close()

@@ -198,7 +198,17 @@ def test_arcface_recipe_over_base_key_by_key(configs, tmp_path):
     assert pfc["evaluation"] == {"every_steps": 2000, "bins": ["/train_tmp/ms1m-retinaface-t1/lfw.bin",
                                                                "/train_tmp/ms1m-retinaface-t1/cfp_fp.bin",
                                                                "/train_tmp/ms1m-retinaface-t1/agedb_30.bin"]}
-    assert pfc["checkpoint"] == {"export": True, "resume": False, "every_steps": 0}
+    # What a long cluster job needs, whatever the recipe says: resume on, a checkpoint every 30
+    # minutes of wall time (no --world-size: no per-epoch steps), TensorBoard as arcface_torch.
+    assert pfc["checkpoint"] == {"export": True, "resume": True, "every_minutes": 30.0, "every_steps": 0}
+    assert ds["tensorboard"] == {"enabled": True}
+    # --faithful: the recipe's resume = False and final-only checkpoints
+    _, faithful_ds, faithful = _convert(os.path.join(configs, "ms1mv3_r50.py"), faithful=True)
+    assert faithful["checkpoint"] == {"export": True, "resume": False, "every_steps": 0}
+    assert faithful_ds["tensorboard"] == {"enabled": True}
+    assert {k: v for k, v in faithful_ds.items() if k != "ds_pfc"} == {k: v for k, v in ds.items() if k != "ds_pfc"}
+    assert {k: v for k, v in faithful.items() if k != "checkpoint"} == {k: v for k, v in pfc.items()
+                                                                           if k != "checkpoint"}
     unmapped = {k: why for k, _, why in conv.unmapped}
     assert set(unmapped) == {"num_image", "wandb_key", "suffix_run_name", "using_wandb", "wandb_entity",
                              "wandb_project", "wandb_log_all", "save_artifacts", "wandb_resume"}
@@ -244,7 +254,10 @@ def test_synthetic_wandb_unknown_key_and_world_size(configs, tmp_path):
     assert pfc["backbone"] == {"name": "mbf"}
     assert pfc["train"]["schedule"]["warmup_epochs"] == 0        # -1: no warm-up
     assert pfc["train"]["output_dir"] == os.path.join("work_dirs", "3millions")
-    assert pfc["checkpoint"] == {"export": True, "resume": True, "every_steps": 100000 // (512 * 8)}
+    assert pfc["checkpoint"] == {"export": True, "resume": True, "every_minutes": 30.0,
+                                 "every_steps": 100000 // (512 * 8)}
+    _, _, faithful = _convert(path, world_size=8, faithful=True)
+    assert faithful["checkpoint"] == {"export": True, "resume": True, "every_steps": 100000 // (512 * 8)}
     assert "fp16" not in ds                                      # base: fp16 False
     assert ds["wandb"] == {"enabled": True, "project": "faces", "team": "entity"}
     unmapped = {k: why for k, _, why in conv.unmapped}
@@ -252,7 +265,7 @@ def test_synthetic_wandb_unknown_key_and_world_size(configs, tmp_path):
     _loads(tmp_path, ds)
     # without the world size, the per-epoch checkpoints cannot be turned into steps
     _, _, pfc = _convert(path)
-    assert pfc["checkpoint"]["every_steps"] == 0
+    assert pfc["checkpoint"]["every_steps"] == 0 and pfc["checkpoint"]["every_minutes"] == 30.0
 
 
 @pytest.mark.parametrize("margin_list, expected", [

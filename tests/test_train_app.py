@@ -360,3 +360,37 @@ def test_missing_config_file(tmp_path):
                            "--deepspeed_config", str(tmp_path / "nope.json")], env=_env(), cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "config file not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_time_based_checkpoints_and_resume_flags(tmp_path):
+    """ds_pfc.checkpoint.every_minutes saves by wall time (here: at once, after every step);
+    with resuming off in the config, a rerun over those checkpoints is refused before the
+    model is built, naming --resume; --resume then continues the run."""
+    out = os.path.join(tmp_path, "run")
+    config = copy.deepcopy(TINY)
+    config["ds_pfc"]["checkpoint"] = {"every_steps": 0, "every_minutes": 1e-9, "keep": 0, "resume": False,
+                                      "export": False}
+    path = os.path.join(tmp_path, "job.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    stdout = _run(["--deepspeed_config", path, "--output_dir", out, "--max_steps", "3"])
+    assert "min of wall time since the last one" in stdout
+    saved = {name for name in os.listdir(os.path.join(out, "checkpoints")) if name.startswith("step")}
+    assert saved == {"step00000001", "step00000002", "step00000003"}
+
+    refused = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", path,
+                              "--output_dir", out, "--max_steps", "4"], env=_env(), cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode != 0
+    assert "holds checkpoints (newest: step00000003)" in refused.stderr and "--resume" in refused.stderr
+    assert "data:" not in refused.stdout            # refused before the data and the model were built
+    assert "Traceback" not in refused.stderr
+
+    config["ds_pfc"]["checkpoint"]["every_minutes"] = 60.0          # none by time in a short run
+    with open(path, "w") as f:
+        json.dump(config, f)
+    stdout = _run(["--deepspeed_config", path, "--output_dir", out, "--max_steps", "5", "--resume"])
+    assert "resumed from" in stdout and "step00000003" in stdout
+    summary = _summary(out)
+    assert summary["resumed"] and summary["steps"] == 5
+    assert not os.path.exists(os.path.join(out, "checkpoints", "step00000004"))

@@ -771,6 +771,10 @@ class CheckpointConfig:
 
     every_steps: int = 0
     """Optimizer steps between checkpoints (0: only at the end)."""
+    every_minutes: float = 0.0
+    """Wall-clock minutes between checkpoints (0: off), counted on rank 0 from the start
+    or the last checkpoint and agreed by every rank at the end of a step; with
+    ``every_steps`` too, whichever comes first."""
     keep: int = 2
     """Complete checkpoints to keep (older ones are deleted; 0 keeps all)."""
     resume: bool = True
@@ -783,6 +787,10 @@ class CheckpointConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"ds_pfc.checkpoint.{key} must be an integer >= 0, got {value!r}")
+        m = self.every_minutes
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 0:
+            raise ConfigError(f"ds_pfc.checkpoint.every_minutes must be a number of minutes >= 0 (0: off), got {m!r}")
+        self.every_minutes = float(m)
 
 
 @dataclass(kw_only=True)

@@ -329,10 +329,21 @@ def _network(name: str):
                       f"(its backbones: {', '.join(BACKBONES)})")
 
 
-def convert_arcface_config(parsed: ParsedConfig, *, world_size: int | None = None) -> Conversion:
+#: Wall-clock minutes between checkpoints that a converted config asks for (unless faithful).
+CHECKPOINT_MINUTES = 30.0
+
+
+def convert_arcface_config(parsed: ParsedConfig, *, world_size: int | None = None,
+                           faithful: bool = False) -> Conversion:
     """Map the arcface_torch keys of ``parsed`` to a ds_pfc job (see the README's
     table). ``world_size`` (the GPUs the recipe ran on) is only used to turn
-    per-epoch settings into steps; the config itself never holds it."""
+    per-epoch settings into steps; the config itself never holds it.
+
+    By default the job keeps what a long cluster run needs whatever the recipe says:
+    resuming on (a rerun continues from the newest checkpoint), a checkpoint every
+    :data:`CHECKPOINT_MINUTES` minutes of wall time (and every epoch when ``world_size``
+    is given), and TensorBoard (as arcface_torch always writes). ``faithful=True`` keeps
+    the recipe's ``resume`` and ``save_all_states`` as they are (TensorBoard too)."""
     v = dict(parsed.values)
     name = os.path.splitext(os.path.basename(parsed.path))[0]
     missing = [k for k in _REQUIRED if k not in v]
@@ -550,28 +561,50 @@ def convert_arcface_config(parsed: ParsedConfig, *, world_size: int | None = Non
     # checkpoints
     checkpoint: dict = {"export": True}
     resume = _require(v, "resume", bool, "true or false")
-    checkpoint["resume"] = resume
-    mapped("resume", "ds_pfc.checkpoint.resume")
-    if resume:
-        out.notes.append("resume: arcface_torch resumes from its checkpoint_gpu_<rank>.pt files in output; ds_pfc "
-                         "resumes from its own checkpoints in output_dir and does not read those files as they are.")
-    else:
-        out.notes.append("resume false: ds_pfc refuses to start over checkpoints already in output_dir (arcface_torch "
-                         "would overwrite them); delete them or set resume true.")
     save_all = _require(v, "save_all_states", bool, "true or false")
-    if save_all and world_size is not None:
-        per_epoch = v["num_image"] // (batch * world_size * acc) if isinstance(v["num_image"], int) else 0
-        checkpoint["every_steps"] = max(1, per_epoch)
-        mapped("save_all_states", f"ds_pfc.checkpoint.every_steps = one epoch at {world_size} GPUs")
-    elif save_all:
-        checkpoint["every_steps"] = 0
-        mapped("save_all_states", "ds_pfc.checkpoint (at the end only: give --world-size for one per epoch)")
-        out.notes.append("save_all_states: arcface_torch saves every epoch; set ds_pfc.checkpoint.every_steps to "
-                         "num_image // (batch_size x GPUs x gradient_acc) for the same (or pass --world-size).")
+    per_epoch = None
+    if world_size is not None and isinstance(v["num_image"], int):
+        per_epoch = max(1, v["num_image"] // (batch * world_size * acc))
+    if faithful:
+        checkpoint["resume"] = resume
+        mapped("resume", "ds_pfc.checkpoint.resume (--faithful)")
+        if resume:
+            out.notes.append("resume: arcface_torch resumes from its checkpoint_gpu_<rank>.pt files in output; "
+                             "ds_pfc resumes from its own checkpoints in output_dir and does not read those files "
+                             "as they are.")
+        else:
+            out.notes.append("resume false: ds_pfc refuses to start over checkpoints already in output_dir "
+                             "(arcface_torch would overwrite them); continue with launch/train.py --resume, or "
+                             "delete them.")
+        if save_all and per_epoch is not None:
+            checkpoint["every_steps"] = per_epoch
+            mapped("save_all_states", f"ds_pfc.checkpoint.every_steps = one epoch at {world_size} GPUs (--faithful)")
+        elif save_all:
+            checkpoint["every_steps"] = 0
+            mapped("save_all_states", "ds_pfc.checkpoint (at the end only: give --world-size for one per epoch)")
+            out.notes.append("save_all_states: arcface_torch saves every epoch; set ds_pfc.checkpoint.every_steps "
+                             "to num_image // (batch_size x GPUs x gradient_acc) for the same (or pass "
+                             "--world-size).")
+        else:
+            checkpoint["every_steps"] = 0
+            mapped("save_all_states", "ds_pfc.checkpoint.every_steps 0 (--faithful: ds_pfc always writes a full "
+                   "checkpoint at the end, and export/model.safetensors like arcface_torch's model.pt)")
     else:
-        checkpoint["every_steps"] = 0
-        mapped("save_all_states", "ds_pfc.checkpoint.every_steps 0 (ds_pfc always writes a full checkpoint at "
-               "the end, and export/model.safetensors like arcface_torch's model.pt)")
+        checkpoint["resume"] = True
+        checkpoint["every_minutes"] = CHECKPOINT_MINUTES
+        checkpoint["every_steps"] = per_epoch or 0
+        mapped("resume", "ds_pfc.checkpoint.resume = true whatever the recipe says (a rerun after a crash "
+               "continues; --faithful keeps the recipe's value)", True)
+        every = f"every {CHECKPOINT_MINUTES:g} minutes of wall time" + (
+            f" and every epoch at {world_size} GPUs" if per_epoch else "")
+        mapped("save_all_states", f"ds_pfc.checkpoint: {every} (--faithful keeps the recipe's "
+               f"{'per-epoch' if save_all else 'final-only'} checkpoints)", save_all)
+        if not resume:
+            out.notes.append("resume: the recipe says false, the converted job resumes (a rerun continues from "
+                             "the newest checkpoint in output_dir; launch/train.py --no_resume starts fresh where "
+                             "there is none). ds_pfc does not read arcface_torch's checkpoint_gpu_<rank>.pt files.")
+        out.notes.append(f"checkpoints: {every}, so a crash or preemption loses at most that much; "
+                         "ds_pfc.checkpoint.keep (2) bounds the disk used.")
 
     # network
     network = _require(v, "network", str, "a network name")
@@ -611,6 +644,11 @@ def convert_arcface_config(parsed: ParsedConfig, *, world_size: int | None = Non
                      "as given, as arcface_torch does (it is tied to the recipe's GPU count).")
     description = (f"Converted from arcface_torch config {os.path.basename(parsed.path)} by python -m ds_pfc.migrate "
                    f"(margin_list {tuple(ml)}, network {network}).")
+    # arcface_torch always writes TensorBoard events (its SummaryWriter in output)
+    if "tensorboard" not in ds:
+        ds["tensorboard"] = {"enabled": True}
+        out.notes.append("tensorboard: on, as arcface_torch always logs (events in <output_dir>/tensorboard/train); "
+                         "needs the tensorboard package (pip install tensorboard, or ds_pfc[tensorboard]).")
     ds["ds_pfc"] = {"description": description, "head": head, "backbone": backbone, "data": data, "train": train,
                     "evaluation": evaluation, "checkpoint": checkpoint}
     out.config = ds
@@ -662,7 +700,7 @@ def _config_command(args) -> int:
         listed = "; ".join(f"line {line}: {text}" for line, text in parsed.not_understood)
         raise MigrateError(f"{args.config}: not converted, statements that are not literal config assignments "
                            f"({_NOT_EXECUTED}): {listed}; pass --skip-unknown to convert the rest")
-    conv = convert_arcface_config(parsed, world_size=args.world_size)
+    conv = convert_arcface_config(parsed, world_size=args.world_size, faithful=args.faithful)
     text = json.dumps(conv.config, indent=2) + "\n"
     if args.output:
         if os.path.exists(args.output) and not args.force:

@@ -154,6 +154,22 @@ class Trainer:
         self._log = log or (lambda line: print(line, flush=True))
         self._check_ds_config()
         self._check_diagnostics()
+        self._check_resume_request()
+
+    def _check_resume_request(self) -> None:
+        """The resume refusals that need only the config and the output directory, before
+        anything heavy is built (each names the fix; :meth:`resume` checks the rest)."""
+        if self.cfg.checkpoint.resume:
+            return
+        if self.resume_from is not None:
+            raise ConfigError(f"resume_from={self.resume_from!r} but ds_pfc.checkpoint.resume is false: set it true "
+                              "(launch/train.py --resume_from does that itself)")
+        found = list_checkpoints(os.path.join(self.cfg.train.output_dir, "checkpoints"))
+        if found:
+            raise ConfigError(
+                f"{os.path.join(self.cfg.train.output_dir, 'checkpoints')} holds checkpoints (newest: {found[-1]}) "
+                "but ds_pfc.checkpoint.resume is false: continue that run with launch/train.py --resume (or set "
+                "ds_pfc.checkpoint.resume true), or start another with --output_dir, or remove them")
 
     def _check_ds_config(self) -> None:
         ds = self.ds_config
@@ -398,9 +414,12 @@ class Trainer:
         if not self.cfg.checkpoint.resume:
             if self.resume_from is not None:
                 raise ConfigError(f"resume_from={self.resume_from!r} but ds_pfc.checkpoint.resume is false")
-            if list_checkpoints(self.checkpoint_dir):
-                raise ConfigError(f"{self.checkpoint_dir} holds checkpoints but resuming is off; use another "
-                                  "output_dir or remove them")
+            found = list_checkpoints(self.checkpoint_dir)
+            if found:
+                raise ConfigError(
+                    f"{self.checkpoint_dir} holds checkpoints (newest: {found[-1]}) but ds_pfc.checkpoint.resume is "
+                    "false: continue that run with launch/train.py --resume (or set ds_pfc.checkpoint.resume true), "
+                    "or start another with --output_dir, or remove them")
             return False
         try:
             choice = tags.on_rank0(lambda: tags.choose_tag(self.checkpoint_dir, self.resume_from))
@@ -702,6 +721,7 @@ class Trainer:
             summary["evaluations"][0] = self.run_evaluation()
         step = engine.global_steps
         progress = _Progress(time.perf_counter(), step)
+        last_save = time.monotonic()        # ds_pfc.checkpoint.every_minutes counts from here
         bar = _Bar(self.total_steps) if self.rank == 0 and sys.stderr.isatty() else None
         window, batches = [], self._batches()
         batch = next(batches)
@@ -752,9 +772,14 @@ class Trainer:
                 window = []
             if cfg.evaluation.every_steps and step % cfg.evaluation.every_steps == 0 and step < self.total_steps:
                 summary["evaluations"][step] = self.run_evaluation()
-            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < self.total_steps:
+            by_steps = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
+            by_time = self._checkpoint_time_due(last_save)
+            if (by_steps or by_time) and step < self.total_steps:
+                if by_time and not by_steps:
+                    self.log(f"checkpoint: {cfg.checkpoint.every_minutes:g} min of wall time since the last one")
                 self.engine.broadcast_buffers()
                 self.save()
+                last_save = time.monotonic()
         batches.close()
         if bar is not None:
             bar.close()
@@ -769,6 +794,15 @@ class Trainer:
             summary["export"] = self.export(summary["checkpoint"])
         summary["elapsed_s"] = time.perf_counter() - progress.start
         return summary
+
+    def _checkpoint_time_due(self, since: float) -> bool:
+        """Whether ``ds_pfc.checkpoint.every_minutes`` of wall time have passed since
+        ``since`` by rank 0's clock, the same answer on every rank (one broadcast a step,
+        only when the interval is set)."""
+        minutes = self.cfg.checkpoint.every_minutes
+        if not minutes:
+            return False
+        return bool(tags.on_rank0(lambda: time.monotonic() - since >= 60.0 * minutes))
 
     def export(self, tag_dir: str) -> str:
         """Write ``export/model.safetensors`` (backbone + merged classifier) from

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--skip-unknown", action="store_true",
                    help="convert even if some statements are not literal config assignments (they are skipped)")
     c.add_argument("--force", action="store_true", help="overwrite --output")
+    c.add_argument("--faithful", action="store_true",
+                   help="keep the recipe's resume and save_all_states as they are (default: resume on and a "
+                        "checkpoint every 30 minutes of wall time, and every epoch with --world-size)")
     return p
 
 

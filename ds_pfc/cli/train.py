@@ -7,7 +7,9 @@
 The config is DeepSpeed's JSON plus a ``ds_pfc`` block (see ds_pfc/app/config.py and the
 README's configs table). Checkpoints, the csv monitor, the summary and the
 safetensors export go to ``ds_pfc.train.output_dir``; a rerun resumes from the
-newest complete checkpoint there (``--resume_from TAG`` picks another one); a
+newest complete checkpoint there (``--resume_from TAG`` picks another one; ``--resume``
+resumes even where the config's ``ds_pfc.checkpoint.resume`` is false, ``--no_resume``
+refuses to); a
 rerun with changed settings is refused, listing them, unless
 ``--allow_config_change`` (or ``--allow_batch_change`` for another global batch).
 ``summary.json`` covers the whole run, across resumes: the loss of every step and
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     p.add_argument("--output_dir", default=None, help="overrides ds_pfc.train.output_dir")
     p.add_argument("--max_steps", type=int, default=None, help="overrides ds_pfc.train.max_steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in the output directory, whatever "
+                        "ds_pfc.checkpoint.resume says (a fresh start when there is none)")
     p.add_argument("--no_resume", action="store_true", help="start fresh (refused if checkpoints exist)")
     p.add_argument("--resume_from", default=None, metavar="TAG",
                    help="resume this checkpoint tag (e.g. step00004000) instead of the newest; newer tags move to "
@@ -74,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv=None) -> dict:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.no_resume and args.resume_from is not None:
-        p.error("--no_resume and --resume_from exclude each other")
+    if args.no_resume and (args.resume_from is not None or args.resume):
+        p.error("--no_resume excludes --resume and --resume_from")
     if args.max_steps is not None and args.max_steps < 1:
         p.error(f"--max_steps must be >= 1, got {args.max_steps}")
     if args.deepspeed_config is None:
@@ -104,8 +109,11 @@ def run(argv=None) -> dict:
 
     try:
         config = load_config(args.deepspeed_config)
-        if args.no_resume:
-            config.setdefault("ds_pfc", {}).setdefault("checkpoint", {})["resume"] = False
+        if args.no_resume or args.resume or args.resume_from is not None:
+            # Asked for on the command line: it overrides the config's checkpoint.resume.
+            checkpoint = config.setdefault("ds_pfc", {}).setdefault("checkpoint", {})
+            if isinstance(checkpoint, dict):
+                checkpoint["resume"] = not args.no_resume
         trainer = Trainer(config, output_dir=args.output_dir, max_steps=args.max_steps,
                           resume_from=args.resume_from, allow_batch_change=args.allow_batch_change,
                           allow_config_change=args.allow_config_change, config_path=args.deepspeed_config)
