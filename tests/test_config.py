@@ -154,3 +154,19 @@ def test_keep_bytes_reaches_the_head():
         assert head.keep_bytes == 0
     finally:
         head.close()
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("SIGTERM", "preempt_signals must be list"),
+    ([15], "must be a list of signal names"),
+    (["SIGKILL"], "'SIGKILL' is not a signal that can be caught"),
+    (["SIGNOPE"], "'SIGNOPE' is not a signal"),
+    (["SIG_IGN"], "'SIG_IGN' is not a signal"),
+])
+def test_preempt_signals_are_catchable_signal_names(value, needle):
+    config = _config({"num_classes": 10})
+    config["ds_pfc"]["train"] = {"preempt_signals": value}
+    with pytest.raises(ConfigError, match=needle):
+        split_config(config)
+    config["ds_pfc"]["train"] = {"preempt_signals": ["SIGUSR2"]}
+    assert split_config(config)[1].train.preempt_signals == ["SIGUSR2"]

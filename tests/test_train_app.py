@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -394,3 +395,56 @@ def test_time_based_checkpoints_and_resume_flags(tmp_path):
     summary = _summary(out)
     assert summary["resumed"] and summary["steps"] == 5
     assert not os.path.exists(os.path.join(out, "checkpoints", "step00000004"))
+
+
+def _start_ranks(args, ranks, port):
+    """The ranks of a gloo job started directly, as torchrun would (RANK, WORLD_SIZE, ...),
+    so that a test can signal one of them."""
+    script = os.path.join(ROOT, "launch", "train.py")
+    procs = []
+    for rank in range(ranks):
+        env = dict(_env(), RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ranks),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def test_a_real_signal_preempts_every_rank_and_the_rerun_continues_the_trajectory(two_rank_run, tmp_path):
+    """SIGUSR1 to one rank of a 2-rank gloo job mid-epoch: both ranks finish the step, one
+    complete checkpoint of that step is written, both exit with code 75; the rerun resumes it
+    and its losses are those of the uninterrupted 2-rank run."""
+    import signal
+    import time as _time
+    out = os.path.join(tmp_path, "run")
+    config = copy.deepcopy(TINY)
+    config["ds_pfc"]["checkpoint"] = {"every_steps": 0, "keep": 0, "export": False}
+    path = os.path.join(tmp_path, "job.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    procs = _start_ranks(["--deepspeed_config", path, "--output_dir", out], 2, _free_port())
+    log = os.path.join(out, "training.log")
+    deadline = _time.monotonic() + 300
+    while _time.monotonic() < deadline:          # wait for step 2's line, then signal rank 1 alone
+        if os.path.exists(log) and "step 2/" in open(log).read():
+            break
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        _time.sleep(0.2)
+    procs[1].send_signal(signal.SIGUSR1)
+    results = [p.communicate(timeout=300) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert codes == [75, 75], (codes, [r[1][-3000:] for r in results])
+    stopped = int(re.search(r"preempted by SIGUSR1 at step (\d+)", results[0][0]).group(1))
+    assert 2 <= stopped < STEPS
+    assert "preempted: preempted by SIGUSR1" in results[0][1]
+    assert "preempted:" not in results[1][1]                       # rank 0 alone says it
+    saved = {n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step")}
+    assert saved == {f"step{stopped:08d}"}
+    assert "preempted by SIGUSR1" in open(log).read()
+
+    procs = _start_ranks(["--deepspeed_config", path, "--output_dir", out], 2, _free_port())
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [r[1][-3000:] for r in results]
+    resumed = _summary(out)
+    assert resumed["resumed"] and resumed["steps"] == STEPS
+    assert resumed["losses"] == _summary(two_rank_run[0])["losses"]      # the same trajectory, bitwise

@@ -725,12 +725,25 @@ class TrainConfig:
     """Start from pretrained weights (null: random initialisation)."""
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     """Opt-in training diagnostics (all off by default)."""
+    preempt_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that preempt the run: every rank finishes its step, a complete checkpoint is
+    written and the command exits with code 75 (requeue it; the rerun resumes). ``[]``: the
+    signals keep their default action."""
 
     def __post_init__(self):
         _number(self.epochs, "ds_pfc.train.epochs", low=0, low_open=True)
         if self.max_steps is not None:
             _positive_int(self.max_steps, "ds_pfc.train.max_steps")
         _positive_int(self.log_every, "ds_pfc.train.log_every")
+        import signal
+        names = self.preempt_signals
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"ds_pfc.train.preempt_signals must be a list of signal names, got {names!r}")
+        for name in names:
+            if not name.startswith("SIG") or name.startswith("SIG_") or not hasattr(signal, name) \
+                    or name in ("SIGKILL", "SIGSTOP"):
+                raise ConfigError(f"ds_pfc.train.preempt_signals: {name!r} is not a signal that can be caught "
+                                  "(e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT)")
 
 
 @dataclass(kw_only=True)

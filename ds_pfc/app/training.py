@@ -722,6 +722,15 @@ class Trainer:
         step = engine.global_steps
         progress = _Progress(time.perf_counter(), step)
         last_save = time.monotonic()        # ds_pfc.checkpoint.every_minutes counts from here
+        with _Preemption(cfg.train.preempt_signals) as preempt:
+            step = self._train_steps(summary, step, progress, last_save, preempt)
+        return self._finish(summary, step, progress)
+
+    def _train_steps(self, summary, step, progress, last_save, preempt) -> int:
+        """The training loop of :meth:`run`, to ``total_steps`` or a preemption (which
+        saves a checkpoint and raises :class:`Preempted`). Returns the last step."""
+        cfg, engine = self.cfg, self.engine
+        flips = self.flip_mechanism
         bar = _Bar(self.total_steps) if self.rank == 0 and sys.stderr.isatty() else None
         window, batches = [], self._batches()
         batch = next(batches)
@@ -773,7 +782,17 @@ class Trainer:
             if cfg.evaluation.every_steps and step % cfg.evaluation.every_steps == 0 and step < self.total_steps:
                 summary["evaluations"][step] = self.run_evaluation()
             by_steps = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
-            by_time = self._checkpoint_time_due(last_save)
+            by_time, signum = self._step_flags(last_save, preempt)
+            if signum and step < self.total_steps:
+                name = _signal_name(signum)
+                self.log(f"preempted by {name} at step {step}: writing a checkpoint, then exiting with code "
+                         f"{PREEMPTED_EXIT_CODE} (rerun the same command to continue)")
+                batches.close()
+                if bar is not None:
+                    bar.close()
+                self.engine.broadcast_buffers()
+                path = self.save()
+                raise Preempted(name, step, path)
             if (by_steps or by_time) and step < self.total_steps:
                 if by_time and not by_steps:
                     self.log(f"checkpoint: {cfg.checkpoint.every_minutes:g} min of wall time since the last one")
@@ -783,6 +802,11 @@ class Trainer:
         batches.close()
         if bar is not None:
             bar.close()
+        return step
+
+    def _finish(self, summary, step, progress) -> dict:
+        """The end of :meth:`run`: last evaluation, checkpoint and export."""
+        cfg, flips = self.cfg, self.flip_mechanism
         if flips is not None:
             self._close_flip_interval(step)
         summary["train_elapsed_s"] = time.perf_counter() - progress.start
@@ -795,14 +819,22 @@ class Trainer:
         summary["elapsed_s"] = time.perf_counter() - progress.start
         return summary
 
-    def _checkpoint_time_due(self, since: float) -> bool:
-        """Whether ``ds_pfc.checkpoint.every_minutes`` of wall time have passed since
-        ``since`` by rank 0's clock, the same answer on every rank (one broadcast a step,
-        only when the interval is set)."""
+    def _step_flags(self, since: float, preempt) -> tuple[bool, int]:
+        """``(time checkpoint due, preempting signal or 0)`` at the end of a step, the same
+        on every rank: whether ``ds_pfc.checkpoint.every_minutes`` have passed since
+        ``since`` on any rank's clock, and the signal any rank received. One all-reduce of
+        two numbers a step (none when neither is configured, or on one process)."""
         minutes = self.cfg.checkpoint.every_minutes
-        if not minutes:
-            return False
-        return bool(tags.on_rank0(lambda: time.monotonic() - since >= 60.0 * minutes))
+        due = bool(minutes) and time.monotonic() - since >= 60.0 * minutes
+        if not (minutes or preempt.active):
+            return False, 0
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return due, preempt.received
+        from ..devices import collective_device
+        flags = torch.tensor([float(due), float(preempt.received)], device=collective_device(None, self.device))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        due, signum = flags.tolist()
+        return bool(due), int(signum)
 
     def export(self, tag_dir: str) -> str:
         """Write ``export/model.safetensors`` (backbone + merged classifier) from
@@ -819,6 +851,62 @@ class Trainer:
         head = getattr(self, "head", None)
         if head is not None:
             head.close()
+
+
+#: Exit status of a preempted run (sysexits' EX_TEMPFAIL: try again): a Slurm script requeues on it.
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(Exception):
+    """A preempting signal stopped training after a complete checkpoint (``path``) of
+    ``step``; rerunning the same command resumes from it."""
+
+    def __init__(self, signal_name: str, step: int, path: str):
+        super().__init__(f"preempted by {signal_name} at step {step}: saved {path}; rerun the same command to "
+                         f"continue (exit code {PREEMPTED_EXIT_CODE})")
+        self.signal_name, self.step, self.path = signal_name, step, path
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class _Preemption:
+    """Within it, the named signals only record that they arrived (``received``: the first
+    one's number, 0 while none), so that the loop can finish its step and checkpoint; the
+    previous handlers come back on exit. Outside the main thread nothing is installed
+    (``active`` False)."""
+
+    def __init__(self, names):
+        import signal
+        self._signals = [getattr(signal, n) for n in names]
+        self._previous = {}
+        self.received = 0
+        self.active = False
+
+    def _handle(self, signum, frame):
+        if not self.received:
+            self.received = signum
+
+    def __enter__(self):
+        import signal
+        import threading
+        if self._signals and threading.current_thread() is threading.main_thread():
+            for sig in self._signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            self.active = True
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        return False
 
 
 def _batch_geometry(ds_config: dict) -> tuple[int, int]:

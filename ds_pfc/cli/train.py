@@ -93,7 +93,7 @@ def run(argv=None) -> dict:
     from ds_pfc.checkpoint.tags import CheckpointError, atomic_write
     from ds_pfc.app.config import ConfigError
     from ds_pfc.app.run_outputs import strict_json
-    from ds_pfc.app.training import Trainer, load_config
+    from ds_pfc.app.training import PREEMPTED_EXIT_CODE, Preempted, Trainer, load_config
 
     # What a user's input can be wrong in: the config (its values, files, data paths)
     # and the checkpoints. Anything else is a bug and keeps its traceback.
@@ -126,6 +126,12 @@ def run(argv=None) -> dict:
         summary = trainer.run()
     except user_errors as err:
         refuse(err)
+    except Preempted as err:
+        # Every rank saved the same complete tag; rank 0 says so, and all exit for a requeue.
+        trainer.record(f"preempted: {err}")
+        if trainer.rank == 0:
+            print(f"preempted: {err}", file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT_CODE)
     finally:
         trainer.close()
     if trainer.rank == 0:
