@@ -40,7 +40,7 @@ CONFIG = {
         "data": {"synthetic": {"images_per_identity": 3, "held_out_identities": 10}, "workers": 0},
         "train": {"epochs": 10, "max_steps": STEPS, "log_every": 1,
                   "schedule": {"type": "poly", "warmup_epochs": 0.5, "power": 2.0}},
-        "evaluation": {"synthetic_pairs": 40, "batch_size": 16, "every_steps": 2},
+        "evaluation": {"synthetic_pairs": 40, "batch_size": 16, "every_steps": 2, "at_start": True},
         "checkpoint": {"every_steps": 2, "keep": 0},
     },
 }

@@ -371,6 +371,7 @@ def test_time_based_checkpoints_and_resume_flags(tmp_path):
     config = copy.deepcopy(TINY)
     config["ds_pfc"]["checkpoint"] = {"every_steps": 0, "every_minutes": 1e-9, "keep": 0, "resume": False,
                                       "export": False}
+    config["ds_pfc"]["evaluation"]["every_steps"] = 2     # but none before the first step (at_start: false)
     path = os.path.join(tmp_path, "job.json")
     with open(path, "w") as f:
         json.dump(config, f)
@@ -394,6 +395,7 @@ def test_time_based_checkpoints_and_resume_flags(tmp_path):
     assert "resumed from" in stdout and "step00000003" in stdout
     summary = _summary(out)
     assert summary["resumed"] and summary["steps"] == 5
+    assert sorted(summary["evaluations"], key=int) == ["2", "3", "4", "5"]
     assert not os.path.exists(os.path.join(out, "checkpoints", "step00000004"))
 
 

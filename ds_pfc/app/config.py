@@ -762,6 +762,9 @@ class EvaluationConfig:
     """Flip test-time augmentation."""
     far: list = field(default_factory=lambda: [1e-4, 1e-6])
     """False accept rates at which TAR is reported."""
+    at_start: bool = False
+    """Also evaluate before the first step of a fresh run (the untrained baseline; off by
+    default: at scale it idles every GPU for minutes)."""
 
     def __post_init__(self):
         if not isinstance(self.every_steps, int) or self.every_steps < 0:

@@ -635,6 +635,7 @@ class Trainer:
         directory."""
         tag = f"step{self.engine.global_steps:08d}"
         path = os.path.join(self.checkpoint_dir, tag)
+        started = time.perf_counter()
         history = getattr(self, "history", None) or {"start_step": self.engine.global_steps, "losses": [],
                                                      "evaluations": {}}
         if tag in (self._resumed_tag, self._saved_tag):
@@ -655,7 +656,8 @@ class Trainer:
             self._saved_tag = tag
         keep = self.cfg.checkpoint.keep
         tags.on_rank0(lambda: tags.prune(self.checkpoint_dir, keep))
-        self.log(f"checkpoint {path}")
+        seconds = time.perf_counter() - started
+        self.log(f"checkpoint {path} ({_gib(_tree_bytes(path)) if self.rank == 0 else '?'}, {seconds:.1f} s)")
         return path
 
     # -- loop -------------------------------------------------------------------------
@@ -717,7 +719,7 @@ class Trainer:
         flips = self.flip_mechanism
         if flips is not None:
             summary["flip_mechanism"] = self.history.setdefault("flip_mechanism", {})
-        if not resumed and cfg.evaluation.every_steps:
+        if not resumed and cfg.evaluation.at_start:
             summary["evaluations"][0] = self.run_evaluation()
         step = engine.global_steps
         progress = _Progress(time.perf_counter(), step)
@@ -842,8 +844,10 @@ class Trainer:
         every rank. The file gets the usual mode (0644 under the default umask)."""
         from ..checkpoint.export import export_checkpoint
         out = os.path.join(self.output_dir, "export", "model.safetensors")
+        started = time.perf_counter()
         tags.on_rank0(lambda: export_checkpoint(tag_dir, out, config=self.raw_config))
-        self.log(f"export {out}")
+        seconds = time.perf_counter() - started
+        self.log(f"export {out} ({_gib(os.path.getsize(out)) if self.rank == 0 else '?'}, {seconds:.1f} s)")
         return out
 
     def close(self) -> None:
@@ -851,6 +855,22 @@ class Trainer:
         head = getattr(self, "head", None)
         if head is not None:
             head.close()
+
+
+def _tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (0 if it is gone)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 #: Exit status of a preempted run (sysexits' EX_TEMPFAIL: try again): a Slurm script requeues on it.
