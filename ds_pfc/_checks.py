@@ -128,7 +128,16 @@ def check_batch_table(table: list[list[int]], me: int, error: Exception | None, 
     failed = [q for q, row in enumerate(table)
               if not row[1] or row[2] or (row[0] and (row[3] < 0 or row[4] >= num_classes))]
     if failed:
-        raise ValueError(f"{what}: ranks {failed} of the group rejected their {what} (see their errors); "
+        reasons = []
+        for q in failed:
+            row = table[q]
+            if not row[1]:
+                reasons.append(f"rank {q}: its arguments (see its error)")
+            elif row[2]:
+                reasons.append(f"rank {q}: {names[0]} contain NaN or Inf values")
+            else:
+                reasons.append(f"rank {q}: {names[1]} in [{row[3]}, {row[4]}], outside [0, {num_classes})")
+        raise ValueError(f"{what}: ranks {failed} of the group rejected their {what} ({'; '.join(reasons)}); "
                          "nothing was changed on any rank")
     return [row[0] for row in table]
 

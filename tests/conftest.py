@@ -18,6 +18,13 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.pa
                                                            ".torch_extensions"))
 
 
+# RecordIO index caches of the tests go to one temporary directory, not ~/.cache/ds_pfc.
+_TEST_CACHE = None
+if "DS_PFC_CACHE_DIR" not in os.environ:
+    import tempfile
+    _TEST_CACHE = os.environ["DS_PFC_CACHE_DIR"] = tempfile.mkdtemp(prefix="ds_pfc-test-cache-")
+
+
 def pytest_sessionstart(session):
     session.config._ds_pfc_started = __import__("time").time()
 
@@ -28,6 +35,9 @@ def pytest_sessionfinish(session, exitstatus):
     ``ds_pfc.deepspeed_plugin.init_distributed`` unlinked it; remove any that a test
     which calls ``deepspeed.init_distributed`` itself left behind."""
     import glob
+    import shutil
+    if _TEST_CACHE is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_TEST_CACHE, ignore_errors=True)
     started = getattr(session.config, "_ds_pfc_started", None)
     if started is None:
         return

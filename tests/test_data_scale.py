@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from pathlib import Path
 import torch
 
 from _recordio_writers import fake_image, header_layout, ir_pack, write_property, write_rec
@@ -88,13 +89,25 @@ def _im2rec(tmp_path, labels):
     return write_rec(tmp_path, records)
 
 
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    """Index caches of these tests go to their own directory (the default: DS_PFC_CACHE_DIR)."""
+    monkeypatch.setenv("DS_PFC_CACHE_DIR", str(tmp_path / "index-cache"))
+
+
+def _cache_file(rec) -> str:
+    return InsightFaceRecord(rec, cache=True)._cache.path
+
+
 def test_index_cache_written_once_reused_and_rebuilt(tmp_path, preads):
     labels = [(k * 7) % 13 for k in range(200)]
     rec, idx, _ = _im2rec(tmp_path, labels)
     first = InsightFaceRecord(rec)
     assert first.labels().tolist() == labels
     assert "every record header" in first.label_source
-    cache = tmp_path / "train.rec.ds_pfc-index.pt"
+    cache = Path(first._cache.path)
+    assert cache.parent == tmp_path / "index-cache" and cache.name.endswith("-train.rec.ds_pfc-index.pt")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["train.idx", "train.rec"]   # data untouched
     assert cache.is_file() and not os.path.exists(str(cache) + ".lock")
     stamp = cache.stat().st_mtime_ns
 
@@ -115,14 +128,11 @@ def test_index_cache_written_once_reused_and_rebuilt(tmp_path, preads):
     assert InsightFaceRecord(rec).label_source.startswith("index cache")
 
 
-def test_index_cache_goes_to_the_cache_dir_when_the_data_dir_is_read_only(tmp_path, monkeypatch):
+def test_index_cache_goes_to_the_given_cache_dir_never_beside_the_data(tmp_path):
     data, cache_dir = tmp_path / "data", tmp_path / "cache"
     data.mkdir()
     labels = [k % 3 for k in range(20)]
     rec, _, _ = _im2rec(data, labels)
-    real_access = os.access
-    monkeypatch.setattr(recordio.os, "access",
-                        lambda p, mode: False if os.fspath(p) == str(data) else real_access(p, mode))
     assert InsightFaceRecord(rec, cache_dir=cache_dir).labels().tolist() == labels
     assert sorted(os.listdir(data)) == ["train.idx", "train.rec"]
     written = os.listdir(cache_dir)
@@ -227,10 +237,43 @@ def test_lock_left_by_a_dead_process_is_taken_over(tmp_path):
     labels = [k % 5 for k in range(40)]
     rec, _, _ = _im2rec(tmp_path, labels)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    lock = tmp_path / "train.rec.ds_pfc-index.pt.lock"
+    lock = Path(_cache_file(rec) + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
     lock.write_text(f"{socket.gethostname()} {int(dead.stdout)}\n")
     start = time.monotonic()
     ds = InsightFaceRecord(rec)
     assert ds.labels().tolist() == labels and time.monotonic() - start < 5
     assert "every record header" in ds.label_source
-    assert (tmp_path / "train.rec.ds_pfc-index.pt").is_file() and not lock.exists()
+    assert os.path.isfile(_cache_file(rec)) and not lock.exists()
+
+
+def test_train_app_indexes_into_its_output_dir_or_the_cache_dir_and_says_so(tmp_path, monkeypatch):
+    """The training app's RecordIO set: the index cache goes under <output_dir>/cache (or
+    DS_PFC_CACHE_DIR), never into the dataset's directory, and the phase is announced with
+    its duration."""
+    from ds_pfc.app.config import split_config
+    from ds_pfc.app.datasets import build_train_set
+    data = tmp_path / "data"
+    data.mkdir()
+    labels = [k % 4 for k in range(30)]
+    rec, _, _ = _im2rec(data, labels)
+    out = tmp_path / "run"
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "ds_pfc": {"head": {"num_classes": 4}, "data": {"source": "recordio", "path": str(rec)},
+                         "train": {"output_dir": str(out)}}}
+    _, cfg = split_config(config)
+    monkeypatch.delenv("DS_PFC_CACHE_DIR")
+    lines = []
+    assert build_train_set(cfg, log=lines.append).labels().tolist() == labels
+    assert sorted(os.listdir(data)) == ["train.idx", "train.rec"]
+    cached = os.listdir(out / "cache")
+    assert len(cached) == 1 and cached[0].endswith("train.rec.ds_pfc-index.pt")
+    assert len(lines) == 2 and str(out / "cache") in lines[0] and "30 images indexed in" in lines[1]
+    assert "every record header" in lines[1]
+    lines.clear()
+    build_train_set(cfg, log=lines.append)
+    assert "index cache" in lines[1]                        # the second run reads it
+    monkeypatch.setenv("DS_PFC_CACHE_DIR", str(tmp_path / "shared"))
+    build_train_set(cfg)
+    assert len(os.listdir(tmp_path / "shared")) == 1

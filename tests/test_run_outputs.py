@@ -240,7 +240,7 @@ def test_wandb_runs_under_the_output_directory(fp16_run):
 
 @pytest.mark.parametrize("block, module, pip", [("tensorboard", "tensorboard", "pip install tensorboard"),
                                                 ("wandb", "wandb", "pip install wandb")])
-def test_missing_monitor_package_is_a_one_line_error(tmp_path, monkeypatch, block, module, pip):
+def test_missing_monitor_package_is_a_one_line_error(tmp_path, monkeypatch, capsys, block, module, pip):
     monkeypatch.setitem(sys.modules, module, None)      # import fails as if not installed
     config = copy.deepcopy(CONFIG)
     del config["fp16"]
@@ -250,9 +250,10 @@ def test_missing_monitor_package_is_a_one_line_error(tmp_path, monkeypatch, bloc
         json.dump(config, f)
     with one_process_world(), pytest.raises(SystemExit) as err:
         _train_main()(["--deepspeed_config", path, "--output_dir", str(tmp_path / "run")])
-    message = str(err.value.code)
-    assert "\n" not in message
-    assert message.startswith(f"error: {block}.enabled is true but the {module} package is not installed: {pip}")
+    assert err.value.code == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1
+    assert lines[0].startswith(f"error: {block}.enabled is true but the {module} package is not installed: {pip}")
     assert not os.path.exists(tmp_path / "run" / "checkpoints")      # refused before anything is built
 
 

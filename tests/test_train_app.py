@@ -450,3 +450,91 @@ def test_a_real_signal_preempts_every_rank_and_the_rerun_continues_the_trajector
     resumed = _summary(out)
     assert resumed["resumed"] and resumed["steps"] == STEPS
     assert resumed["losses"] == _summary(two_rank_run[0])["losses"]      # the same trajectory, bitwise
+
+
+# Rank ``NAN_RANK`` of the job gets NaN images in its micro batch number ``NAN_AT`` (0-based):
+# the backbone then yields NaN embeddings there, which the head refuses on every rank.
+_NAN_RUNNER = """
+import os, sys
+import torch
+import ds_pfc.app.training as T
+original = T.Trainer._batches
+def batches(self):
+    for i, (images, labels) in enumerate(original(self)):
+        if i == int(os.environ["NAN_AT"]) and self.rank == int(os.environ["NAN_RANK"]):
+            images = torch.full_like(images, float("nan"))
+        yield images, labels
+T.Trainer._batches = batches
+from ds_pfc.cli.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_failures_are_one_line_on_rank_0_with_the_traceback_in_a_file(tmp_path):
+    """A NaN injected at step 3 on rank 1 of 2: every rank stops before updating, rank 0 alone
+    prints one error line naming the step, rank 1's NaN, the newest checkpoint and the fixes;
+    the line is in training.log and each rank's traceback is in errors/rank<R>.txt. A typo in
+    DeepSpeed's optimizer block is one line naming the block too."""
+    out = os.path.join(tmp_path, "run")
+    path = _config(tmp_path, "nan")
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NAN_AT="2", NAN_RANK="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", _NAN_RUNNER, "--deepspeed_config", path,
+                                       "--output_dir", out], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    (out0, err0), (out1, err1) = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], (err0[-3000:], err1[-3000:])
+    lines = [line for line in err0.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err0[-3000:]
+    line = lines[0]
+    assert "step 3:" in line and "rank 1: embeddings contain NaN or Inf values" in line
+    assert "step00000002" in line and "lower learning rate" in line
+    assert f"traceback: {os.path.join(out, 'errors', 'rank0.txt')}" in line
+    assert "Traceback" not in err0 and "error:" not in err1 and "Traceback" not in err1
+    assert line in open(os.path.join(out, "training.log")).read()
+    for rank in (0, 1):
+        text = open(os.path.join(out, "errors", f"rank{rank}.txt")).read()
+        assert "Traceback" in text and "NaN or Inf" in text
+    # nothing of step 3 was saved or applied: the newest checkpoint is step 2's
+    saved = {n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step")}
+    assert saved == {"step00000002"}
+
+    bad = copy.deepcopy(TINY)
+    bad["optimizer"]["params"]["lrr"] = 0.1
+    path = os.path.join(tmp_path, "typo.json")
+    with open(path, "w") as f:
+        json.dump(bad, f)
+    out = os.path.join(tmp_path, "typo")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", path,
+                           "--output_dir", out], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "lrr" in lines[0] and "'optimizer' block" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "lrr" in open(os.path.join(out, "errors", "rank0.txt")).read()
+
+
+_BUG_RUNNER = """
+import sys
+import ds_pfc.app.training as T
+def run(self):
+    raise RuntimeError("boom: a bug")
+T.Trainer.run = run
+from ds_pfc.cli.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_bug_keeps_its_traceback_and_writes_it_to_the_file(tmp_path):
+    out = os.path.join(tmp_path, "run")
+    proc = subprocess.run([sys.executable, "-c", _BUG_RUNNER, "--deepspeed_config", _config(tmp_path, "bug"),
+                           "--output_dir", out], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "boom: a bug" in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: RuntimeError: boom: a bug (a bug in ds_pfc")
+    assert "boom: a bug" in open(os.path.join(out, "errors", "rank0.txt")).read()
+    assert lines[0] in open(os.path.join(out, "training.log")).read()

@@ -4,6 +4,7 @@ by the training app, the paper studies and the dominant sub-center export."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -25,7 +26,9 @@ def stressed(stress: StressConfig, dataset):
                            seed=stress.seed)
 
 
-def build_train_set(cfg: DsPfcConfig):
+def build_train_set(cfg: DsPfcConfig, log=None):
+    """The training set of ``cfg``; ``log`` (a callable taking a line, or None) hears about
+    long phases (a RecordIO set's first indexing)."""
     data = cfg.data
     if data.source == "synthetic":
         from ..data.faces import SyntheticFaces
@@ -46,7 +49,18 @@ def build_train_set(cfg: DsPfcConfig):
         raise FileNotFoundError(f"ds_pfc.data.path {data.path!r} does not exist")
     if data.source == "recordio":
         from ..data.recordio import InsightFaceRecord
-        dataset = InsightFaceRecord(data.path)
+        # The index cache (keys, offsets, labels; ~20 bytes a record) goes to DS_PFC_CACHE_DIR
+        # when set (shared by runs), else under the run's output directory: never into the data.
+        cache_dir = os.environ.get("DS_PFC_CACHE_DIR") or os.path.join(cfg.train.output_dir, "cache")
+        started = time.perf_counter()
+        if log is not None:
+            log(f"data: opening {data.path} (index cache in {cache_dir}; without one every record is indexed "
+                "first, which takes tens of seconds at tens of millions of images)")
+        dataset = InsightFaceRecord(data.path, cache_dir=cache_dir)
+        dataset.labels()
+        if log is not None:
+            log(f"data: {len(dataset)} images indexed in {time.perf_counter() - started:.1f} s, labels from "
+                f"{dataset.label_source}")
     else:
         from ..data.hf import load_image_dataset
         dataset = load_image_dataset(data.path, split=data.split, image_column=data.image_column,

@@ -230,7 +230,11 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         cfg = self.cfg
-        self.dataset = build_train_set(cfg)      # bad data paths fail before any process group exists
+        # Bad data paths fail before any process group exists; the first rank of the launch says
+        # what takes long (a RecordIO set's first indexing).
+        first = (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("OMPI_COMM_WORLD_RANK")
+                 or os.environ.get("PMI_RANK") or "0") == "0"
+        self.dataset = build_train_set(cfg, log=self._log if first else None)
         # Rank, world and local rank from the launcher (srun and mpirun set no RANK),
         # checked against the scheduler's task count; then the process group; then
         # cuda:<local rank> before any CUDA work (DeepSpeed binds the device only inside
@@ -292,8 +296,18 @@ class Trainer:
         from .run_outputs import monitor_config
         # csv / TensorBoard / W&B under the output directory unless the blocks say otherwise
         ds_config = monitor_config(self.ds_config, self.output_dir, rank=self.rank)
-        self.engine: PfcEngine = initialize(model=backbone, config=ds_config, lr_scheduler=scheduler,
-                                            heads={"head": (head, cfg.head.optimizer.lr_ratio)})
+        try:
+            self.engine: PfcEngine = initialize(model=backbone, config=ds_config, lr_scheduler=scheduler,
+                                                heads={"head": (head, cfg.head.optimizer.lr_ratio)})
+        except (TypeError, ValueError, KeyError, AssertionError) as err:
+            # Raised where DeepSpeed or torch builds the optimizer, the scheduler or the engine
+            # from the config's blocks (e.g. a misspelt optimizer.params key): the config's fault.
+            origin = _raised_in(err)
+            if not any(part in origin for part in (os.sep + "deepspeed" + os.sep, os.sep + "torch" + os.sep)):
+                raise
+            raise ConfigError(f"DeepSpeed could not build the engine from the config ({type(err).__name__} in "
+                              f"{_short_path(origin)}: {err}); check the 'optimizer' block (type, params), "
+                              "'scheduler', 'fp16'/'bf16' and 'zero_optimization'") from err
         self.head = head
         inner = self.engine.engine
         resolved = (int(inner.train_micro_batch_size_per_gpu()), int(inner.gradient_accumulation_steps()))
@@ -741,7 +755,10 @@ class Trainer:
             for _ in range(self.gas):
                 images, labels = batch
                 embeddings = engine(images)
-                out = self.head(embeddings, labels, return_details=True)
+                try:
+                    out = self.head(embeddings, labels, return_details=True)
+                except ValueError as err:        # the head's checks, on every rank together
+                    raise self._stopped(step + 1, err) from err
                 if flips is not None:
                     flips.observe(embeddings, labels, self._batch_true_labels(labels))
                 self.sampler.advance(self.micro)
@@ -821,6 +838,22 @@ class Trainer:
         summary["elapsed_s"] = time.perf_counter() - progress.start
         return summary
 
+    def _stopped(self, step: int, err: ValueError) -> "TrainingStopped":
+        """The error that ends training when the head refuses a step's batch: what it
+        said, the newest complete checkpoint, and the usual fixes."""
+        found = list_checkpoints(self.checkpoint_dir)
+        last = (f"the newest complete checkpoint is {os.path.join(self.checkpoint_dir, found[-1])}" if found
+                else "no checkpoint was written yet")
+        text = str(err)
+        if "NaN or Inf" in text:
+            fix = ("the run diverged: resume with a lower learning rate or warm-up peak (--allow_config_change), "
+                   "check gradient_clipping, or train in bf16 instead of fp16; see docs/troubleshooting.md")
+        elif "labels" in text:
+            fix = "ds_pfc.head.num_classes must cover every label of the training set"
+        else:
+            fix = "see docs/troubleshooting.md"
+        return TrainingStopped(f"step {step}: {text}; {last}; {fix}")
+
     def _step_flags(self, since: float, preempt) -> tuple[bool, int]:
         """``(time checkpoint due, preempting signal or 0)`` at the end of a step, the same
         on every rank: whether ``ds_pfc.checkpoint.every_minutes`` have passed since
@@ -857,6 +890,22 @@ class Trainer:
             head.close()
 
 
+def _raised_in(err: BaseException) -> str:
+    """The file of the innermost frame ``err`` was raised in ('' when unknown)."""
+    import traceback
+    frames = traceback.extract_tb(err.__traceback__)
+    return frames[-1].filename if frames else ""
+
+
+def _short_path(path: str) -> str:
+    """``.../site-packages/deepspeed/x.py`` -> ``deepspeed/x.py``."""
+    for root in ("deepspeed", "torch"):
+        marker = os.sep + root + os.sep
+        if marker in path:
+            return root + os.sep + path.split(marker, 1)[1]
+    return path
+
+
 def _tree_bytes(path: str) -> int:
     """Bytes of the files under ``path`` (0 if it is gone)."""
     total = 0
@@ -871,6 +920,11 @@ def _tree_bytes(path: str) -> int:
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+class TrainingStopped(Exception):
+    """Training cannot go on with this input or state (the head refused a step's batch:
+    NaN or Inf embeddings, labels out of range); the message says what and what to do."""
 
 
 #: Exit status of a preempted run (sysexits' EX_TEMPFAIL: try again): a Slurm script requeues on it.
@@ -936,7 +990,8 @@ def _batch_geometry(ds_config: dict) -> tuple[int, int]:
     try:
         resolved = DeepSpeedConfig(dict(ds_config))
     except (AssertionError, ValueError) as err:
-        raise ConfigError(f"DeepSpeed rejects the batch settings: {err}") from None
+        what = "the batch settings" if "batch" in str(err).lower() else "the config"
+        raise ConfigError(f"DeepSpeed rejects {what}: {err}") from None
     return int(resolved.train_micro_batch_size_per_gpu), int(resolved.gradient_accumulation_steps)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -118,7 +119,7 @@ def _case(case: dict) -> dict:
         ds._image_keys = keys
         return {"seconds": (t1 - t0) + per_record * len(keys), "measured_records": m,
                 "per_record_us": per_record * 1e6, "extrapolated": True, "preads": calls[0]}
-    ds = InsightFaceRecord(folder, cache=kind != "header")
+    ds = InsightFaceRecord(folder, cache=kind != "header", cache_dir=os.path.join(folder, "index-cache"))
     labels = ds.labels()
     return {"seconds": time.perf_counter() - t0, "records": len(labels), "num_classes": ds.num_classes,
             "preads": calls[0], "source": ds.label_source}
@@ -197,9 +198,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     _write_dataset(folder, args.records, args.classes)
     print(f"synthetic data in {folder} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    for stale in os.listdir(folder):
-        if "ds_pfc-index" in stale:
-            os.unlink(os.path.join(folder, stale))
+    stale = os.path.join(folder, "index-cache")          # the cases' index cache: start without one
+    if os.path.isdir(stale):
+        shutil.rmtree(stale)
     startup = []
     for kind in ("index", "header", "cache-write", "cache-load", "scan"):
         case = {"folder": folder, "kind": kind, "scan_records": args.scan_records}

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 from . import checkout_root
 from ._launch import launch_env, leave_process_groups
@@ -93,22 +94,43 @@ def run(argv=None) -> dict:
     from ds_pfc.checkpoint.tags import CheckpointError, atomic_write
     from ds_pfc.app.config import ConfigError
     from ds_pfc.app.run_outputs import strict_json
-    from ds_pfc.app.training import PREEMPTED_EXIT_CODE, Preempted, Trainer, load_config
+    from ds_pfc.app.training import PREEMPTED_EXIT_CODE, Preempted, Trainer, TrainingStopped, load_config
 
-    # What a user's input can be wrong in: the config (its values, files, data paths)
-    # and the checkpoints. Anything else is a bug and keeps its traceback.
-    user_errors = (ConfigError, CheckpointError, FileNotFoundError)
+    # What a user's input or environment can be wrong in: the config (its values, files,
+    # data paths), the checkpoints, the batches (NaN, labels) and the collectives (NCCL,
+    # timeouts). Anything else is a bug and keeps its traceback.
+    user_errors = (ConfigError, CheckpointError, FileNotFoundError, TrainingStopped)
     trainer = None
+    output_dir = [args.output_dir]
+
+    def fail(err, user: bool):
+        """One ``error:`` line on rank 0 (and in training.log), the full traceback of every
+        rank in ``<output_dir>/errors/``; every rank exits with status 1."""
+        rank = trainer.rank if hasattr(trainer, "world_size") else int(os.environ.get("RANK", "0") or 0)
+        where = getattr(trainer, "output_dir", None) or output_dir[0]
+        path = write_traceback(err, where, rank)
+        text = " ".join(str(err).split("\n")) or type(err).__name__
+        if not user:
+            text = f"{type(err).__name__}: {text} (a bug in ds_pfc or a library it calls; please report it)"
+        elif _collective_failure(err):
+            text = f"{text} (a collective failed or timed out: see docs/troubleshooting.md)"
+        line = f"error: {text}" + (f" (traceback: {path})" if path else "")
+        if trainer is not None:
+            trainer.record(line)        # training.log, once it is open
+        if rank == 0:
+            if not user:
+                traceback.print_exception(err, file=sys.stderr)
+            print(line, file=sys.stderr, flush=True)
+        sys.exit(1)
 
     def refuse(err):
-        # every rank meets the same error; rank 0 says it
-        rank = trainer.rank if hasattr(trainer, "world_size") else int(os.environ.get("RANK", "0") or 0)
-        if trainer is not None:
-            trainer.record(f"error: {err}")        # training.log, once it is open
-        sys.exit(f"error: {err}" if rank == 0 else 1)
+        fail(err, user=True)
 
     try:
         config = load_config(args.deepspeed_config)
+        train_block = (config.get("ds_pfc") or {}).get("train") if isinstance(config, dict) else None
+        if output_dir[0] is None and isinstance(train_block, dict) and isinstance(train_block.get("output_dir"), str):
+            output_dir[0] = train_block["output_dir"]
         if args.no_resume or args.resume or args.resume_from is not None:
             # Asked for on the command line: it overrides the config's checkpoint.resume.
             checkpoint = config.setdefault("ds_pfc", {}).setdefault("checkpoint", {})
@@ -118,13 +140,17 @@ def run(argv=None) -> dict:
                           resume_from=args.resume_from, allow_batch_change=args.allow_batch_change,
                           allow_config_change=args.allow_config_change, config_path=args.deepspeed_config)
         trainer.setup()
-    except user_errors as err:
+    except (*user_errors, *_collective_errors()) as err:
         if trainer is not None:
             trainer.close()
         refuse(err)
+    except Exception as err:
+        if trainer is not None:
+            trainer.close()
+        fail(err, user=False)
     try:
         summary = trainer.run()
-    except user_errors as err:
+    except (*user_errors, *_collective_errors()) as err:
         refuse(err)
     except Preempted as err:
         # Every rank saved the same complete tag; rank 0 says so, and all exit for a requeue.
@@ -132,6 +158,8 @@ def run(argv=None) -> dict:
         if trainer.rank == 0:
             print(f"preempted: {err}", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
+    except Exception as err:
+        fail(err, user=False)
     finally:
         trainer.close()
     if trainer.rank == 0:
@@ -150,6 +178,36 @@ def run(argv=None) -> dict:
         atomic_write(path, strict_json(out).encode())     # a TAR that cannot be measured: null
         trainer.log(f"summary {path}")
     return summary
+
+
+def _collective_errors() -> tuple:
+    """The exceptions of a failed or timed-out collective (NCCL's and Gloo's)."""
+    import torch.distributed as dist
+    return tuple(e for e in (getattr(dist, "DistBackendError", None), getattr(dist, "DistNetworkError", None))
+                 if e is not None)
+
+
+def _collective_failure(err) -> bool:
+    return isinstance(err, _collective_errors())
+
+
+def write_traceback(err: BaseException, output_dir: str | None, rank: int) -> str | None:
+    """Write ``err``'s full traceback to ``<output_dir>/errors/rank<R>.txt`` (appended, under a
+    time stamp); returns the path, or None when there is no output directory to write to."""
+    if not output_dir:
+        return None
+    import datetime
+    try:
+        directory = os.path.join(output_dir, "errors")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"rank{rank}.txt")
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        with open(path, "a") as f:
+            f.write(f"=== {stamp} rank {rank}\n")
+            f.write("".join(traceback.format_exception(err)))
+        return path
+    except OSError:
+        return None
 
 
 def main(argv=None) -> int:

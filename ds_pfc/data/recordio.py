@@ -401,9 +401,9 @@ class InsightFaceRecord(torch.utils.data.Dataset):
     Start-up does not read every record (see :meth:`labels`): the labels come from an
     index cache when a valid one exists, else from the header's identity records, else
     from one read of every record header, whose result is then cached. ``cache``:
-    ``True`` (default) keeps the index cache beside the ``.rec`` (or in ``cache_dir``,
-    default ``$DS_PFC_CACHE_DIR`` or ``~/.cache/ds_pfc``, when that directory is not
-    writable); ``False`` neither reads nor writes one. ``label_source`` says which
+    ``True`` (default) keeps the index cache in ``cache_dir`` (default ``$DS_PFC_CACHE_DIR``,
+    else ``~/.cache/ds_pfc``; never in the dataset's directory); ``False`` neither reads nor
+    writes one. ``label_source`` says which
     source was used (also logged at INFO on the ``ds_pfc.data.recordio`` logger).
     """
 
@@ -727,27 +727,28 @@ def _stamp(path: str) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
+def default_cache_dir() -> str:
+    """Where index caches go when no ``cache_dir`` is given: ``$DS_PFC_CACHE_DIR``, else
+    ``~/.cache/ds_pfc``."""
+    return os.environ.get("DS_PFC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ds_pfc")
+
+
 class _IndexCache:
     """Keys, byte offsets and labels of a ``.rec``, saved once and reused while the
     ``.rec`` and ``.idx`` keep their size and modification time.
 
-    Kept beside the ``.rec`` as ``<name>.rec.ds_pfc-index.pt`` when that directory is
-    writable, else in ``cache_dir`` (``$DS_PFC_CACHE_DIR``, ``~/.cache/ds_pfc``) under
-    a name hashed from the ``.rec``'s absolute path. One process writes it: the first
+    Kept in ``cache_dir`` (default :func:`default_cache_dir`: ``$DS_PFC_CACHE_DIR``, else
+    ``~/.cache/ds_pfc``), never beside the data, as ``<hash>-<name>.rec.ds_pfc-index.pt``
+    (the hash of the ``.rec``'s absolute path). One process writes it: the first
     to create ``<cache>.lock``; the others wait for the file. A lock whose holder on
     this host has exited, or older than ``wait`` seconds, is taken as left by a dead
     process."""
 
     def __init__(self, rec: str, idx: str, cache_dir, wait: float):
         self.rec, self.idx, self.wait_s = os.path.abspath(rec), os.path.abspath(idx), float(wait)
-        name = os.path.basename(self.rec) + ".ds_pfc-index.pt"
-        folder = os.path.dirname(self.rec)
-        if not os.access(folder, os.W_OK):
-            folder = os.fspath(cache_dir) if cache_dir is not None else os.environ.get("DS_PFC_CACHE_DIR") or \
-                os.path.join(os.path.expanduser("~"), ".cache", "ds_pfc")
-            digest = hashlib.sha1(self.rec.encode()).hexdigest()[:16]
-            name = f"{digest}-{name}"
-        self.path = os.path.join(folder, name)
+        folder = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+        digest = hashlib.sha1(self.rec.encode()).hexdigest()[:16]
+        self.path = os.path.join(folder, f"{digest}-{os.path.basename(self.rec)}.ds_pfc-index.pt")
         self.lock = self.path + ".lock"
         self._held = False
 
