@@ -728,6 +728,22 @@ def _gemm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
+def _zero_grads(n: int, s: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.zeros(n, d, dtype=torch.float32, device=device),
+            torch.zeros(s, d, dtype=torch.float32, device=device))
+
+
+def _backward_operands(x_hat, w, w_inv_norm, w_hat, coef, compute_dtype):
+    """``(w_hat, w_inv_norm, xc, c, coef / c)`` of a backward: the normalised centers (from
+    :func:`prepare` unless given), the embeddings in the compute dtype, and the largest row
+    coefficient ``c`` (a device scalar: no host sync) that G is stored relative to."""
+    if w_hat is None or w_inv_norm is None:
+        w_hat, w_inv_norm = prepare(w, compute_dtype)
+    xc = x_hat.to(compute_dtype).contiguous()
+    c = coef.abs().amax().clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    return w_hat, w_inv_norm, xc, c, (coef / c).contiguous()
+
+
 def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, compute_dtype,
          w_hat=None, block_bytes: int | None = None):
     """Backward of the non-target logits: ``(dx_hat [N, d], dw [S, d])``, float32.
@@ -744,14 +760,8 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
     s = w.shape[0]
     dev = x_hat.device
     if n == 0 or s == 0:
-        return (torch.zeros(n, d, dtype=torch.float32, device=dev),
-                torch.zeros(s, d, dtype=torch.float32, device=dev))
-    if w_hat is None or w_inv_norm is None:
-        w_hat, w_inv_norm = prepare(w, compute_dtype)
-    xc = x_hat.to(compute_dtype).contiguous()
-    # G is stored relative to the largest row coefficient (a device scalar: no host sync).
-    c = coef.abs().amax().clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
-    coef_rel = (coef / c).contiguous()
+        return _zero_grads(n, s, d, dev)
+    w_hat, w_inv_norm, xc, c, coef_rel = _backward_operands(x_hat, w, w_inv_norm, w_hat, coef, compute_dtype)
     consts = _consts(compute_dtype)
     tg = tile_config("g", compute_dtype)
     tw = tile_config("dw", compute_dtype)
@@ -810,13 +820,8 @@ def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, t
     if not kept.is_contiguous():
         raise ValueError("kept: expected a contiguous [S, N] tensor")
     if n == 0 or s == 0:
-        return (torch.zeros(n, d, dtype=torch.float32, device=dev),
-                torch.zeros(s, d, dtype=torch.float32, device=dev))
-    if w_hat is None or w_inv_norm is None:
-        w_hat, w_inv_norm = prepare(w, compute_dtype)
-    xc = x_hat.to(compute_dtype).contiguous()
-    c = coef.abs().amax().clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
-    coef_rel = (coef / c).contiguous()
+        return _zero_grads(n, s, d, dev)
+    w_hat, w_inv_norm, xc, c, coef_rel = _backward_operands(x_hat, w, w_inv_norm, w_hat, coef, compute_dtype)
     consts = _consts(compute_dtype)
     g = kept.view(compute_dtype)           # the same storage, reinterpreted: G is written over the cosines
     bs, bn, _, warps, stages = tile_config("gpass", compute_dtype)
