@@ -214,8 +214,9 @@ def features_config(classes: int, quick: bool = False) -> dict:
             # epochs only bounds max_steps: every class count and stress runs the same steps
             "train": {"epochs": 1e6, "max_steps": steps,
                       "schedule": {"type": "poly", "warmup_epochs": 0.0, "power": 2.0}, "log_every": 100},
+            # the curves start at the untrained baseline (step 0)
             "evaluation": {"every_steps": steps // evals, "synthetic_pairs": pairs, "batch_size": 1024,
-                           "flip": False, "far": [1e-3, 1e-2]},
+                           "flip": False, "far": [1e-3, 1e-2], "at_start": True},
             "checkpoint": {"every_steps": 0, "keep": 1, "resume": False, "export": False},
         },
     }
