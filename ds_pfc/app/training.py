@@ -15,7 +15,9 @@ import copy
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -426,14 +428,7 @@ class Trainer:
         self.config_changes = []
         tags.check_shared_directory(self.checkpoint_dir)
         if not self.cfg.checkpoint.resume:
-            if self.resume_from is not None:
-                raise ConfigError(f"resume_from={self.resume_from!r} but ds_pfc.checkpoint.resume is false")
-            found = list_checkpoints(self.checkpoint_dir)
-            if found:
-                raise ConfigError(
-                    f"{self.checkpoint_dir} holds checkpoints (newest: {found[-1]}) but ds_pfc.checkpoint.resume is "
-                    "false: continue that run with launch/train.py --resume (or set ds_pfc.checkpoint.resume true), "
-                    "or start another with --output_dir, or remove them")
+            self._check_resume_request()     # again: checkpoints may have appeared since the start
             return False
         try:
             choice = tags.on_rank0(lambda: tags.choose_tag(self.checkpoint_dir, self.resume_from))
@@ -942,7 +937,6 @@ class Preempted(Exception):
 
 
 def _signal_name(signum: int) -> str:
-    import signal
     try:
         return signal.Signals(signum).name
     except ValueError:
@@ -956,7 +950,6 @@ class _Preemption:
     (``active`` False)."""
 
     def __init__(self, names):
-        import signal
         self._signals = [getattr(signal, n) for n in names]
         self._previous = {}
         self.received = 0
@@ -967,8 +960,6 @@ class _Preemption:
             self.received = signum
 
     def __enter__(self):
-        import signal
-        import threading
         if self._signals and threading.current_thread() is threading.main_thread():
             for sig in self._signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -976,7 +967,6 @@ class _Preemption:
         return self
 
     def __exit__(self, *exc):
-        import signal
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

@@ -209,15 +209,14 @@ def load_calibration(path: str = DEFAULT, counts: str = DEFAULT_COUNTS, timing: 
     fitted = {}
     for backend in ("torch", "triton"):
         # A run may name each backend's exact case (``model_check.cases``: the triton step's
-        # cosine path); else the base case, whose triton step recomputed (_with_path).
+        # cosine path); else the base case, whose triton step recomputed (model.with_cosines_path).
         case = dict((check.get("cases") or {}).get(backend) or dict(base, backend=backend))
         saved = _saved_counts(_path(counts), case, model.GPUS[gpu]["sms"])
         if not saved:
             raise ValueError(f"counts: {counts!r} holds no counts of {case} for {model.GPUS[gpu]['sms']} SMs")
         fitted[backend] = model.fit_case(case, saved)
         if backend == "triton":
-            from .selfcheck import _with_path
-            triton_cosines = _with_path(case)["cosines"]
+            triton_cosines = model.with_cosines_path(case)["cosines"]
 
     # launch_s and the aten streaming efficiency: each backend's "torch other ops" is its aten
     # ops' bytes / (eff * copy) + their launches * launch_s + topk and sort.
@@ -373,8 +372,8 @@ def measured_groups(cal: Calibration, gpu_name: str, case: dict) -> dict | None:
     keys = ("batch", "dim", "compute", "embeddings", "block_bytes")
     if case_rows(case) != case_rows(cal.case) or any(case.get(k) != cal.case.get(k) for k in keys):
         return None
-    from .selfcheck import _with_path
-    if case["backend"] == "triton" and _with_path(case)["cosines"] != cal.triton_cosines:
+    from .model import with_cosines_path
+    if case["backend"] == "triton" and with_cosines_path(case)["cosines"] != cal.triton_cosines:
         return None
     return cal.measured.get(case["backend"])
 

@@ -62,7 +62,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["GPUS", "CostCounter", "count_step", "fit_counts", "fit_case", "case_rows", "case_keeps", "cosines_path",
+__all__ = ["GPUS", "CostCounter", "count_step", "fit_counts", "fit_case", "case_rows", "case_keeps", "cosines_path", "with_cosines_path",
            "predict", "predict_case",
            "main_predict", "kernel_time", "compare", "STANDARD_CASE"]
 
@@ -793,11 +793,17 @@ def _standard_runs(case: dict) -> list[tuple[int, int | None]]:
     return [(64, 32), (64, 16), (S2, S2 // 2), (2 * S2, S2 // 2)]
 
 
+def with_cosines_path(case):
+    """``case`` with its triton ``cosines`` path spelled out: cases that name none were
+    counted (or measured) before the kept-cosine path existed, and recompute."""
+    if isinstance(case, dict) and case.get("backend") == "triton" and "cosines" not in case:
+        return dict(case, cosines="recompute")
+    return case
+
+
 def case_keeps(case: dict) -> bool:
-    """Whether the case's triton step keeps its cosines for backward: ``case["cosines"]`` is
-    ``"kept"`` (cases that name no ``cosines``, counted before the kept path existed,
-    recompute)."""
-    return case.get("backend") == "triton" and case.get("cosines") == "kept"
+    """Whether the case's triton step keeps its cosines for backward (:func:`with_cosines_path`)."""
+    return case.get("backend") == "triton" and with_cosines_path(case)["cosines"] == "kept"
 
 
 def cosines_path(backend: str, batch: int, S: int, compute: str, keep_bytes: int | None) -> str | None:

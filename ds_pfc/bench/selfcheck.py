@@ -273,22 +273,15 @@ def _saved_counts(path: str | None, case: dict, sms: int) -> list[dict] | None:
     that runs the step, only on the case and the tile plan)."""
     if not path:
         return None
+    from .model import with_cosines_path
     with open(path) as f:
         doc = json.load(f)
     if doc.get("gpu_constants", {}).get("sms") != sms:
         return None
     for result in doc.get("results", []):
-        if _with_path(result.get("case")) == _with_path(case) and result.get("counts"):
+        if with_cosines_path(result.get("case")) == with_cosines_path(case) and result.get("counts"):
             return result["counts"]
     return None
-
-
-def _with_path(case):
-    """``case`` with its triton ``cosines`` path spelled out: cases that name none were
-    counted (or measured) before the kept-cosine path existed, and recompute."""
-    if isinstance(case, dict) and case.get("backend") == "triton" and "cosines" not in case:
-        return dict(case, cosines="recompute")
-    return case
 
 
 def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 2.0,
