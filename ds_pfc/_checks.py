@@ -110,6 +110,11 @@ def batch_probe(embeddings, labels, error: Exception | None, device) -> torch.Te
     return row
 
 
+class NonFiniteError(ValueError):
+    """A training forward refused NaN or Inf embeddings (on this rank or another one of
+    the group), before anything changed on any rank."""
+
+
 def check_batch_table(table: list[list[int]], me: int, error: Exception | None, num_classes: int,
                       what: str = "embeddings/labels", names=("embeddings", "labels")) -> list[int]:
     """Every rank's row count, after the checks of every rank's probe row
@@ -122,7 +127,7 @@ def check_batch_table(table: list[list[int]], me: int, error: Exception | None, 
         raise error
     mine = table[me]
     if mine[2]:
-        raise ValueError(f"{names[0]} contain NaN or Inf values")
+        raise NonFiniteError(f"{names[0]} contain NaN or Inf values")
     if mine[0] and (mine[3] < 0 or mine[4] >= num_classes):
         raise ValueError(f"{names[1]} must lie in [0, {num_classes}), got values in [{mine[3]}, {mine[4]}]")
     failed = [q for q, row in enumerate(table)
@@ -137,8 +142,11 @@ def check_batch_table(table: list[list[int]], me: int, error: Exception | None, 
                 reasons.append(f"rank {q}: {names[0]} contain NaN or Inf values")
             else:
                 reasons.append(f"rank {q}: {names[1]} in [{row[3]}, {row[4]}], outside [0, {num_classes})")
-        raise ValueError(f"{what}: ranks {failed} of the group rejected their {what} ({'; '.join(reasons)}); "
-                         "nothing was changed on any rank")
+        # Only NaN/Inf embeddings: a NonFiniteError on every rank (a policy may drop the step).
+        nonfinite = all(table[q][1] and table[q][2] for q in failed)
+        raise (NonFiniteError if nonfinite else ValueError)(
+            f"{what}: ranks {failed} of the group rejected their {what} ({'; '.join(reasons)}); "
+            "nothing was changed on any rank")
     return [row[0] for row in table]
 
 

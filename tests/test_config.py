@@ -170,3 +170,21 @@ def test_preempt_signals_are_catchable_signal_names(value, needle):
         split_config(config)
     config["ds_pfc"]["train"] = {"preempt_signals": ["SIGUSR2"]}
     assert split_config(config)[1].train.preempt_signals == ["SIGUSR2"]
+
+
+@pytest.mark.parametrize("train, needle", [
+    ({"on_nonfinite": "ignore"}, "on_nonfinite must be one of \\['stop', 'skip', 'rollback'\\]"),
+    ({"on_nonfinite": "skip", "max_consecutive_skips": 0}, "max_consecutive_skips must be a positive integer"),
+    ({"on_nonfinite": "rollback", "rollback_lr_factor": 0}, "rollback_lr_factor must be > 0"),
+    ({"on_nonfinite": "rollback", "rollback_lr_factor": 1.5}, "rollback_lr_factor must be <= 1"),
+    ({"on_nonfinite": "rollback", "max_rollbacks": -1}, "max_rollbacks must be a positive integer"),
+])
+def test_on_nonfinite_settings_are_checked(train, needle):
+    config = _config({"num_classes": 10})
+    config["ds_pfc"]["train"] = train
+    with pytest.raises(ConfigError, match=needle):
+        split_config(config)
+    config["ds_pfc"]["train"] = {"on_nonfinite": "rollback", "rollback_lr_factor": 0.25, "max_rollbacks": 2}
+    train = split_config(config)[1].train
+    assert (train.on_nonfinite, train.rollback_lr_factor, train.max_rollbacks) == ("rollback", 0.25, 2)
+    assert split_config(_config({"num_classes": 10}))[1].train.on_nonfinite == "stop"

@@ -364,3 +364,17 @@ def test_magic_inside_irheader(tmp_path):
     assert ds.labels().tolist() == list(range(3, 9))
     assert [ds[i] for i in range(6)] == [(fake_image(k), k) for k in range(3, 9)]
     assert unpack_header(ds.reader.read(5))[2:4] == (magic, magic | (magic << 32))
+
+
+def test_indexing_reports_progress_and_the_callback_stays_behind(tmp_path):
+    """The index build calls ``progress`` (the .idx parsed, the record headers read: what the
+    app's heartbeat shows on a long first indexing); the callback is not pickled for workers."""
+    records = [(k, ir_pack(float(k % 3), fake_image(k))) for k in range(5)]
+    rec, idx, _ = write_rec(tmp_path, records)
+    lines = []
+    ds = InsightFaceRecord(rec, idx, cache=False, progress=lines.append)
+    assert ds.labels().tolist() == [k % 3 for k in range(5)]
+    assert any(line.endswith(f"MiB of {os.path.basename(idx)} parsed") for line in lines), lines
+    assert "0 of 5 record headers read" in lines, lines
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._progress is None and clone.labels().tolist() == ds.labels().tolist()

@@ -345,3 +345,17 @@ def test_how_the_bank_moves_rows_is_a_harmless_change():
     assert [(c.key, c.kind) for c in differences(saved, mapped)] == [("ds_pfc.head.bank.host_access", "harmless")]
     kinds = [c.kind for c in differences(saved, coded)]
     assert kinds and set(kinds) == {"training"}
+
+
+def test_turning_on_a_non_finite_policy_or_preemption_signals_is_a_harmless_change():
+    """A run that crashed on a NaN can resume with on_nonfinite skip/rollback (or other
+    preemption signals) without --allow_config_change: nothing changes until such a step."""
+    from ds_pfc.app.resume_changes import differences
+    saved = {"ds_pfc": {"head": {"num_classes": 10}, "train": {"epochs": 1}}}
+    now = {"ds_pfc": {"head": {"num_classes": 10}, "train": {
+        "epochs": 1, "on_nonfinite": "rollback", "rollback_lr_factor": 0.25, "max_rollbacks": 5,
+        "max_consecutive_skips": 3, "preempt_signals": ["SIGUSR2"]}}}
+    kinds = {c.key: c.kind for c in differences(saved, now)}
+    assert kinds == {f"ds_pfc.train.{k}": "harmless" for k in now["ds_pfc"]["train"] if k != "epochs"}
+    assert {c.kind for c in differences(saved, {"ds_pfc": {"head": {"num_classes": 10},
+                                                          "train": {"epochs": 1, "seed": 3}}})} == {"training"}

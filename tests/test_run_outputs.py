@@ -276,3 +276,51 @@ def test_study_results_are_strict_json(tmp_path):
         saved = _strict_loads(f.read())
     assert saved["cells"][0]["seeds"][0]["tar_at_far"] == {"0.0001": None, "0.1": 0.5}
     assert load_results(path, "sample_rate") == saved
+
+
+def test_a_long_phase_is_never_silent_and_a_short_one_says_nothing():
+    """Heartbeat: nothing within ``first`` seconds; after it a "still running" line with the
+    progress text, then one every ``every`` seconds, and none once the block has ended."""
+    import time
+    from ds_pfc.app.run_outputs import Heartbeat
+    lines = []
+    with Heartbeat(lines.append, "quick", first=5.0):
+        time.sleep(0.05)
+    assert lines == []
+    state = ["1 of 3 done"]
+    with Heartbeat(lines.append, "slow phase", progress=lambda: state[0], first=0.05, every=0.05):
+        time.sleep(0.4)
+    count = len(lines)
+    assert count >= 2 and all(line.startswith("slow phase: still running after ") for line in lines), lines
+    assert lines[0].endswith("(1 of 3 done)")
+    time.sleep(0.15)
+    assert len(lines) == count                       # stopped with the block
+    with Heartbeat(None, "other ranks", first=0.0):   # no log: no thread
+        time.sleep(0.05)
+
+
+def test_the_data_index_build_is_announced_while_it_runs(tmp_path, monkeypatch):
+    """build_train_set wraps a RecordIO set's indexing in a heartbeat that shows its progress."""
+    import time
+    from _recordio_writers import fake_image, ir_pack, write_rec
+    from ds_pfc.app import datasets
+    from ds_pfc.app.config import split_config
+    from ds_pfc.app.run_outputs import Heartbeat
+    from ds_pfc.data import recordio
+    rec, _, _ = write_rec(tmp_path, [(k, ir_pack(float(k % 2), fake_image(k))) for k in range(4)])
+    scan = recordio.InsightFaceRecord._scan_labels
+
+    def slow_scan(self):
+        out = scan(self)
+        time.sleep(0.4)                               # a large set's header reads
+        return out
+    monkeypatch.setattr(recordio.InsightFaceRecord, "_scan_labels", slow_scan)
+    monkeypatch.setattr(Heartbeat, "first_s", 0.05)
+    monkeypatch.setenv("DS_PFC_CACHE_DIR", str(tmp_path / "cache"))
+    _, cfg = split_config({"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "ds_pfc": {
+        "head": {"num_classes": 2, "embedding_size": 8}, "data": {"source": "recordio", "path": rec}}})
+    lines = []
+    datasets.build_train_set(cfg, log=lines.append)
+    beats = [line for line in lines if "still running after" in line]
+    assert beats and beats[0].startswith(f"data: indexing {rec}: still running after"), lines
+    assert "record headers read" in beats[0], lines

@@ -452,22 +452,51 @@ def test_a_real_signal_preempts_every_rank_and_the_rerun_continues_the_trajector
     assert resumed["losses"] == _summary(two_rank_run[0])["losses"]      # the same trajectory, bitwise
 
 
-# Rank ``NAN_RANK`` of the job gets NaN images in its micro batch number ``NAN_AT`` (0-based):
-# the backbone then yields NaN embeddings there, which the head refuses on every rank.
+# Rank ``NAN_RANK`` of the job gets NaN images in the micro batch number ``NAN_AT`` (0-based,
+# counted over the whole process, so that a batch replayed after a rollback stays clean): the
+# backbone then yields NaN embeddings there, which the head refuses on every rank. With
+# ``NAN_DROP`` set, that batch is consumed but left out on every rank instead (the reference of
+# a skip).
 _NAN_RUNNER = """
 import os, sys
 import torch
 import ds_pfc.app.training as T
 original = T.Trainer._batches
+seen = [0]
 def batches(self):
-    for i, (images, labels) in enumerate(original(self)):
-        if i == int(os.environ["NAN_AT"]) and self.rank == int(os.environ["NAN_RANK"]):
-            images = torch.full_like(images, float("nan"))
+    for images, labels in original(self):
+        index, seen[0] = seen[0], seen[0] + 1
+        at = int(os.environ["NAN_AT"])
+        if index == at or (os.environ.get("NAN_FOREVER") and at >= 0 and index > at):
+            if os.environ.get("NAN_DROP"):
+                self.sampler.advance(self.micro)      # consumed, never trained on
+                continue
+            if self.rank == int(os.environ["NAN_RANK"]):
+                images = torch.full_like(images, float("nan"))
         yield images, labels
 T.Trainer._batches = batches
 from ds_pfc.cli.train import main
 sys.exit(main(sys.argv[1:]))
 """
+
+
+def _nan_job(config: dict, tmp_path, name: str, *args, ranks=2, **env):
+    """A gloo job of ``ranks`` ranks through the train command's main under ``_NAN_RUNNER``;
+    returns ``(exit codes, [(stdout, stderr)] per rank)``."""
+    path = os.path.join(tmp_path, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    port = _free_port()
+    procs = []
+    for rank in range(ranks):
+        rank_env = dict(_env(), RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+                        LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        rank_env.update({"NAN_AT": "-1", "NAN_RANK": "0", **env})
+        procs.append(subprocess.Popen([sys.executable, "-c", _NAN_RUNNER, "--deepspeed_config", path, *args],
+                                      env=rank_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    results = [p.communicate(timeout=600) for p in procs]
+    return [p.returncode for p in procs], results
 
 
 def test_failures_are_one_line_on_rank_0_with_the_traceback_in_a_file(tmp_path):
@@ -476,17 +505,9 @@ def test_failures_are_one_line_on_rank_0_with_the_traceback_in_a_file(tmp_path):
     the line is in training.log and each rank's traceback is in errors/rank<R>.txt. A typo in
     DeepSpeed's optimizer block is one line naming the block too."""
     out = os.path.join(tmp_path, "run")
-    path = _config(tmp_path, "nan")
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NAN_AT="2", NAN_RANK="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", _NAN_RUNNER, "--deepspeed_config", path,
-                                       "--output_dir", out], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    (out0, err0), (out1, err1) = [p.communicate(timeout=600) for p in procs]
-    assert [p.returncode for p in procs] == [1, 1], (err0[-3000:], err1[-3000:])
+    codes, ((out0, err0), (out1, err1)) = _nan_job(TINY, tmp_path, "nan", "--output_dir", out, NAN_AT="2",
+                                                   NAN_RANK="1")
+    assert codes == [1, 1], (err0[-3000:], err1[-3000:])
     lines = [line for line in err0.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err0[-3000:]
     line = lines[0]
@@ -515,6 +536,153 @@ def test_failures_are_one_line_on_rank_0_with_the_traceback_in_a_file(tmp_path):
     assert len(lines) == 1 and "lrr" in lines[0] and "'optimizer' block" in lines[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "lrr" in open(os.path.join(out, "errors", "rank0.txt")).read()
+
+
+def _trained_state(tag_dir: str) -> dict:
+    """Every tensor of a checkpoint that training changes: the backbone, DeepSpeed's optimizer
+    and scheduler state, and each head shard's rows and momentum (not the data position)."""
+    from safetensors.torch import load_file
+    found = {}
+
+    def walk(prefix, value):
+        if isinstance(value, torch.Tensor):
+            found[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            found[prefix] = torch.tensor(value, dtype=torch.float64)
+    for name in sorted(os.listdir(tag_dir)):
+        path = os.path.join(tag_dir, name)
+        if name.endswith(".safetensors"):
+            walk(name, load_file(path))
+        elif name.endswith("model_states.pt"):
+            saved = torch.load(path, map_location="cpu", weights_only=False)
+            walk(name, {k: saved[k] for k in ("module", "optimizer", "lr_scheduler", "global_steps") if k in saved})
+    return found
+
+
+def _nonfinite_config(policy: str, **train) -> dict:
+    config = copy.deepcopy(TINY)
+    config["ds_pfc"]["train"].update(on_nonfinite=policy, **train)
+    return config
+
+
+def test_on_nonfinite_skip_drops_the_step_on_every_rank(tmp_path):
+    """on_nonfinite skip, NaN images at step 3 on rank 1 of 2: both ranks drop that step and go
+    on. Nothing of it reaches the backbone, the optimizer, the head's rows or momentum: the run
+    equals, bitwise, one whose data simply lacks that batch (every loss, the final state)."""
+    config = _nonfinite_config("skip")
+    skip, ref = os.path.join(tmp_path, "skip"), os.path.join(tmp_path, "ref")
+    codes, results = _nan_job(config, tmp_path, "skip", "--output_dir", skip, NAN_AT="2", NAN_RANK="1")
+    assert codes == [0, 0], [r[1][-3000:] for r in results]
+    codes, results = _nan_job(config, tmp_path, "skip", "--output_dir", ref, NAN_AT="2", NAN_DROP="1")
+    assert codes == [0, 0], [r[1][-3000:] for r in results]
+    skipped, reference = _summary(skip), _summary(ref)
+    assert skipped["steps"] == reference["steps"] == STEPS
+    assert skipped["losses"] == reference["losses"]
+    assert [r["step"] for r in skipped["nonfinite"]["skipped"]] == [3]
+    assert "rank 1: embeddings contain NaN or Inf values" in skipped["nonfinite"]["skipped"][0]["reason"]
+    assert reference["nonfinite"] == {"skipped": [], "rollbacks": []}
+    log = open(os.path.join(skip, "training.log")).read()
+    assert "step 3: skipped on every rank" in log and "1 step(s) skipped in this run" in log
+    got, want = _trained_state(skipped["checkpoint"]), _trained_state(reference["checkpoint"])
+    assert got.keys() == want.keys() and any("momentum" in k for k in got)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were():
+    """The NaN forward a skip drops has already moved BatchNorm's running statistics (and
+    its batch counter); the guard puts back those of the step's start, bitwise."""
+    from ds_pfc.app.training import _NonFiniteGuard
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.BatchNorm1d(2))
+    module[1](torch.randn(5, 4, 6, 6))          # statistics that are not the initial ones
+    guard = _NonFiniteGuard(module)
+    guard.before_step()
+    want = {k: v.clone() for k, v in module.state_dict().items() if "running" in k or "num_batches" in k}
+    module[:2](torch.full((2, 3, 8, 8), float("nan")))
+    assert torch.isnan(module[1].running_mean).all() and int(module[1].num_batches_tracked) == 2
+    guard.restore_buffers()
+    got = module.state_dict()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_on_nonfinite_skip_stops_after_too_many_steps_in_a_row(tmp_path):
+    """NaN on every batch of rank 0 from step 2 on (a diverged model, as skip sees it): the run
+    stops after max_consecutive_skips skipped steps in a row with one error line."""
+    runner_env = {"NAN_AT": "1", "NAN_RANK": "0"}
+    config = _nonfinite_config("skip", max_consecutive_skips=2)
+    # every batch from index 1 on: NAN_AT is matched once, so make the rank's images NaN for good
+    config["ds_pfc"]["train"]["max_steps"] = STEPS
+    out = os.path.join(tmp_path, "run")
+    codes, results = _nan_job(config, tmp_path, "skips", "--output_dir", out, NAN_FOREVER="1", **runner_env)
+    assert codes == [1, 1], [r[1][-3000:] for r in results]
+    line = [x for x in results[0][1].splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "3 steps in a row were non-finite" in line[0], results[0][1][-3000:]
+    assert "step 2:" in line[0] and "rollback" in line[0]
+    assert open(os.path.join(out, "training.log")).read().count("skipped on every rank") == 2
+
+
+def test_on_nonfinite_rollback_reloads_the_newest_checkpoint_with_a_lower_lr(two_rank_run, tmp_path):
+    """on_nonfinite rollback, NaN images at step 5 on rank 1 of 2: every rank reloads step 4's
+    checkpoint, halves the learning rate and trains on. Steps 1-4 are the plain run's; steps 5-6
+    those of an independent resume of the plain run's step-4 checkpoint with half the lr."""
+    config = _nonfinite_config("rollback")
+    out = os.path.join(tmp_path, "run")
+    codes, results = _nan_job(config, tmp_path, "rollback", "--output_dir", out, NAN_AT="4", NAN_RANK="1")
+    assert codes == [0, 0], [r[1][-3000:] for r in results]
+    rolled = _summary(out)
+    plain = _summary(two_rank_run[0])
+    assert rolled["steps"] == STEPS and rolled["losses"][:4] == plain["losses"][:4]
+    [record] = rolled["nonfinite"]["rollbacks"]
+    assert (record["step"], record["to"], record["lr_scale"]) == (5, "step00000004", 0.5)
+    log = open(os.path.join(out, "training.log")).read()
+    assert "step 5:" in log and "rolled back every rank to" in log and "learning rate x0.5" in log
+
+    ref = os.path.join(tmp_path, "ref")
+    os.makedirs(os.path.join(ref, "checkpoints"))
+    shutil.copytree(os.path.join(two_rank_run[0], "checkpoints", "step00000004"),
+                    os.path.join(ref, "checkpoints", "step00000004"))
+    halved = copy.deepcopy(config)
+    halved["optimizer"]["params"]["lr"] = TINY["optimizer"]["params"]["lr"] / 2
+    codes, results = _nan_job(halved, tmp_path, "halved", "--output_dir", ref, "--allow_config_change")
+    assert codes == [0, 0], [r[1][-3000:] for r in results]
+    assert rolled["losses"][4:] == _summary(ref)["losses"][4:] and len(rolled["losses"]) == STEPS
+    # the factor stays with the run: its step-6 checkpoint says so
+    meta = torch.load(os.path.join(rolled["checkpoint"], "mp_rank_00_model_states.pt"), map_location="cpu",
+                      weights_only=False)
+    assert meta["ds_pfc_lr_scale"] == 0.5
+
+
+def test_on_nonfinite_rollback_without_a_checkpoint_stops(tmp_path):
+    """A NaN at step 1 with rollback: there is nothing to roll back to, and the run says so."""
+    out = os.path.join(tmp_path, "run")
+    codes, results = _nan_job(_nonfinite_config("rollback"), tmp_path, "early", "--output_dir", out, NAN_AT="0",
+                              NAN_RANK="0")
+    assert codes == [1, 1]
+    line = [x for x in results[0][1].splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "no complete checkpoint to roll back to" in line[0], results[0][1][-3000:]
+
+
+def test_on_nonfinite_skip_and_rollback_are_refused_where_they_cannot_be_exact(tmp_path):
+    """skip/rollback need one micro batch per step; rollback needs ds_pfc's schedule."""
+    accumulating = _nonfinite_config("skip")
+    accumulating["gradient_accumulation_steps"] = 2
+    with_scheduler = _nonfinite_config("rollback")
+    del with_scheduler["ds_pfc"]["train"]["schedule"]
+    with_scheduler["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
+    for name, config, needle in (("gas", accumulating, "needs gradient_accumulation_steps 1"),
+                                 ("sched", with_scheduler, "replace DeepSpeed's 'scheduler' block")):
+        codes, results = _nan_job(config, tmp_path, name, "--output_dir", os.path.join(tmp_path, name), ranks=1)
+        assert codes == [1]
+        line = [x for x in results[0][1].splitlines() if x.startswith("error:")]
+        assert len(line) == 1 and needle in line[0] and "on_nonfinite" in line[0], results[0][1][-3000:]
 
 
 _BUG_RUNNER = """

@@ -705,6 +705,9 @@ class DiagnosticsConfig:
                               f"got {self.every_steps!r}")
 
 
+NONFINITE_POLICIES = ("stop", "skip", "rollback")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Length of training, schedule, logging and the output directory."""
@@ -729,9 +732,31 @@ class TrainConfig:
     """Signals that preempt the run: every rank finishes its step, a complete checkpoint is
     written and the command exits with code 75 (requeue it; the rerun resumes). ``[]``: the
     signals keep their default action."""
+    on_nonfinite: str = "stop"
+    """What a step whose embeddings (on any rank) or loss are NaN or Inf does, on every rank
+    together: ``stop`` (the run ends with one error line naming the newest checkpoint and the
+    fixes), ``skip`` (the step is dropped: no backbone, head, momentum, loss-scale or
+    BatchNorm state changes, its batch is consumed and counted; for a bad batch), or
+    ``rollback`` (the newest complete checkpoint is reloaded and the learning rate multiplied
+    by ``rollback_lr_factor``; for a diverging model). ``skip`` and ``rollback`` need
+    ``gradient_accumulation_steps`` 1."""
+    max_consecutive_skips: int = 10
+    """``skip``: this many skipped steps in a row stop the run (the model itself has diverged;
+    ``rollback`` is the cure for that)."""
+    rollback_lr_factor: float = 0.5
+    """``rollback``: the learning rate (backbone and heads, the whole schedule) is multiplied by
+    this at every rollback; the product stays with the run's checkpoints."""
+    max_rollbacks: int = 3
+    """``rollback``: the run stops at the next non-finite step after this many rollbacks."""
 
     def __post_init__(self):
         _number(self.epochs, "ds_pfc.train.epochs", low=0, low_open=True)
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"ds_pfc.train.on_nonfinite must be one of {list(NONFINITE_POLICIES)}, "
+                              f"got {self.on_nonfinite!r}")
+        _positive_int(self.max_consecutive_skips, "ds_pfc.train.max_consecutive_skips")
+        _number(self.rollback_lr_factor, "ds_pfc.train.rollback_lr_factor", low=0, high=1, low_open=True)
+        _positive_int(self.max_rollbacks, "ds_pfc.train.max_rollbacks")
         if self.max_steps is not None:
             _positive_int(self.max_steps, "ds_pfc.train.max_steps")
         _positive_int(self.log_every, "ds_pfc.train.log_every")

@@ -9,6 +9,7 @@ import time
 import torch
 
 from .config import ConfigError, DsPfcConfig, StressConfig
+from .run_outputs import Heartbeat
 
 __all__ = ["build_train_set", "build_eval_sets", "stressed"]
 
@@ -56,8 +57,13 @@ def build_train_set(cfg: DsPfcConfig, log=None):
         if log is not None:
             log(f"data: opening {data.path} (index cache in {cache_dir}; without one every record is indexed "
                 "first, which takes tens of seconds at tens of millions of images)")
-        dataset = InsightFaceRecord(data.path, cache_dir=cache_dir)
-        dataset.labels()
+        status = [""]            # the index build's latest progress line, for the heartbeat
+
+        def progress(text: str) -> None:
+            status[0] = text
+        with Heartbeat(log, f"data: indexing {data.path}", progress=lambda: status[0]):
+            dataset = InsightFaceRecord(data.path, cache_dir=cache_dir, progress=progress)
+            dataset.labels()
         if log is not None:
             log(f"data: {len(dataset)} images indexed in {time.perf_counter() - started:.1f} s, labels from "
                 f"{dataset.label_source}")

@@ -45,6 +45,9 @@ _HARMLESS = (
     "ds_pfc.head.bank.host_access", "ds_pfc.head.bank.hbm_share",
     # What a per-step NVMe tier may cost: checked when the bank is built, changes no value.
     "ds_pfc.head.bank.nvme_budget",
+    # What preemption and non-finite steps do: no value changes until one happens.
+    "ds_pfc.train.preempt_signals", "ds_pfc.train.on_nonfinite", "ds_pfc.train.max_consecutive_skips",
+    "ds_pfc.train.rollback_lr_factor", "ds_pfc.train.max_rollbacks",
     # Pretrained weights are read only by a fresh run.
     "ds_pfc.train.init.backbone", "ds_pfc.train.init.head",
 )

@@ -14,6 +14,9 @@ DeepSpeed's TensorBoard and W&B monitors under the output directory.
   ``<output_dir>/wandb`` unless ``WANDB_DIR`` is set; a monitor whose package is
   missing is refused before anything is built.
 - :func:`loss_scale_text`: the loss scale for the progress line under fp16.
+- :class:`Heartbeat`: a "still running after N s" line (with progress when known) for
+  every long phase of rank 0: the data index, the engine build (DeepSpeed's first JIT op
+  build), a resume's load, checkpoints and the export.
 
 Part of the training app (it names config keys and reads the engine); imports
 ds_pfc.app.config and ds_pfc.deepspeed_plugin inside the functions that need them.
@@ -150,3 +153,51 @@ def loss_scale_text(ds_engine) -> str:
         return ""
     from ..deepspeed_plugin import loss_scale
     return f" loss_scale {loss_scale(ds_engine):g}"
+
+
+class Heartbeat:
+    """Within it, a long phase is never silent: a daemon thread calls ``log`` with
+    ``"<what>: still running after N s"`` (plus ``progress()``'s text when given, e.g.
+    ``"12,000,000 of 42,474,557 records"``) once ``first`` seconds have passed, then every
+    ``every`` seconds, until the block ends. ``log=None``: nothing (ranks other than 0).
+    A phase shorter than ``first`` logs nothing."""
+
+    first_s = 10.0
+    every_s = 30.0
+
+    def __init__(self, log, what: str, *, progress=None, first: float | None = None, every: float | None = None):
+        self.log, self.what, self.progress = log, what, progress
+        self.first = self.first_s if first is None else float(first)
+        self.every = self.every_s if every is None else float(every)
+        self._stop = None
+        self._thread = None
+
+    def __enter__(self) -> "Heartbeat":
+        if self.log is None:
+            return self
+        import threading
+        import time
+        self._stop = threading.Event()
+        started = time.perf_counter()
+
+        def beat():
+            wait = self.first
+            while not self._stop.wait(wait):
+                detail = ""
+                if self.progress is not None:
+                    try:
+                        detail = self.progress() or ""
+                    except Exception:           # a progress probe must never break the phase
+                        detail = ""
+                self.log(f"{self.what}: still running after {time.perf_counter() - started:.0f} s"
+                         + (f" ({detail})" if detail else ""))
+                wait = self.every
+        self._thread = threading.Thread(target=beat, name="ds_pfc-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+        return False

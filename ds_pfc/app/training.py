@@ -32,6 +32,7 @@ from ..checkpoint import tags
 from . import resume_changes
 from ..deepspeed_plugin import PfcEngine, init_distributed, initialize, list_checkpoints
 from ..devices import bind_local_device
+from .._checks import NonFiniteError
 from .. import launchers
 
 __all__ = ["Trainer", "load_config", "schedule_factor", "build_eval_sets", "evaluate"]
@@ -185,6 +186,10 @@ class Trainer:
             raise ConfigError("ds_pfc.train.init.freeze_backbone_steps / backbone_lr_scale scale the backbone's "
                               "learning rate through ds_pfc's schedule: replace DeepSpeed's 'scheduler' block with "
                               "ds_pfc.train.schedule (or leave it out for a constant learning rate)")
+        if self.cfg.train.on_nonfinite == "rollback" and "scheduler" in ds:
+            raise ConfigError("ds_pfc.train.on_nonfinite 'rollback' lowers the learning rate through ds_pfc's "
+                              "schedule: replace DeepSpeed's 'scheduler' block with ds_pfc.train.schedule (or leave "
+                              "it out for a constant learning rate)")
         if "optimizer" not in ds:
             raise ConfigError("the config must have DeepSpeed's 'optimizer' block (the backbone's optimizer; "
                               "its lr is also the heads' base learning rate)")
@@ -213,6 +218,9 @@ class Trainer:
 
     _training_log = None
 
+    _nonfinite: "_NonFiniteGuard | None" = None
+    """ds_pfc.train.on_nonfinite's state (None: ``stop``)."""
+
     flip_mechanism = None
     """The :class:`~ds_pfc.app.diagnostics.FlipMechanism` of the run (None: off)."""
 
@@ -220,6 +228,11 @@ class Trainer:
         if self.rank == 0:
             self._log(line)
             self.record(line)
+
+    def _heartbeat(self, what: str):
+        """A :class:`~ds_pfc.app.run_outputs.Heartbeat` for a long phase, on rank 0's log."""
+        from .run_outputs import Heartbeat
+        return Heartbeat(self.log if self.rank == 0 else None, what)
 
     def record(self, line: str) -> None:
         """Add ``line`` to ``training.log`` only (rank 0; once the log is open), e.g. an
@@ -251,6 +264,11 @@ class Trainer:
         # The batch geometry as DeepSpeed resolves it (any two of the three batch keys,
         # elasticity): the engine built below must agree.
         self.micro, self.gas = _batch_geometry(self.ds_config)
+        if cfg.train.on_nonfinite != "stop" and self.gas != 1:
+            raise ConfigError(f"ds_pfc.train.on_nonfinite {cfg.train.on_nonfinite!r} needs gradient_accumulation_steps "
+                              f"1 (this config resolves to {self.gas}): a step is dropped or rolled back whole, "
+                              "before any of its micro batches has been back-propagated. Use a larger "
+                              "train_micro_batch_size_per_gpu instead, or on_nonfinite 'stop'")
         self.output_dir = cfg.train.output_dir
         self.checkpoint_dir = os.path.join(self.output_dir, "checkpoints")
         if self.rank == 0 and self._training_log is None:
@@ -298,9 +316,12 @@ class Trainer:
         from .run_outputs import monitor_config
         # csv / TensorBoard / W&B under the output directory unless the blocks say otherwise
         ds_config = monitor_config(self.ds_config, self.output_dir, rank=self.rank)
+        ext = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
         try:
-            self.engine: PfcEngine = initialize(model=backbone, config=ds_config, lr_scheduler=scheduler,
-                                                heads={"head": (head, cfg.head.optimizer.lr_ratio)})
+            with self._heartbeat(f"building the DeepSpeed engine (a first run JIT-compiles DeepSpeed's ops, which "
+                                 f"takes minutes once; they are cached in TORCH_EXTENSIONS_DIR={ext})"):
+                self.engine: PfcEngine = initialize(model=backbone, config=ds_config, lr_scheduler=scheduler,
+                                                    heads={"head": (head, cfg.head.optimizer.lr_ratio)})
         except (TypeError, ValueError, KeyError, AssertionError) as err:
             # Raised where DeepSpeed or torch builds the optimizer, the scheduler or the engine
             # from the config's blocks (e.g. a misspelt optimizer.params key): the config's fault.
@@ -317,6 +338,8 @@ class Trainer:
             raise RuntimeError(f"the engine runs micro batches of {resolved[0]} x {resolved[1]} accumulation steps, "
                                f"the app planned {self.micro} x {self.gas}")
         self.eval_sets = build_eval_sets(cfg)
+        if cfg.train.on_nonfinite != "stop":
+            self._nonfinite = _NonFiniteGuard(self.engine.module)
         if cfg.train.diagnostics.flip_mechanism:
             self._setup_flip_mechanism()
         # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its true size.
@@ -426,6 +449,7 @@ class Trainer:
         self.history = {"start_step": 0, "losses": [], "evaluations": {}}
         self._resumed_tag = None
         self.config_changes = []
+        self._fresh_optimizer = self._optimizer_settings()     # this job's, before any load
         tags.check_shared_directory(self.checkpoint_dir)
         if not self.cfg.checkpoint.resume:
             self._check_resume_request()     # again: checkpoints may have appeared since the start
@@ -439,9 +463,8 @@ class Trainer:
             changes = self._check_config(choice.tag, choice.marker)
             self._check_batch(choice.tag, choice.marker)
             restart = self._check_data_position(choice.tag, (choice.marker.get("metadata") or {}).get("sampler"))
-            fresh = self._optimizer_settings()
             self._convert_for_world_size(choice.tag)
-            with self._saved_margin(changes, choice.marker):
+            with self._saved_margin(changes, choice.marker), self._heartbeat(f"resuming {choice.tag}"):
                 loaded = self.engine.load_checkpoint(self.checkpoint_dir, choice.tag)
         except tags.CheckpointError as err:
             raise _with_resume_hint(err) from None
@@ -457,7 +480,8 @@ class Trainer:
             tags.on_rank0(lambda: tags.write_latest(self.checkpoint_dir, tag))
         self._resumed_tag = tag
         self._restore_data_position(loaded["rank_state"]["sampler"], restart, tag)
-        self._apply_optimizer_settings(fresh)
+        self.lr_scale = float(loaded["client_state"].get("ds_pfc_lr_scale", 1.0))     # earlier rollbacks
+        self._apply_optimizer_settings(self._fresh_optimizer)
         if any(c.key == "ds_pfc.head.seed" for c in changes):
             self.head.seed = self.cfg.head.seed       # the checkpoint's head carries its own
         self.history = _restored_history(loaded["client_state"].get("ds_pfc_history"), self.engine.global_steps)
@@ -545,11 +569,16 @@ class Trainer:
         scheduler = getattr(engine, "lr_scheduler", None)
         return groups, (list(scheduler.base_lrs) if hasattr(scheduler, "base_lrs") else None)
 
+    lr_scale = 1.0
+    """The product of the rollbacks' learning-rate factors (1.0 without any), saved with
+    every checkpoint and applied to this job's learning rates on resume."""
+
     def _apply_optimizer_settings(self, fresh) -> None:
         """After a load: the optimizer's settings (momentum, weight decay, betas, ...)
-        and base learning rates are this job's, and the learning rate of the next
-        step is this job's schedule at the resumed step (the checkpoint's optimizer
-        carries the ones the saved run had, e.g. another lr or max_steps)."""
+        and base learning rates are this job's (times :attr:`lr_scale`), and the
+        learning rate of the next step is this job's schedule at the resumed step (the
+        checkpoint's optimizer carries the ones the saved run had, e.g. another lr or
+        max_steps)."""
         if fresh is None:
             return
         engine = self.engine.engine
@@ -561,10 +590,10 @@ class Trainer:
             group.update({k: v for k, v in settings.items() if k != "lr"})
         scheduler = getattr(engine, "lr_scheduler", None)
         if self.schedule is not None and base_lrs is not None:
-            scheduler.base_lrs = list(base_lrs)
-            lrs = [base * self.schedule(scheduler.last_epoch) for base in base_lrs]
+            scheduler.base_lrs = [base * self.lr_scale for base in base_lrs]
+            lrs = [base * self.schedule(scheduler.last_epoch) for base in scheduler.base_lrs]
         elif scheduler is None:
-            lrs = [settings["lr"] for settings in groups]
+            lrs = [settings["lr"] * self.lr_scale for settings in groups]
         elif hasattr(scheduler, "last_batch_iteration") and hasattr(scheduler, "get_lr") \
                 and scheduler.last_batch_iteration >= 0:
             lrs = list(scheduler.get_lr())       # DeepSpeed's schedulers: the lr of their current iteration
@@ -658,10 +687,12 @@ class Trainer:
                         "sampler": self.sampler.state_dict()}
             # A complete tag of this step that this run did not write belongs to a run
             # rolled back past it: this run's state replaces it.
-            path = self.engine.save_checkpoint(self.checkpoint_dir, tag, replace=True, metadata=metadata,
-                                               client_state={"ds_pfc_config": self.raw_config["ds_pfc"],
-                                                             "ds_pfc_history": _plain_history(history)},
-                                               rank_state={"sampler": self.sampler.state_dict()})
+            with self._heartbeat(f"checkpoint {tag}"):
+                path = self.engine.save_checkpoint(self.checkpoint_dir, tag, replace=True, metadata=metadata,
+                                                   client_state={"ds_pfc_config": self.raw_config["ds_pfc"],
+                                                                 "ds_pfc_history": _plain_history(history),
+                                                                 "ds_pfc_lr_scale": self.lr_scale},
+                                                   rank_state={"sampler": self.sampler.state_dict()})
             self._saved_tag = tag
         keep = self.cfg.checkpoint.keep
         tags.on_rank0(lambda: tags.prune(self.checkpoint_dir, keep))
@@ -723,6 +754,11 @@ class Trainer:
         if not hasattr(self, "engine"):
             self.setup()
         resumed = self.resume()
+        if self._nonfinite is not None:         # its records live in the history (every checkpoint)
+            records = self.history.setdefault("nonfinite", {})
+            for kind in ("skipped", "rollbacks"):
+                records.setdefault(kind, [])
+            self._nonfinite.records = records
         cfg, engine = self.cfg, self.engine
         summary = {"losses": self.history["losses"], "evaluations": self.history["evaluations"], "resumed": resumed}
         flips = self.flip_mechanism
@@ -741,19 +777,43 @@ class Trainer:
         """The training loop of :meth:`run`, to ``total_steps`` or a preemption (which
         saves a checkpoint and raises :class:`Preempted`). Returns the last step."""
         cfg, engine = self.cfg, self.engine
-        flips = self.flip_mechanism
+        flips, guard = self.flip_mechanism, self._nonfinite
         bar = _Bar(self.total_steps) if self.rank == 0 and sys.stderr.isatty() else None
         window, batches = [], self._batches()
         batch = next(batches)
         while step < self.total_steps:
             step_loss = step_acc = 0.0
+            dropped = False
+            if guard is not None:
+                guard.before_step()
             for _ in range(self.gas):
                 images, labels = batch
                 embeddings = engine(images)
+                reason = None
                 try:
                     out = self.head(embeddings, labels, return_details=True)
                 except ValueError as err:        # the head's checks, on every rank together
-                    raise self._stopped(step + 1, err) from err
+                    if guard is None or not isinstance(err, NonFiniteError):
+                        raise self._stopped(step + 1, err) from err
+                    reason, head_ran = str(err), False
+                if guard is not None and reason is None:
+                    # Read before backward, so that a non-finite loss (the same on every
+                    # rank) can still be dropped: the step's one host sync, moved earlier.
+                    loss_value, acc_value = torch.stack([out.loss.detach(), out.accuracy.detach()]).tolist()
+                    if not math.isfinite(loss_value):
+                        reason, head_ran = f"the loss is {loss_value} with finite embeddings", True
+                if reason is not None:           # only with on_nonfinite skip/rollback (one micro batch)
+                    self.sampler.advance(self.micro)        # the batch is consumed either way
+                    before = step
+                    step, batches = self._on_nonfinite(step + 1, reason, head_ran, batches)
+                    batch = next(batches)
+                    if step < before:            # rolled back: rates and the summary restart there
+                        progress.start, progress.start_step, progress.samples = time.perf_counter(), step, 0
+                        summary["losses"], summary["evaluations"] = self.history["losses"], \
+                            self.history["evaluations"]
+                        window = []
+                    dropped = True
+                    break
                 if flips is not None:
                     flips.observe(embeddings, labels, self._batch_true_labels(labels))
                 self.sampler.advance(self.micro)
@@ -764,9 +824,14 @@ class Trainer:
                     self.head.prefetch(batch[1])
                 engine.backward(out.loss)
                 engine.step()
-                loss_value, acc_value = torch.stack([out.loss.detach(), out.accuracy.detach()]).tolist()
+                if guard is None:
+                    loss_value, acc_value = torch.stack([out.loss.detach(), out.accuracy.detach()]).tolist()
                 step_loss += loss_value / self.gas
                 step_acc += acc_value / self.gas
+            if dropped:
+                continue
+            if guard is not None:
+                guard.after_step()
             step = engine.global_steps
             if flips is not None:
                 flips.after_step(step)
@@ -840,14 +905,75 @@ class Trainer:
         last = (f"the newest complete checkpoint is {os.path.join(self.checkpoint_dir, found[-1])}" if found
                 else "no checkpoint was written yet")
         text = str(err)
-        if "NaN or Inf" in text:
+        if isinstance(err, NonFiniteError) or "NaN or Inf" in text or "the loss is" in text:
             fix = ("the run diverged: resume with a lower learning rate or warm-up peak (--allow_config_change), "
-                   "check gradient_clipping, or train in bf16 instead of fp16; see docs/troubleshooting.md")
+                   "check gradient_clipping, or train in bf16 instead of fp16; ds_pfc.train.on_nonfinite 'skip' "
+                   "drops a bad batch's step and 'rollback' reloads the newest checkpoint with a lower learning "
+                   "rate; see docs/troubleshooting.md")
         elif "labels" in text:
             fix = "ds_pfc.head.num_classes must cover every label of the training set"
         else:
             fix = "see docs/troubleshooting.md"
         return TrainingStopped(f"step {step}: {text}; {last}; {fix}")
+
+    def _on_nonfinite(self, step: int, reason: str, head_ran: bool, batches):
+        """``ds_pfc.train.on_nonfinite`` for a step whose embeddings or loss are NaN/Inf
+        (every rank calls it, at the same step: the head's refusal and the loss are the
+        same on every rank). Nothing of the step was back-propagated or applied. Returns
+        ``(step to continue from, batches)``."""
+        guard, policy = self._nonfinite, self.cfg.train.on_nonfinite
+        if policy == "skip":
+            if head_ran:
+                # The head's forward already sampled and advanced its state: only a reload undoes it.
+                raise self._stopped(step, ValueError(f"{reason}: the head's state is damaged, which skipping a "
+                                                     "step cannot mend (on_nonfinite 'rollback' can)"))
+            guard.restore_buffers()
+            self.head.zero_grad()            # and a prefetch staged for this batch
+            guard.consecutive += 1
+            guard.records["skipped"].append({"step": step, "reason": reason})
+            count = len(guard.records["skipped"])
+            if guard.consecutive > self.cfg.train.max_consecutive_skips:
+                raise self._stopped(step, ValueError(
+                    f"{reason}; {guard.consecutive} steps in a row were non-finite (more than "
+                    "ds_pfc.train.max_consecutive_skips): the model itself has diverged, which skipping cannot "
+                    "mend (on_nonfinite 'rollback' reloads the newest checkpoint)"))
+            self.log(f"step {step}: skipped on every rank ({reason}); its batch is dropped, nothing changed; "
+                     f"{count} step(s) skipped in this run (ds_pfc.train.on_nonfinite skip)")
+            self._monitor([("Train/Samples/skipped_steps", count)])
+            return step - 1, batches
+        # rollback
+        # Rank 0 lists them for every rank (one answer, whatever each file system cache says).
+        found = tags.on_rank0(lambda: [i.name for i in tags.complete_tags(self.checkpoint_dir)
+                                       if i.steps < step and i.name not in guard.bad_tags])
+        if guard.last_target is not None and not guard.stepped_since_rollback:
+            # Not one step succeeded from there: that checkpoint may hold the damage already.
+            guard.bad_tags.add(guard.last_target)
+            found = [t for t in found if t != guard.last_target]
+        done = len(guard.records["rollbacks"])
+        if done >= self.cfg.train.max_rollbacks or not found:
+            why = (f"{done} rollback(s) already (ds_pfc.train.max_rollbacks)" if found
+                   else "no complete checkpoint to roll back to")
+            raise self._stopped(step, ValueError(f"{reason}; {why}"))
+        tag = found[-1]
+        batches.close()
+        self.head.zero_grad()
+        self.lr_scale *= self.cfg.train.rollback_lr_factor
+        with self._heartbeat(f"rolling back to {tag}"):
+            loaded = self.engine.load_checkpoint(self.checkpoint_dir, tag)
+        self.sampler.load_state_dict(loaded["rank_state"]["sampler"])
+        self._apply_optimizer_settings(self._fresh_optimizer)
+        self.history = _restored_history(loaded["client_state"].get("ds_pfc_history"), self.engine.global_steps)
+        guard.records["rollbacks"].append({"step": step, "reason": reason, "to": tag, "lr_scale": self.lr_scale})
+        self.history["nonfinite"] = guard.records
+        guard.last_target, guard.stepped_since_rollback, guard.consecutive = tag, False, 0
+        # The newer tags this run wrote hold the abandoned trajectory: the next save of such a
+        # step writes the new state over them.
+        self._resumed_tag, self._saved_tag = tag, None
+        self.log(f"step {step}: {reason}; rolled back every rank to {os.path.join(self.checkpoint_dir, tag)} "
+                 f"(step {self.engine.global_steps}) with the learning rate x{self.lr_scale:g} "
+                 f"(rollback {done + 1} of at most {self.cfg.train.max_rollbacks}; ds_pfc.train.on_nonfinite "
+                 "rollback)")
+        return self.engine.global_steps, self._batches()
 
     def _step_flags(self, since: float, preempt) -> tuple[bool, int]:
         """``(time checkpoint due, preempting signal or 0)`` at the end of a step, the same
@@ -873,7 +999,8 @@ class Trainer:
         from ..checkpoint.export import export_checkpoint
         out = os.path.join(self.output_dir, "export", "model.safetensors")
         started = time.perf_counter()
-        tags.on_rank0(lambda: export_checkpoint(tag_dir, out, config=self.raw_config))
+        with self._heartbeat(f"export {out}"):
+            tags.on_rank0(lambda: export_checkpoint(tag_dir, out, config=self.raw_config))
         seconds = time.perf_counter() - started
         self.log(f"export {out} ({_gib(os.path.getsize(out)) if self.rank == 0 else '?'}, {seconds:.1f} s)")
         return out
@@ -915,6 +1042,35 @@ def _tree_bytes(path: str) -> int:
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+class _NonFiniteGuard:
+    """State of ``ds_pfc.train.on_nonfinite`` skip/rollback: the run's records (kept in
+    the history, so in every checkpoint), the count of skips in a row, the checkpoints a
+    rollback found damaged, and a copy of the module's buffers from the start of the
+    step (a NaN forward moves BatchNorm's running statistics before the head sees it)."""
+
+    def __init__(self, module):
+        self.records = {"skipped": [], "rollbacks": []}
+        self.consecutive = 0
+        self.bad_tags: set[str] = set()
+        self.last_target: str | None = None
+        self.stepped_since_rollback = False
+        self._buffers = [b for b in module.buffers()]
+        self._saved = [b.detach().clone() for b in self._buffers]
+
+    def before_step(self) -> None:
+        if self._buffers:
+            torch._foreach_copy_(self._saved, [b.detach() for b in self._buffers])
+
+    def restore_buffers(self) -> None:
+        if self._buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffers, self._saved)
+
+    def after_step(self) -> None:
+        self.consecutive = 0
+        self.stepped_since_rollback = True
 
 
 class TrainingStopped(Exception):
@@ -1051,6 +1207,8 @@ def _plain_history(history: dict) -> dict:
              "evaluations": {int(step): _plain_evaluation(r) for step, r in history["evaluations"].items()}}
     if history.get("flip_mechanism"):       # plain numbers already (FlipMechanism.interval)
         plain["flip_mechanism"] = {int(step): dict(v) for step, v in history["flip_mechanism"].items()}
+    if history.get("nonfinite"):            # ds_pfc.train.on_nonfinite's records (plain already)
+        plain["nonfinite"] = copy.deepcopy(history["nonfinite"])
     return plain
 
 
@@ -1067,6 +1225,9 @@ def _restored_history(saved: dict | None, steps: int) -> dict:
     flips = {int(k): v for k, v in (saved.get("flip_mechanism") or {}).items() if int(k) <= steps}
     if flips:
         restored["flip_mechanism"] = flips
+    if saved.get("nonfinite"):
+        restored["nonfinite"] = {kind: [r for r in records if int(r["step"]) <= steps]
+                                 for kind, records in saved["nonfinite"].items()}
     return restored
 
 

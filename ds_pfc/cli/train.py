@@ -172,6 +172,8 @@ def run(argv=None) -> dict:
                "checkpoint": summary["checkpoint"], "export": summary.get("export"),
                "evaluations": {str(step): _evaluation_json(results)
                                for step, results in sorted(summary["evaluations"].items())}}
+        if history.get("nonfinite"):           # ds_pfc.train.on_nonfinite skip / rollback
+            out["nonfinite"] = history["nonfinite"]
         if "flip_mechanism" in summary:       # ds_pfc.train.diagnostics.flip_mechanism
             out["flip_mechanism"] = {str(step): numbers for step, numbers in sorted(summary["flip_mechanism"].items())}
         path = os.path.join(trainer.output_dir, "summary.json")

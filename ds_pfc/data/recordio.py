@@ -70,7 +70,8 @@ class RecordIOReader:
     """
 
     def __init__(self, rec_path: str | os.PathLike, idx_path: str | os.PathLike | None = None, *,
-                 index: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 index: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 progress: Callable[[str], None] | None = None):
         self.rec_path = os.fspath(rec_path)
         self.idx_path = os.fspath(idx_path) if idx_path is not None else os.path.splitext(self.rec_path)[0] + ".idx"
         if not os.path.isfile(self.rec_path):
@@ -79,7 +80,7 @@ class RecordIOReader:
             raise FileNotFoundError(f"RecordIO index not found: {self.idx_path!r} (index of {self.rec_path!r})")
         # keys and byte offsets in .idx order, int64 tensors: 16 bytes a record, so an
         # index of tens of millions of records stays small (a dict would take GBs).
-        keys, offsets = index if index is not None else _parse_idx(self.idx_path)
+        keys, offsets = index if index is not None else _parse_idx(self.idx_path, progress)
         self._key_tensor, self._offset_tensor = keys, offsets
         self._size = os.path.getsize(self.rec_path)
         if len(keys):
@@ -254,14 +255,16 @@ class RecordIOReader:
         return self.read_at(offset, key=key)
 
 
-def _parse_idx(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _parse_idx(path: str, progress: Callable[[str], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(keys, offsets)`` int64 in file order, parsed in blocks of whole lines (with
     numpy's C parser when numpy is installed: tens of millions of lines take seconds).
     A block that is not exactly one ``key<TAB>offset`` per line is parsed again line
-    by line, to skip blank lines or name the first bad one."""
+    by line, to skip blank lines or name the first bad one. ``progress`` gets a line of
+    text after each block."""
     parts: list[torch.Tensor] = []
     line_no = 0
     rest = b""
+    done, total = 0, os.path.getsize(path)
     with open(path, "rb") as f:
         while True:
             chunk = f.read(1 << 26)
@@ -279,6 +282,9 @@ def _parse_idx(path: str) -> tuple[torch.Tensor, torch.Tensor]:
                     continue
             parts.append(_parse_block(path, text, line_no))
             line_no += text.count(b"\n")
+            done += len(chunk)
+            if progress is not None:
+                progress(f"{done / 2**20:,.0f} of {total / 2**20:,.0f} MiB of {os.path.basename(path)} parsed")
             if not chunk:
                 break
     pairs = torch.cat(parts).view(-1, 2) if parts else torch.empty(0, 2, dtype=torch.int64)
@@ -405,18 +411,22 @@ class InsightFaceRecord(torch.utils.data.Dataset):
     else ``~/.cache/ds_pfc``; never in the dataset's directory); ``False`` neither reads nor
     writes one. ``label_source`` says which
     source was used (also logged at INFO on the ``ds_pfc.data.recordio`` logger).
+    ``progress`` (optional) is called with a line of text as the index is built (the
+    ``.idx`` parsed, record headers read); it is not kept for data-loading workers.
     """
 
     def __init__(self, rec_path: str | os.PathLike, idx_path: str | os.PathLike | None = None,
                  decode: Callable[[bytes], object] | None = None, *, cache: bool = True,
-                 cache_dir: str | os.PathLike | None = None, cache_wait: float = 3600.0):
+                 cache_dir: str | os.PathLike | None = None, cache_wait: float = 3600.0,
+                 progress: Callable[[str], None] | None = None):
         if decode is not None and not callable(decode):
             raise TypeError(f"decode must be a callable taking bytes or None, got {type(decode).__name__}")
         rec_path, idx_path = resolve_paths(rec_path, idx_path)
         self._cache = _IndexCache(rec_path, idx_path, cache_dir, cache_wait) if cache else None
         entry = self._cache.load() if self._cache is not None else None
         index = (entry["keys"], entry["offsets"]) if entry is not None else None
-        self.reader = RecordIOReader(rec_path, idx_path, index=index)
+        self._progress = progress
+        self.reader = RecordIOReader(rec_path, idx_path, index=index, progress=progress)
         self.decode = decode
         self.header: tuple[int, int] | None = self._find_header()
         self._image_keys: Sequence[int] = range(1, self.header[0]) if self.header else self.reader.key_tensor
@@ -426,6 +436,11 @@ class InsightFaceRecord(torch.utils.data.Dataset):
         if entry is not None and len(entry["labels"]) == len(self._image_keys):
             self._labels = entry["labels"].to(torch.int64)
             self._set_source(f"index cache {self._cache.path!r} ({entry['label_source']})")
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_progress"] = None           # a caller's callback: not for the workers
+        return state
 
     def _find_header(self) -> tuple[int, int] | None:
         reader = self.reader
@@ -563,8 +578,11 @@ class InsightFaceRecord(torch.utils.data.Dataset):
 
     def _scan_labels(self) -> torch.Tensor:
         out = torch.empty(len(self._image_keys), dtype=torch.int64)
+        total = len(out)
         for i, key in enumerate(self._image_keys):
             out[i] = self._label_of(int(key))
+            if self._progress is not None and i % 65536 == 0:
+                self._progress(f"{i:,} of {total:,} record headers read")
         return out
 
     def _labels_from_identities(self) -> tuple[torch.Tensor | None, str]:
