@@ -685,6 +685,45 @@ def test_on_nonfinite_skip_and_rollback_are_refused_where_they_cannot_be_exact(t
         assert len(line) == 1 and needle in line[0] and "on_nonfinite" in line[0], results[0][1][-3000:]
 
 
+_HEARTBEAT_RUNNER = """
+import sys, time
+from ds_pfc.app.run_outputs import Heartbeat
+from ds_pfc.checkpoint import export
+from ds_pfc.deepspeed_plugin.engine import PfcEngine
+Heartbeat.first_s, Heartbeat.every_s = 0.05, 1000.0
+def slowly(fn):                       # a checkpoint or an export of a real model's size
+    def call(*args, **kwargs):
+        time.sleep(0.3)
+        return fn(*args, **kwargs)
+    return call
+PfcEngine.save_checkpoint = slowly(PfcEngine.save_checkpoint)
+export.export_checkpoint = slowly(export.export_checkpoint)
+from ds_pfc.cli.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_long_phases_of_the_train_command_are_announced_while_they_run(tmp_path):
+    """Every phase that can take long on rank 0 (head and engine build with DeepSpeed's first op
+    builds, checkpoints, the export) says so while it runs, on the console and in training.log
+    (the heartbeat's first line is due after 0.05 s here instead of 10 s, and a checkpoint and
+    the export take 0.3 s more, as those of a real model would)."""
+    out = os.path.join(tmp_path, "run")
+    config = copy.deepcopy(TINY)
+    config["ds_pfc"]["evaluation"]["synthetic_pairs"] = 0
+    path = os.path.join(tmp_path, "job.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    proc = subprocess.run([sys.executable, "-c", _HEARTBEAT_RUNNER, "--deepspeed_config", path, "--output_dir", out,
+                           "--max_steps", "1"], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = open(os.path.join(out, "training.log")).read()
+    for phase in ("building the DeepSpeed engine (a first run JIT-compiles DeepSpeed's ops",
+                  "checkpoint step00000001", "export " + os.path.join(out, "export", "model.safetensors")):
+        assert re.search(re.escape(phase) + r".*: still running after \d+ s", log), (phase, log[-3000:])
+    assert "still running after" in proc.stdout
+
+
 _BUG_RUNNER = """
 import sys
 import ds_pfc.app.training as T

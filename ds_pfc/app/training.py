@@ -291,7 +291,9 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)
         backbone = cfg.backbone.build(cfg.head.embedding_size)
-        head = cfg.head.build(group=None, device=self.device)
+        with self._heartbeat("building the head (an NVMe tier JIT-compiles DeepSpeed's async I/O op once, which "
+                             "takes minutes)"):
+            head = cfg.head.build(group=None, device=self.device)
         init = cfg.train.init
         if init is not None and (init.backbone or init.head):
             self._load_init(init, backbone, head)
@@ -316,10 +318,9 @@ class Trainer:
         from .run_outputs import monitor_config
         # csv / TensorBoard / W&B under the output directory unless the blocks say otherwise
         ds_config = monitor_config(self.ds_config, self.output_dir, rank=self.rank)
-        ext = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
         try:
-            with self._heartbeat(f"building the DeepSpeed engine (a first run JIT-compiles DeepSpeed's ops, which "
-                                 f"takes minutes once; they are cached in TORCH_EXTENSIONS_DIR={ext})"):
+            with self._heartbeat("building the DeepSpeed engine (a first run JIT-compiles DeepSpeed's ops, which "
+                                 f"takes minutes once; they are cached in TORCH_EXTENSIONS_DIR={_extensions_dir()})"):
                 self.engine: PfcEngine = initialize(model=backbone, config=ds_config, lr_scheduler=scheduler,
                                                     heads={"head": (head, cfg.head.optimizer.lr_ratio)})
         except (TypeError, ValueError, KeyError, AssertionError) as err:
@@ -1010,6 +1011,11 @@ class Trainer:
         head = getattr(self, "head", None)
         if head is not None:
             head.close()
+
+
+def _extensions_dir() -> str:
+    """Where torch keeps JIT-built extensions (DeepSpeed's ops)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join("~", ".cache", "torch_extensions")
 
 
 def _raised_in(err: BaseException) -> str:
