@@ -208,12 +208,19 @@ def commands(src: str):
     for line in _logical_lines(src):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        lex = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+        lex = shlex.shlex(line, posix=True, punctuation_chars=";&|<>")
         lex.whitespace_split = True
         lex.commenters = "#"
         tokens = list(lex)
         cmd: list[str] = []
+        redirected = False
         for tok in tokens + [";"]:
+            if tok in (">", ">>", "<", "2>"):           # a redirection: its file is not an argument
+                redirected = True
+                continue
+            if redirected and tok not in (";", "&&", "||", "|", "&"):
+                redirected = False
+                continue
             if tok in (";", "&&", "||", "|", "&"):
                 found = _find_cli(cmd)
                 if found:
@@ -248,10 +255,11 @@ def test_command_extraction():
            "torchrun --nnodes 4 --node_rank 0 \\\n    launch/train.py --no_resume\n"
            "python3 -m venv .venv && . .venv/bin/activate && python -m ds_pfc.selfcheck --quick\n"
            "srun --gpu-bind=none ds-pfc-eval --model m.safetensors\n"
-           "python launch/demo.py --steps 3\n")
+           "python launch/demo.py --steps 3\n"
+           "ds-pfc-train --schema > schema.json\n")
     assert [(n, a) for n, a, _ in commands(src)] == [
         ("train", ["--deepspeed_config", "c.json"]), ("train", ["--no_resume"]),
-        ("selfcheck", ["--quick"]), ("eval", ["--model", "m.safetensors"])]
+        ("selfcheck", ["--quick"]), ("eval", ["--model", "m.safetensors"]), ("train", ["--schema"])]
 
 
 def test_commands_parse():
@@ -271,7 +279,7 @@ def test_commands_parse():
 def test_a_wrong_flag_is_caught():
     parser = importlib.import_module("ds_pfc.cli.train").build_parser()
     with pytest.raises(SystemExit):
-        parser.parse_args(["--deepspeed-config", "x.json"])
+        parser.parse_args(["--deepspeed_configs", "x.json"])
 
 
 # -- API -------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ them.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import math
 import os
 import re
@@ -26,7 +28,7 @@ from .._checks import ConfigError
 
 __all__ = ["MarginConfig", "OptimizerConfig", "BankConfig", "HeadConfig", "BackboneConfig", "SyntheticDataConfig",
            "DataConfig", "ScheduleConfig", "InitConfig", "DiagnosticsConfig", "TrainConfig", "EvaluationConfig",
-           "CheckpointConfig", "DsPfcConfig", "split_config",
+           "CheckpointConfig", "DsPfcConfig", "split_config", "set_values",
            "from_dict", "DEEPSPEED_TOP_LEVEL_KEYS", "DEEPSPEED_REMOVED_KEYS", "ConfigError"]
 
 
@@ -907,7 +909,9 @@ def from_dict(cls, data, where: str = "ds_pfc"):
     types = _field_types(cls)
     unknown = sorted(set(data) - set(types))
     if unknown:
-        raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {unknown}; "
+        guess = _did_you_mean(unknown, types)
+        raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {unknown}"
+                          f"{f' ({guess})' if guess else ''}; "
                           f"allowed keys are {sorted(types)}")
     missing = [f.name for f in dataclasses.fields(cls)
                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data]
@@ -925,6 +929,17 @@ def from_dict(cls, data, where: str = "ds_pfc"):
         return cls(**kwargs)
     except TypeError as err:
         raise ConfigError(f"{where}: {err}") from None
+
+
+def _did_you_mean(unknown, known) -> str:
+    """``did you mean 'x'?`` for the unknown keys that are close to a known one ('' if none)."""
+    import difflib
+    guesses = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.6)
+        if close:
+            guesses.append(f"{key!r} -> {close[0]!r}" if len(unknown) > 1 else repr(close[0]))
+    return f"did you mean {', '.join(guesses)}?" if guesses else ""
 
 
 def _check_type(value, hint, where):
@@ -947,6 +962,31 @@ def _check_type(value, hint, where):
     raise ConfigError(f"{where} must be {' or '.join(names)}, got {value!r}")
 
 
+def set_values(config: dict, assignments) -> dict:
+    """A copy of ``config`` with each ``"a.b.c=value"`` of ``assignments`` set (``--set``
+    on the command line): the value is read as JSON when it parses (numbers, true/false,
+    null, lists, objects, quoted strings), else taken as a string; missing objects on the
+    way are created. The result is checked by :func:`split_config` like any config."""
+    out = copy.deepcopy(config)
+    for item in assignments or ():
+        key, eq, text = str(item).partition("=")
+        parts = key.strip().split(".")
+        if not eq or not all(parts):
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. ds_pfc.train.max_steps=100")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        node = out
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {'.'.join(parts[:depth + 1])} is {child!r}, not an object")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
 def split_config(config: dict) -> tuple[dict, DsPfcConfig]:
     """Split a job's JSON into DeepSpeed's config and the parsed ``ds_pfc`` block.
 
@@ -963,8 +1003,9 @@ def split_config(config: dict) -> tuple[dict, DsPfcConfig]:
                           "longer exist); delete them")
     unknown = sorted(set(ds_config) - DEEPSPEED_TOP_LEVEL_KEYS)
     if unknown:
+        guess = _did_you_mean(unknown, DEEPSPEED_TOP_LEVEL_KEYS)
         warnings.warn(f"top-level config keys {unknown} are not DeepSpeed keys and will be ignored by DeepSpeed "
-                      "(a typo?)", stacklevel=2)
+                      f"(a typo?{' ' + guess if guess else ''})", stacklevel=2)
     if "gradient_clipping" not in ds_config:
         warnings.warn("the config does not set gradient_clipping; DeepSpeed then clips gradients at norm 1.0. "
                       "Set it explicitly (0.0 disables clipping).", stacklevel=2)

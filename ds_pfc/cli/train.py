@@ -28,15 +28,17 @@ import os
 import sys
 import traceback
 
-from . import checkout_root
+from ._args import parser
 from ._launch import launch_env, leave_process_groups
 
 
 def default_config() -> str | None:
-    """The CPU quickstart config of the source checkout, or None for an installed package."""
-    root = checkout_root()
-    path = os.path.join(root, "configs", "cpu_quickstart.json") if root else None
-    return path if path and os.path.isfile(path) else None
+    """The CPU quickstart config (shipped with the package), or None if it is missing."""
+    from ..app.recipes import recipe_path
+    try:
+        return recipe_path("cpu_quickstart")
+    except FileNotFoundError:
+        return None
 
 
 def _evaluation_json(results) -> dict:
@@ -54,9 +56,16 @@ def _evaluation_json(results) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--deepspeed_config", default=None,
-                   help="job JSON (default in a source checkout: configs/cpu_quickstart.json, the CPU quickstart)")
+    p = parser("ds-pfc-train", __doc__.split("\n")[0])
+    p.add_argument("--deepspeed_config", default=None, metavar="JOB",
+                   help="job JSON file, or the name of a shipped config (--list-configs); default: cpu_quickstart, "
+                        "the CPU quickstart")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="assignments",
+                   help="set one config value, e.g. ds_pfc.train.max_steps=100 or optimizer.params.lr=0.05 "
+                        "(repeatable; VALUE is read as JSON, else as a string); kept in the checkpoints' config")
+    p.add_argument("--list-configs", action="store_true", help="list the shipped configs and exit")
+    p.add_argument("--schema", action="store_true",
+                   help="print the JSON Schema of the job config (for editors) and exit")
     p.add_argument("--deepspeed", action="store_true",
                    help="accepted for DeepSpeed's usual command line; the app always trains through DeepSpeed")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
@@ -77,9 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(argv=None) -> dict:
+def run(argv=None) -> dict | None:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.list_configs:
+        from ..app.recipes import recipe_dir, recipe_names, summary
+        names = recipe_names()
+        width = max(map(len, names), default=0)
+        for name in names:
+            print(f"{name:{width}}  {summary(name)}")
+        print(f"({len(names)} configs in {recipe_dir()}; run one with ds-pfc-train --deepspeed_config NAME)")
+        return None
+    if args.schema:
+        from ..app.schema import job_schema
+        print(json.dumps(job_schema(), indent=1))
+        return None
     if args.no_resume and (args.resume_from is not None or args.resume):
         p.error("--no_resume excludes --resume and --resume_from")
     if args.max_steps is not None and args.max_steps < 1:
@@ -87,8 +108,8 @@ def run(argv=None) -> dict:
     if args.deepspeed_config is None:
         args.deepspeed_config = default_config()
         if args.deepspeed_config is None:
-            sys.exit("error: no job config: pass --deepspeed_config JOB.json (the CPU quickstart default, "
-                     "configs/cpu_quickstart.json, exists only in a source checkout)")
+            sys.exit("error: no job config: pass --deepspeed_config JOB.json (the shipped CPU quickstart, "
+                     "cpu_quickstart, is missing from this installation)")
 
     launch_env()
     from ds_pfc.checkpoint.tags import CheckpointError, atomic_write
@@ -127,7 +148,10 @@ def run(argv=None) -> dict:
         fail(err, user=True)
 
     try:
-        config = load_config(args.deepspeed_config)
+        from ds_pfc.app.config import set_values
+        from ds_pfc.app.recipes import resolve_config
+        args.deepspeed_config = resolve_config(args.deepspeed_config)
+        config = set_values(load_config(args.deepspeed_config), args.assignments)
         train_block = (config.get("ds_pfc") or {}).get("train") if isinstance(config, dict) else None
         if output_dir[0] is None and isinstance(train_block, dict) and isinstance(train_block.get("output_dir"), str):
             output_dir[0] = train_block["output_dir"]
@@ -140,6 +164,12 @@ def run(argv=None) -> dict:
                           resume_from=args.resume_from, allow_batch_change=args.allow_batch_change,
                           allow_config_change=args.allow_config_change, config_path=args.deepspeed_config)
         trainer.setup()
+        if trainer.rank == 0:
+            # The config this run trains with (the file plus --set), beside its log.
+            copy_path = os.path.join(trainer.output_dir, "config.json")
+            atomic_write(copy_path, (json.dumps(config, indent=1) + "\n").encode())
+            trainer.log(f"config: {copy_path} ({args.deepspeed_config}"
+                        + (f" with --set {' '.join(args.assignments)}" if args.assignments else "") + ")")
     except (*user_errors, *_collective_errors()) as err:
         if trainer is not None:
             trainer.close()
