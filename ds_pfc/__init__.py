@@ -1,5 +1,4 @@
 """ds_pfc: Partial FC heads for classifiers of millions of classes, on DeepSpeed."""
-from ._compat import install as _install_compat
 from ._versions import check_versions as _check_versions
 
 _check_versions()     # a torch or DeepSpeed outside the tested range: an error or a warning, now
@@ -17,6 +16,5 @@ __all__ = [
     "CurricularFace", "ElasticArcFace", "ElasticCosFace",
     "ClassBank", "DeviceBank", "TieredBank", "Placement", "StaleRowError", "RowSGD", "RowAdamW", "Partition",
 ]
-from ._version import __version__  # noqa: E402
+from ._versions import __version__  # noqa: E402
 
-_install_compat()     # old module paths (ds_pfc.head, ds_pfc.training, ...) name the moved modules

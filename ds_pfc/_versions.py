@@ -1,4 +1,6 @@
-"""The torch and DeepSpeed versions ds_pfc is tested with, checked when it is imported.
+"""The ds_pfc release (``__version__``: one place, which the package, setup.cfg and the
+app's logs read) and the torch and DeepSpeed versions ds_pfc is tested with, checked when
+it is imported.
 
 ``setup.cfg`` states the same ranges (a test keeps the two equal). Below a floor ds_pfc
 does not work: the import stops with an error naming the installed version and the
@@ -13,7 +15,9 @@ import os
 import re
 import warnings
 
-__all__ = ["TESTED", "check_versions", "check_version", "parse_version"]
+__all__ = ["__version__", "TESTED", "check_versions", "check_version", "parse_version"]
+
+__version__ = "0.2.0"
 
 TESTED = {
     # 2.13 is the oldest torch the suite runs on; the ceiling admits the 2.14 series

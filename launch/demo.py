@@ -16,18 +16,27 @@ import time
 import torch
 
 from ds_pfc import CosFace, PartialFC
+from ds_pfc._args import parser
 from ds_pfc.data import SyntheticIdentities, verification_accuracy
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = parser("python launch/demo.py", " ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--classes", type=int, default=5000, help="training identities")
     p.add_argument("--held-out", type=int, default=1000, help="identities kept for verification")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--sample-rate", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--log-every", type=int, default=30)
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--batch", type=int, default=256, help="samples per step (default 256)")
+    p.add_argument("--sample-rate", type=float, default=0.1,
+                   help="the share of the classes sampled per step, in (0, 1] (default 0.1)")
+    p.add_argument("--lr", type=float, default=0.05,
+                   help="initial learning rate of the backbone and the head, decayed linearly to 0 (default 0.05)")
+    p.add_argument("--log-every", type=int, default=30,
+                   help="print the mean loss and the throughput every this many steps (default 30)")
+    return p
+
+
+def main(argv=None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("classes", "held_out", "steps", "batch", "log_every"):
         if getattr(args, name) < 1:

@@ -26,6 +26,8 @@ import _common  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 
+from ds_pfc._args import parser
+
 
 class Mlp(torch.nn.Module):
     def __init__(self, d_in: int, hidden: int, d: int):
@@ -55,15 +57,23 @@ def layout_line(name: str, head) -> str:
             f"centers and optimizer state")
 
 
-def main(argv=None) -> list[float]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = parser("deepspeed launch/multitask_tp.py", " ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (divides the number of ranks)")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     p.add_argument("--micro", type=int, default=16, help="samples per data-parallel rank and step")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--identities", type=int, default=41)
-    p.add_argument("--attributes", type=int, default=5)
+    p.add_argument("--lr", type=float, default=0.1,
+                   help="SGD learning rate (default 0.1; the attribute head trains at half of it)")
+    p.add_argument("--identities", type=int, default=41,
+                   help="classes of the identity head, sharded over every rank (default 41)")
+    p.add_argument("--attributes", type=int, default=5,
+                   help="classes of the attribute head, sharded over the data-parallel group (default 5)")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    return p
+
+
+def main(argv=None) -> list[float]:
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("tp", "steps", "micro", "identities", "attributes"):
         if getattr(args, name) < 1:

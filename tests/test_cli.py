@@ -50,23 +50,23 @@ def test_launch_scripts_call_the_same_main(name):
     assert module.main is importlib.import_module(f"ds_pfc.cli.{name}").main
 
 
-def test_train_outside_a_checkout_asks_for_the_config(monkeypatch):
+def test_train_without_the_shipped_quickstart_asks_for_the_config(monkeypatch):
+    from ds_pfc.app import recipes
     from ds_pfc.cli import train
-    monkeypatch.setattr(train, "checkout_root", lambda: None)
+    monkeypatch.setattr(recipes, "recipe_dir", lambda: os.path.join(ROOT, "no-such-dir"))
     with pytest.raises(SystemExit) as caught:
         train.main([])
     message = str(caught.value.code)
     assert message.startswith("error: ") and "--deepspeed_config" in message and "\n" not in message
 
 
-def test_train_in_a_checkout_defaults_to_the_quickstart():
-    from ds_pfc.cli import checkout_root, train
-    assert checkout_root() == ROOT
-    assert train.default_config() == os.path.join(ROOT, "configs", "cpu_quickstart.json")
+def test_train_defaults_to_the_shipped_quickstart():
+    from ds_pfc.cli import train
+    assert os.path.samefile(train.default_config(), os.path.join(ROOT, "configs", "cpu_quickstart.json"))
 
 
 @pytest.mark.parametrize("argv", [["launch/train.py", "--help"], ["-m", "ds_pfc.selfcheck", "--help"],
-                                  ["-m", "ds_pfc.migrate", "--help"], ["launch/bench.py", "--help"]])
+                                  ["-m", "ds_pfc.cli.migrate", "--help"], ["launch/bench.py", "--help"]])
 def test_entry_files_run(argv):
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ds_pfc.bench import model  # noqa: E402
+from ds_pfc.bench import model, predict  # noqa: E402
 from ds_pfc.kernels import _target  # noqa: E402
 
 try:
@@ -280,12 +280,12 @@ def test_selfcheck_groups_profiler_rows_and_predictions_alike():
     assert got == pytest.approx({"torch GEMMs": 0.012, "torch other ops": 0.004, "triton:_lse_kernel": 0.031})
     pred = {"kernels": [{"kernel": "aten:mm[bf16]", "seconds": 0.01}, {"kernel": "aten:addmm_[fp32]", "seconds": 0.001},
                         {"kernel": "aten:mul_", "seconds": 0.002}, {"kernel": "triton:_lse_kernel", "seconds": 0.03}]}
-    assert selfcheck.group_predicted(pred) == pytest.approx(
+    assert model.group_predicted(pred) == pytest.approx(
         {"torch GEMMs": 0.011, "torch other ops": 0.002, "triton:_lse_kernel": 0.03})
-    assert selfcheck.gpu_model_key("NVIDIA H100 80GB HBM3") == "h100"
-    assert selfcheck.gpu_model_key("NVIDIA H200") == "h200"
-    assert selfcheck.gpu_model_key("NVIDIA A100-SXM4-80GB") == "a100"
-    assert selfcheck.gpu_model_key("NVIDIA L4") is None
+    assert model.gpu_model_key("NVIDIA H100 80GB HBM3") == "h100"
+    assert model.gpu_model_key("NVIDIA H200") == "h200"
+    assert model.gpu_model_key("NVIDIA A100-SXM4-80GB") == "a100"
+    assert model.gpu_model_key("NVIDIA L4") is None
 
 
 def test_selfcheck_case_is_the_standard_rank_or_as_much_as_fits():
@@ -346,7 +346,8 @@ def test_selfcheck_reuses_saved_counts_only_for_the_same_case_and_sm_count(tmp_p
     count match exactly; anything else is counted afresh (None here)."""
     import json
 
-    from ds_pfc.bench.selfcheck import _saved_counts, fitting_case
+    from ds_pfc.bench.model import saved_counts as _saved_counts
+    from ds_pfc.bench.selfcheck import fitting_case
     case = dict(fitting_case(139 << 30), backend="triton")
     counts = [{"S": 1, "kernels": {}}]
     path = tmp_path / "predict.json"
@@ -384,7 +385,7 @@ def _measured_runs(backend):
 
 
 def _prediction(case, gpu, counts_file):
-    from ds_pfc.bench.selfcheck import _saved_counts
+    from ds_pfc.bench.model import saved_counts as _saved_counts
     counts = _saved_counts(os.path.join(RESULTS, counts_file), case, model.GPUS[gpu]["sms"])
     assert counts, f"{counts_file} holds no counts of {case}"
     return model.predict_case(case, gpu, counts=counts, compile_code=False)
@@ -565,7 +566,7 @@ def test_predict_prints_measured_calibrated_roofline_and_floor(tmp_path, capsys)
     argv = ["--predict", "h200", "--world", "1", "--classes", "8000000", "--backend", "triton", "--no-compile",
             "--keep-bytes", "0", "--counts", os.path.join(RESULTS, "predict-h200-d512-s800k-k1.json"),
             "--out", str(out)]
-    assert model.main_predict(argv) == 0
+    assert predict.main(argv) == 0
     text = capsys.readouterr().out
     assert "calibrated by benchmarks/results/gpu-h200-20261126.json (2026-11-26" in text
     header = next(line for line in text.splitlines() if "measured" in line and "roofline" in line)
@@ -578,9 +579,9 @@ def test_predict_prints_measured_calibrated_roofline_and_floor(tmp_path, capsys)
     # The H100: an estimate, no measurement; the calibration can be turned off.
     argv = ["--predict", "h100", "--backend", "triton", "--no-compile", "--out", str(out), "--keep-bytes", "0",
             "--counts", os.path.join(RESULTS, "predict-h100-d512-fp32emb-triton.json")]
-    assert model.main_predict(argv) == 0
+    assert predict.main(argv) == 0
     assert "ESTIMATE carried from the H200 calibration" in capsys.readouterr().out
-    assert model.main_predict(argv + ["--calibration", "none"]) == 0
+    assert predict.main(argv + ["--calibration", "none"]) == 0
     assert "calibrated" not in capsys.readouterr().out
     assert "calibrated" not in json.loads(out.read_text())["results"][0]
 

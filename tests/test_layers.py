@@ -1,11 +1,12 @@
-"""The package layers: every import inside ds_pfc (module level and inside functions)
-points down the table below, nothing inside ds_pfc imports the root package or a
-module path that only exists as an alias (ds_pfc._compat), ``import ds_pfc`` loads
-neither deepspeed nor triton, and every module imports on its own.
+"""The package layers: every import inside ds_pfc (module level, inside functions and
+under ``TYPE_CHECKING``) points down the table below, no modules import each other in a
+circle, nothing inside ds_pfc imports the root package, at most 8 modules sit directly in
+``ds_pfc/``, ``import ds_pfc`` loads neither deepspeed nor triton, and every module
+imports on its own.
 
 Layers (a package may import its own modules, and the modules of the layers named):
 
-  L0  _checks _rng devices launchers _versions _version _ds_internals    other L0 modules
+  L0  _checks _rng _args devices launchers _versions _ds_internals  other L0 modules
   L1  kernels bank data models eval                              L0 (eval also data)
   L2  core                                                       L0, bank, kernels
   L3  checkpoint                                                 L0, core
@@ -13,8 +14,8 @@ Layers (a package may import its own modules, and the modules of the layers name
   L5  bench                                                      L0-L2, data
   L6  app                                                        L0-L5
   L7  cli                                                        L0-L6
-  L8  selfcheck migrate (entry files for ``python -m``)          cli
-  root __init__ _compat                                          L0, core, bank, _compat
+  L8  selfcheck (the entry file of ``python -m ds_pfc.selfcheck``) cli
+  root __init__                                                  L0, core, bank
 """
 from __future__ import annotations
 
@@ -26,16 +27,14 @@ import sys
 
 import pytest
 
-from ds_pfc._compat import MOVED
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "ds_pfc")
 
-L0 = {"_checks", "_rng", "devices", "launchers", "_versions", "_version", "_ds_internals"}
+L0 = {"_checks", "_rng", "_args", "devices", "launchers", "_versions", "_ds_internals"}
 LAYER = {**{name: 0 for name in L0},
          "kernels": 1, "bank": 1, "data": 1, "models": 1, "eval": 1,
          "core": 2, "checkpoint": 3, "deepspeed_plugin": 4, "bench": 5, "app": 6, "cli": 7,
-         "selfcheck": 8, "migrate": 8, "__init__": 9, "_compat": 9}
+         "selfcheck": 8, "__init__": 9}
 
 # What each top-level unit may import besides itself (the table in the docstring).
 ALLOWED = {
@@ -47,8 +46,8 @@ ALLOWED = {
     "bench": L0 | {"kernels", "bank", "core", "data"},
     "app": {name for name, layer in LAYER.items() if layer <= 5},
     "cli": {name for name, layer in LAYER.items() if layer <= 6},
-    "selfcheck": {"cli"}, "migrate": {"cli"},
-    "__init__": L0 | {"core", "bank", "_compat"}, "_compat": set(),
+    "selfcheck": {"cli"},
+    "__init__": L0 | {"core", "bank"},
 }
 
 
@@ -127,7 +126,7 @@ def test_imports_point_down():
 
 def test_no_old_or_root_imports():
     """Inside ds_pfc nothing imports the root package (it is the public face, and importing
-    it from below makes circles) nor a path that exists only as a compatibility alias."""
+    it from below makes circles) nor a path that is not a module."""
     bad = []
     for name, path in MODULES.items():
         if name == "ds_pfc":
@@ -135,8 +134,6 @@ def test_no_old_or_root_imports():
         for line, target in _imports(name, path):
             if target == "ds_pfc":
                 bad.append(f"{os.path.relpath(path, ROOT)}:{line} imports the root package")
-            elif target in MOVED:
-                bad.append(f"{os.path.relpath(path, ROOT)}:{line} imports {target}, an old path of {MOVED[target]}")
             elif target not in MODULES and target.rpartition(".")[0] not in MODULES:
                 bad.append(f"{os.path.relpath(path, ROOT)}:{line} imports {target}, not a module of the package")
             elif target not in MODULES and target.rpartition(".")[0] == "ds_pfc":
@@ -160,3 +157,33 @@ def test_module_imports(name):
         pytest.importorskip("triton")
     module = importlib.import_module(name)
     assert module.__name__ == name
+
+
+def test_no_import_circles():
+    """No module reaches itself through the imports of others (type-only imports count:
+    they are the same coupling), e.g. engine -> checkpointing -> engine."""
+    graph = {name: {t for _, t in _imports(name, path) if t in MODULES and t != name}
+             for name, path in MODULES.items()}
+    # a package's __init__ importing its own modules is how packages are built, not a circle
+    graph = {name: {t for t in targets if not t.startswith(name + ".")} for name, targets in graph.items()}
+    done, stack, circles = set(), [], []
+
+    def visit(node):
+        if node in stack:
+            circles.append(" -> ".join(stack[stack.index(node):] + [node]))
+            return
+        if node in done:
+            return
+        stack.append(node)
+        for target in sorted(graph[node]):
+            visit(target)
+        stack.pop()
+        done.add(node)
+    for name in sorted(graph):
+        visit(name)
+    assert not circles, "import circles:\n" + "\n".join(sorted(set(circles)))
+
+
+def test_at_most_eight_modules_sit_directly_in_the_package():
+    top = sorted(n for n in os.listdir(PACKAGE) if n.endswith(".py") and n != "__init__.py")
+    assert len(top) <= 8, top

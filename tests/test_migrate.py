@@ -1,4 +1,4 @@
-"""``python -m ds_pfc.migrate config``: arcface_torch's Python configs, read with ``ast``
+"""``ds-pfc-migrate config``: arcface_torch's Python configs, read with ``ast``
 (never executed), mapped key by key to a ds_pfc job that ds_pfc's own loader accepts.
 
 The configs are written here in arcface_torch's layout (``configs/base.py`` plus a job
@@ -330,7 +330,7 @@ def test_literal_evaluation_and_not_understood(tmp_path):
 
 def _cli(*args, cwd=None):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-m", "ds_pfc.migrate", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ds_pfc.cli.migrate", *args], capture_output=True, text=True,
                           env=env, cwd=cwd or ROOT, timeout=120)
 
 
@@ -400,8 +400,8 @@ def test_wrong_types_are_named(configs):
 
 def test_load_config_points_python_configs_to_the_converter(configs):
     path = _write(configs, "ms1mv3_r50.py", MS1MV3_R50)
-    with pytest.raises(ConfigError, match=r"arcface_torch configs are Python; convert with python -m "
-                                          r"ds_pfc.migrate config .*ms1mv3_r50\.py"):
+    with pytest.raises(ConfigError, match=r"arcface_torch configs are Python; convert with "
+                                          r"ds-pfc-migrate config .*ms1mv3_r50\.py"):
         load_config(path)
 
 
@@ -411,7 +411,7 @@ def test_train_app_points_python_configs_to_the_converter(configs):
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
-    assert lines == [f"error: {path}: arcface_torch configs are Python; convert with python -m ds_pfc.migrate "
+    assert lines == [f"error: {path}: arcface_torch configs are Python; convert with ds-pfc-migrate "
                      f"config {path}"], r.stderr
 
 

@@ -2,8 +2,9 @@
 
 :func:`load_model` gives a callable ``torch.nn.Module`` for
 
-- a ds_pfc model export (``.safetensors``) or checkpoint directory
-  (:func:`ds_pfc.app.export.load_backbone`);
+- a ds_pfc model export (``.safetensors``), a model folder of ``ds-pfc-export
+  backbone``/``hub`` (also one downloaded from the Hugging Face Hub) or a checkpoint
+  directory (:func:`ds_pfc.app.export.load_backbone`);
 - arcface_torch's ``model.pt`` (or a ``checkpoint_gpu_*.pt``) with its network name,
   rebuilt in memory as the ds_pfc backbone by :func:`ds_pfc.app.arcface_import.read_backbone`;
 - an ONNX file (``.onnx``) run by onnxruntime (:class:`OnnxBackbone`; ``pip install

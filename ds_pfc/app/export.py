@@ -69,13 +69,17 @@ def export_onnx(backbone: torch.nn.Module, out_path: str, *, image_size: int = 1
 
 
 def load_backbone(path: str, tag: str | None = None):
-    """``(backbone, config)`` from an export (``.safetensors``) or a checkpoint
+    """``(backbone, config)`` from an export (``.safetensors``), a model folder of
+    ``ds-pfc-export backbone``/``hub`` (:mod:`ds_pfc.app.hub`) or a checkpoint
     directory (its ``latest`` tag unless ``tag``); the backbone is rebuilt from the
     job config stored with it and holds the trained float32 weights, in eval mode."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     from .config import split_config
+    from .hub import MODEL_FILE, is_model_folder
+    if is_model_folder(path):
+        path = os.path.join(path, MODEL_FILE)
     if not os.path.exists(path) and path.endswith(".safetensors"):
         raise FileNotFoundError(f"model file not found: {path!r}")
     if os.path.isfile(path):

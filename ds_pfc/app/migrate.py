@@ -1,6 +1,6 @@
 """Convert an insightface arcface_torch config (a Python file) into a ds_pfc job JSON.
 
-    python -m ds_pfc.migrate config configs/wf42m_pfc02_r100.py -o wf42m_pfc02_r100.json
+    ds-pfc-migrate config configs/wf42m_pfc02_r100.py -o wf42m_pfc02_r100.json
 
 arcface_torch configs are Python modules (``config = edict(); config.lr = 0.1``), and
 its ``get_config`` lays each one over ``configs/base.py``. This module never executes
@@ -642,7 +642,7 @@ def convert_arcface_config(parsed: ParsedConfig, *, world_size: int | None = Non
     out.notes.append("Batch size: batch_size is per GPU, and neither config names the number of GPUs; the global "
                      "batch is batch_size x GPUs x gradient_acc, set by how many ranks you launch. The lr is used "
                      "as given, as arcface_torch does (it is tied to the recipe's GPU count).")
-    description = (f"Converted from arcface_torch config {os.path.basename(parsed.path)} by python -m ds_pfc.migrate "
+    description = (f"Converted from arcface_torch config {os.path.basename(parsed.path)} by ds-pfc-migrate "
                    f"(margin_list {tuple(ml)}, network {network}).")
     # arcface_torch always writes TensorBoard events (its SummaryWriter in output)
     if "tensorboard" not in ds:

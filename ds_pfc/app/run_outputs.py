@@ -65,7 +65,7 @@ def strict_json(value, *, indent: int | None = 1) -> str:
 def versions_line() -> str:
     """``ds_pfc X, torch Y, deepspeed Z``."""
     import torch
-    from .._version import __version__
+    from .._versions import __version__
     try:
         import deepspeed
         ds = getattr(deepspeed, "__version__", "unknown")

@@ -40,12 +40,12 @@ __all__ = ["Trainer", "load_config", "schedule_factor", "build_eval_sets", "eval
 
 def load_config(path: str) -> dict:
     """Read a job JSON (clear errors for a missing file, bad JSON or an arcface_torch
-    ``.py`` config, which ``python -m ds_pfc.migrate config`` converts)."""
+    ``.py`` config, which ``ds-pfc-migrate config`` converts)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path!r}")
     if path.endswith(".py"):
         raise ConfigError(f"{path}: arcface_torch configs are Python; convert with "
-                          f"python -m ds_pfc.migrate config {path}")
+                          f"ds-pfc-migrate config {path}")
     with open(path) as f:
         try:
             return json.load(f)

@@ -39,9 +39,10 @@ import tempfile
 import time
 
 from . import machine_info, versions
+from .._args import parser
 
 __all__ = ["CONFIGS", "STORAGES", "HEAD_PATHS", "job_config", "with_storage", "with_head_path", "seeded", "run_seed", "run_seeds", "mean_std", "guard_check", "guard_verdict",
-           "load_guard_record", "main"]
+           "load_guard_record", "build_parser", "main"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = ("quickstart", "fast", "guard")
@@ -264,14 +265,17 @@ def _git_commit(root: str) -> str | None:
         return None
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="bench.py accuracy", description=__doc__.split("\n")[0])
-    p.add_argument("--config", choices=CONFIGS, default="fast")
+def build_parser() -> argparse.ArgumentParser:
+    p = parser("ds-pfc-bench accuracy", "Held-out accuracy of the training app as a mean over seeds (one float32 "
+               "run is chaotic, so a change in accuracy is judged on a mean over seeds, never on one run).")
+    p.add_argument("--config", choices=CONFIGS, default="fast",
+                   help="the job: quickstart (configs/cpu_quickstart.json as it is), fast (the quickstart's job at "
+                        "56 x 56 pixels) or guard (the regression test's smaller job) (default fast)")
     p.add_argument("--seeds", default="0-9", help="seeds: a range 'A-B' (inclusive) or a list 'a,b,c'")
     p.add_argument("--root", default=ROOT, help="checkout whose app and library run (default: this one)")
     p.add_argument("--label", default=None, help="name of this engine in the results file (default: its commit)")
     p.add_argument("--note", default=None, help="a remark recorded with this engine's runs")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads of each training run (default 1)")
     p.add_argument("--storage", choices=STORAGES, default="fp32",
                    help="the head's bank storage: fp32 (the config as it is), bf16 (weight and moments), "
                         "bf16-int8m (bf16 weight, 8-bit first moment); recorded with the engine's runs")
@@ -283,7 +287,11 @@ def main(argv=None) -> int:
                    help=f"instead: the regression guard (seeds {GUARD_SEEDS[0]}-{GUARD_SEEDS[-1]} of the guard config, "
                         f"2 at a time, against the '{GUARD_ENGINE}' entry of benchmarks/results/accuracy_guard.json); "
                         "exit status 1 when it fails")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.guard:
         res = guard_check(root=os.path.abspath(args.root), storage=args.storage, head_path=args.head_path,
                           log=lambda s: print(s, flush=True))

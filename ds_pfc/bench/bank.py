@@ -22,6 +22,7 @@ import time
 import torch
 
 from . import Timer, format_table, peak_memory_bytes, run_case_subprocess, summarize, write_json
+from .._args import parser
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -165,31 +166,43 @@ def copy_bandwidth(device) -> float:
     return 5 * 2 * src.numel() * 4 / t.seconds / 1e9
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="bench.py bank", description=__doc__.split("\n")[0])
-    p.add_argument("--classes", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--sample-rate", type=float, default=0.05)
+def build_parser() -> argparse.ArgumentParser:
+    p = parser("ds-pfc-bench bank", " ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--classes", type=int, default=1_000_000, help="C: classes of the head (default 1000000)")
+    p.add_argument("--dim", type=int, default=512, help="d: the embedding width (default 512)")
+    p.add_argument("--batch", type=int, default=256, help="N: samples per step (default 256)")
+    p.add_argument("--sample-rate", type=float, default=0.05,
+                   help="r: the share of the classes sampled per step, in (0, 1] (default 0.05)")
     p.add_argument("--windows", default="0,100,400", help="simulated backbone windows, ms")
-    p.add_argument("--window-kind", choices=["sleep", "compute"], default="sleep")
+    p.add_argument("--window-kind", choices=["sleep", "compute"], default="sleep",
+                   help="what fills the window: sleep (the host idles, as beside a GPU) or compute (the host's "
+                        "cores run matrix products) (default sleep)")
     p.add_argument("--tiers", default="device-bank,device,host,mixed",
                    help="device-bank (the default DeviceBank), device/host/nvme (TieredBank), "
                         "mixed (weight on host, momentum on device)")
     p.add_argument("--storage", choices=sorted(_DTYPES), default="fp32", help="storage dtype of the states")
-    p.add_argument("--compute", choices=["fp32", "bf16"], default="bf16")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compute", choices=["fp32", "bf16"], default="bf16",
+                   help="dtype of the head's matrix products (default bf16)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per case (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones (default 2)")
     p.add_argument("--nvme-dir", default=None, help="directory for NVMe bank files (default: a temp dir)")
     p.add_argument("--nvme-block-rows", type=int, default=None, help="rows per NVMe block (default ~128 KiB)")
-    p.add_argument("--prefetch", choices=["both", "on", "off"], default="both")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=None)
+    p.add_argument("--prefetch", choices=["both", "on", "off"], default="both",
+                   help="run each tier with the next step's rows prefetched, without, or both (default both)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="the torch device of the head (default cuda when available, else cpu)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default benchmarks/results/bank-<device>-<date>.json, or "
+                        "bank-storage-<date>.json with --storage-effect)")
     p.add_argument("--storage-effect", action="store_true",
                    help="instead: train the synthetic-identity task with float32, bfloat16 and 8-bit storage")
     p.add_argument("--seeds", type=int, default=3, help="seeds per storage variant (--storage-effect)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.case:
         print(json.dumps(run_case(json.loads(args.case))))
         return 0

@@ -172,7 +172,6 @@ def load_calibration(path: str = DEFAULT, counts: str = DEFAULT_COUNTS, timing: 
     ``python -m ds_pfc.selfcheck --timing`` JSON of the same GPU model). A relative path is
     taken from the working directory when it exists there, else from the checkout."""
     from . import model
-    from .selfcheck import _saved_counts, gpu_model_key
     for name, p in (("path", path), ("counts", counts), ("timing", timing)):
         if p is not None and not os.path.exists(_path(p)):
             raise FileNotFoundError(f"{name}: no such file {p!r} (calibrations live in a source checkout's "
@@ -196,7 +195,7 @@ def load_calibration(path: str = DEFAULT, counts: str = DEFAULT_COUNTS, timing: 
     if timing is not None:
         with open(_path(timing)) as f:
             tdoc = json.load(f)
-        if gpu_model_key(str(tdoc.get("gpu", "")).replace("_", " ")) != gpu:
+        if model.gpu_model_key(str(tdoc.get("gpu", "")).replace("_", " ")) != gpu:
             raise ValueError(f"timing: {timing!r} is of gpu {tdoc.get('gpu')!r}, the calibration of {gpu}")
         sampler = tdoc.get("sampler") or {}
         try:
@@ -211,7 +210,7 @@ def load_calibration(path: str = DEFAULT, counts: str = DEFAULT_COUNTS, timing: 
         # A run may name each backend's exact case (``model_check.cases``: the triton step's
         # cosine path); else the base case, whose triton step recomputed (model.with_cosines_path).
         case = dict((check.get("cases") or {}).get(backend) or dict(base, backend=backend))
-        saved = _saved_counts(_path(counts), case, model.GPUS[gpu]["sms"])
+        saved = model.saved_counts(_path(counts), case, model.GPUS[gpu]["sms"])
         if not saved:
             raise ValueError(f"counts: {counts!r} holds no counts of {case} for {model.GPUS[gpu]['sms']} SMs")
         fitted[backend] = model.fit_case(case, saved)
@@ -356,7 +355,7 @@ def calibrated_prediction(pred: dict, cal: Calibration, gpu_name: str | None = N
 def groups(prediction: dict) -> dict:
     """Seconds per comparison group (each Triton kernel, ``torch GEMMs``, ``torch other ops``,
     ``idle``, ``step``), as the self-check groups its profiler rows."""
-    from .selfcheck import group_predicted
+    from .model import group_predicted
     out = group_predicted(prediction)
     out["idle"] = prediction.get("idle_s", 0.0)
     out["step"] = prediction["step_s"]

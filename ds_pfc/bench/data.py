@@ -30,6 +30,7 @@ import time
 import torch
 
 from . import format_table, write_json
+from .._args import parser
 
 _STRIDE = 48          # bytes a record: 8 record header + 24 IRHeader + 16 payload / 8 labels + padding
 _MAGIC = 0xCED7230A
@@ -178,19 +179,24 @@ def _throughput(folder: str, images: int, workers_list: list[int], batch: int, s
     return results
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="bench.py data", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = parser("ds-pfc-bench data", " ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--records", type=int, default=42_499_999, help="image records (WebFace42M: 42.5M; 3 mod 4)")
     p.add_argument("--classes", type=int, default=2_060_000, help="identities (WebFace42M: 2.06M; a multiple of 4)")
     p.add_argument("--workdir", default="/tmp/ds_pfc_bench_data", help="where the synthetic data is kept")
     p.add_argument("--scan-records", type=int, default=300_000, help="records the full scan is timed over")
-    p.add_argument("--throughput-images", type=int, default=2048)
-    p.add_argument("--workers", default="0,1,2")
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--throughput-images", type=int, default=2048,
+                   help="raw 112x112 images in the loader benchmark's small .rec (default 2048)")
+    p.add_argument("--workers", default="0,1,2", help="loader worker counts to time (comma-separated list)")
+    p.add_argument("--batch", type=int, default=128, help="images per loader batch (default 128)")
     p.add_argument("--seconds", type=float, default=5.0, help="measuring time per worker count")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/data-<records>.json)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.case:
         print(json.dumps(_case(json.loads(args.case))))
         return 0

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from . import (Timer, current_memory_bytes, format_table, machine_info, peak_memory_bytes, reset_peak_memory,
                run_case_subprocess, summarize, window_peak_bytes, write_json)
+from .._args import parser
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -384,24 +385,22 @@ def default_cases(classes, sample_rate, extra_rate, device, compute, memory_byte
     return cases
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a == "--predict" or a.startswith("--predict=") for a in argv):
-        from . import model     # a predicted step on a GPU model, counted here; its own case options
-        return model.main_predict(argv)
-    p = argparse.ArgumentParser(prog="bench.py head", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = parser("ds-pfc-bench head", " ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--predict", choices=("h100", "h200", "a100"),
                    help="predict the step on this GPU model instead (see ds_pfc/bench/model.py; --predict h100 -h)")
     p.add_argument("--classes", default="100000,1000000,4000000", help="comma-separated C values")
-    p.add_argument("--sample-rate", type=float, default=0.1)
+    p.add_argument("--sample-rate", type=float, default=0.1,
+                   help="r: the share of the classes sampled per step, in (0, 1] (default 0.1)")
     p.add_argument("--extra-rate", type=float, default=0.025,
                    help="also run ds_pfc at the largest C at this rate (same |S| as the middle C at --sample-rate)")
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=512, help="N: samples per step (default 512)")
+    p.add_argument("--dim", type=int, default=512, help="d: the embedding width (default 512)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per case (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones (default 2)")
     p.add_argument("--compute", choices=sorted(_DTYPES), default="bf16", help="ds_pfc GEMM dtype")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="the torch device the cases run on (default cuda when available, else cpu)")
     p.add_argument("--impl", default="ds_pfc,dense,dense_plain,linear_ce",
                    help="which implementations to run (linear_ce: F.linear_cross_entropy at r = 1, the smallest C)")
     p.add_argument("--lce-options", default=None,
@@ -417,7 +416,15 @@ def main(argv=None) -> int:
                    help="ds_pfc softmax backends (default: torch,triton on CUDA when triton imports, else torch)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/head-<device>-<date>.json)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--predict" or a.startswith("--predict=") for a in argv):
+        from . import predict   # a predicted step on a GPU model, counted here; its own case options
+        return predict.main(argv)
+    args = build_parser().parse_args(argv)
     if args.case:
         print(json.dumps(run_case(json.loads(args.case))))
         return 0

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from . import format_table, write_json
+from .._args import parser
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -168,9 +169,8 @@ def _ratio(value) -> str:
     return "" if value is None else f"{value:.2f}"
 
 
-def main(argv=None) -> int:
-    from ..bank.stores import default_threads
-    p = argparse.ArgumentParser(prog="bench.py hostpath", description=" ".join(__doc__.split("\n\n")[0].split()))
+def build_parser() -> argparse.ArgumentParser:
+    p = parser("ds-pfc-bench hostpath", " ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--rows", default="100000,1000000", help="rows per gather/scatter (comma-separated list)")
     p.add_argument("--dim", default="128,512", help="row widths (comma-separated list)")
     p.add_argument("--dtype", default="fp32,bf16", help="storage dtypes: fp32, bf16 (comma-separated list)")
@@ -183,6 +183,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-before", action="store_true", help="skip the previous implementation's figures")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="where to write the results (default benchmarks/results/hostpath-<date>.json)")
+    return p
+
+
+def main(argv=None) -> int:
+    from ..bank.stores import default_threads
+    p = build_parser()
     args = p.parse_args(argv)
     dtypes = [d for d in args.dtype.split(",") if d]
     for d in dtypes:

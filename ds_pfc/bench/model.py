@@ -49,7 +49,6 @@ roofline alone).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import inspect
 import json
@@ -62,9 +61,10 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+
 __all__ = ["GPUS", "CostCounter", "count_step", "fit_counts", "fit_case", "case_rows", "case_keeps", "cosines_path", "with_cosines_path",
            "predict", "predict_case",
-           "main_predict", "kernel_time", "compare", "STANDARD_CASE"]
+           "kernel_time", "compare", "STANDARD_CASE", "saved_counts", "gpu_model_key", "group_predicted"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -876,86 +876,6 @@ def format_prediction(pred: dict) -> str:
     return "\n".join([head, table, tail])
 
 
-def main_predict(argv=None) -> int:
-    """``launch/bench.py head --predict {h100,h200,a100} [case options]``."""
-    from . import calibration
-    s = STANDARD_CASE
-    p = argparse.ArgumentParser(prog="bench.py head --predict", description="Predict a head step on a GPU model "
-                                "from op counts taken on this machine (ds_pfc/bench/model.py).")
-    p.add_argument("--predict", choices=sorted(GPUS), required=True)
-    p.add_argument("--world", type=int, default=s["world"], help="k: GPUs the classes are sharded over")
-    p.add_argument("--classes", type=int, default=s["classes"], help="C: total classes")
-    p.add_argument("--sample-rate", type=float, default=s["sample_rate"])
-    p.add_argument("--batch", type=int, default=s["batch"], help="N: gathered batch")
-    p.add_argument("--dim", type=int, default=s["dim"])
-    p.add_argument("--compute", choices=sorted(_DTYPES), default=s["compute"])
-    p.add_argument("--embeddings-dtype", dest="embeddings", choices=sorted(_DTYPES), default=s["embeddings"])
-    p.add_argument("--backend", default="torch,triton", help="comma-separated softmax backends")
-    p.add_argument("--block-bytes", type=int, default=None)
-    p.add_argument("--keep-bytes", type=int, default=None,
-                   help="the head's keep_bytes: the triton step keeps its float16 cosines for backward when they "
-                        "fit (default: 4 GiB); 0 recomputes them")
-    p.add_argument("--no-compile", action="store_true", help="skip reading the kernels' machine code")
-    p.add_argument("--counts", default=None,
-                   help="a --predict JSON whose op counts to reuse when it holds the same case counted for the "
-                        "same SM count (else the case is counted here, which takes minutes)")
-    p.add_argument("--calibration", default=calibration.DEFAULT,
-                   help="a self-check JSON that calibrates the prediction (ds_pfc/bench/calibration.py), or "
-                        "'none' (default: %(default)s)")
-    p.add_argument("--calibration-counts", default=calibration.DEFAULT_COUNTS,
-                   help="the op counts of the calibration's measured case (default: %(default)s)")
-    p.add_argument("--calibration-timing", default=None,
-                   help="a 'python -m ds_pfc.selfcheck --timing' JSON of the same GPU: its topk and sort times "
-                        "(default: estimates, see ds_pfc/bench/calibration.py)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/predict-<gpu>-<date>.json)")
-    args = p.parse_args(argv)
-    for name in ("world", "classes", "batch", "dim"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be a positive int, got {getattr(args, name)}")
-    if args.keep_bytes is not None and args.keep_bytes < 0:
-        p.error(f"--keep-bytes must be a non-negative int, got {args.keep_bytes}")
-    if not 0 < args.sample_rate <= 1:
-        p.error(f"--sample-rate must lie in (0, 1], got {args.sample_rate}")
-    for backend in args.backend.split(","):
-        if backend not in ("torch", "triton"):
-            p.error(f"--backend: expected torch and/or triton, got {backend!r}")
-    if args.counts is not None and not os.path.exists(args.counts):
-        p.error(f"--counts: no such file {args.counts!r}")
-    from .selfcheck import _saved_counts
-    cal = None
-    if args.calibration.lower() != "none":
-        try:
-            cal = calibration.load_calibration(args.calibration, args.calibration_counts, args.calibration_timing)
-            cal.rates(args.predict)
-        except (OSError, ValueError) as err:
-            print(f"no calibrated prediction: {err}\n", flush=True)
-            cal = None
-    results = []
-    sms = GPUS[args.predict]["sms"]
-    for backend in args.backend.split(","):
-        case = dict(world=args.world, classes=args.classes, sample_rate=args.sample_rate, batch=args.batch,
-                    dim=args.dim, compute=args.compute, embeddings=args.embeddings, backend=backend,
-                    block_bytes=args.block_bytes)
-        path = cosines_path(backend, args.batch, case_rows(case), args.compute, args.keep_bytes)
-        if path is not None:
-            case["cosines"] = path
-        counts = _saved_counts(args.counts, case, sms) if args.counts else None
-        if args.counts and counts is None:
-            print(f"{args.counts} holds no counts of this case for {sms} SMs: counting it here", flush=True)
-        counts = counts or _count_in_subprocess(case, sms)
-        pred = predict_case(case, args.predict, counts=counts, compile_code=not args.no_compile)
-        print(format_prediction(pred) + "\n", flush=True)
-        if cal is not None:
-            pred["calibrated"] = calibration.calibrated_prediction(pred, cal)
-            pred["measured"] = calibration.measured_groups(cal, args.predict, case)
-            print(calibration.format_comparison(pred) + "\n", flush=True)
-        results.append(pred)
-    from . import write_json
-    out = args.out or os.path.join("benchmarks", "results",
-                                   f"predict-{args.predict}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    write_json(out, "head-predict", vars(args), results, {"gpu_constants": GPUS[args.predict]})
-    print(f"wrote {out}")
-    return 0
 
 
 # --------------------------------------------------------------------- measured vs predicted
@@ -990,7 +910,53 @@ def _count_main(spec: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--count":
-        sys.exit(_count_main(sys.argv[2]))
-    sys.exit(main_predict(sys.argv[1:]))
+
+# The aten ops the comparison groups count as "torch GEMMs" (the rest: "torch other ops").
+_GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "mv", "addmv", "addmv_", "dot", "vdot",
+             "matmul", "linear", "_scaled_mm"}
+
+
+def gpu_model_key(name: str) -> str | None:
+    """The :data:`ds_pfc.bench.model.GPUS` key of a CUDA device name (None: not modelled)."""
+    name = name.upper()
+    for key in ("H200", "H100", "A100"):
+        if key in name:
+            return key.lower()
+    return None
+
+
+def saved_counts(path: str | None, case: dict, sms: int) -> list[dict] | None:
+    """The op counts of ``case`` from a ``ds-pfc-bench head --predict`` JSON, if it holds
+    that exact case counted for ``sms`` multiprocessors (counts do not depend on the GPU
+    that runs the step, only on the case and the tile plan)."""
+    if not path:
+        return None
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("gpu_constants", {}).get("sms") != sms:
+        return None
+    for result in doc.get("results", []):
+        if with_cosines_path(result.get("case")) == with_cosines_path(case) and result.get("counts"):
+            return result["counts"]
+    return None
+
+
+def group_predicted(prediction: dict) -> dict:
+    """The same groups from :func:`ds_pfc.bench.model.predict_case`'s kernels."""
+    out = {}
+    for row in prediction["kernels"]:
+        name = row["kernel"]
+        if name.startswith("triton:"):
+            key = name
+        else:
+            op = name.split(":", 1)[1].split("[")[0]
+            key = "torch GEMMs" if op in _GEMM_OPS else "torch other ops"
+        out[key] = out.get(key, 0.0) + row["seconds"]
+    return out
+
+
+if __name__ == "__main__":      # the counting subprocess of _count_in_subprocess
+    if len(sys.argv) != 3 or sys.argv[1] != "--count":
+        sys.exit("usage: python -m ds_pfc.bench.model --count CASE_JSON (internal; predictions: "
+                 "ds-pfc-bench head --predict)")
+    sys.exit(_count_main(sys.argv[2]))

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from . import format_table, write_json
+from .._args import parser
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _MIN_FIO_REQUESTS = 4000        # a replay shorter than this is repeated (fio times in ms)
@@ -341,28 +342,33 @@ def bench_sequential(args, store, use_fio: bool) -> list[dict]:
 
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench.py nvme", description=__doc__.split("\n")[0])
+    p = parser("ds-pfc-bench nvme", " ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--dir", default=None, help="directory on the file system to measure (default: a temp dir)")
     p.add_argument("--file-gb", type=float, default=2.0, help="size of the scratch file (GB)")
     p.add_argument("--block-kib", default="4,128", help="raw request sizes, KiB")
     p.add_argument("--requests", type=int, default=20000, help="raw requests per measurement")
-    p.add_argument("--queue-depth", type=int, default=32)
-    p.add_argument("--patterns", default="random,sequential")
-    p.add_argument("--rw", default="read,write")
+    p.add_argument("--queue-depth", type=int, default=32,
+                   help="I/O requests in flight, for the store, the raw engines and fio alike (default 32)")
+    p.add_argument("--patterns", default="random,sequential",
+                   help="raw request patterns: random and/or sequential (comma-separated list)")
+    p.add_argument("--rw", default="read,write",
+                   help="raw request directions: read and/or write (comma-separated list)")
     p.add_argument("--raw-engines", default="libaio,deepspeed,deepspeed-1",
                    help="libaio (the store's engine), deepspeed (batched over the store's DeepSpeed handles), "
                         "deepspeed-1 (one DeepSpeed op per wait, as the store did before)")
     p.add_argument("--rates", default="0.001,0.01,0.1", help="fractions of the rows gathered and scattered")
     p.add_argument("--dim", type=int, default=512, help="row width")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="the store's row dtype (default bf16)")
     p.add_argument("--store-block-kib", type=float, default=None, help="the store's block size (default ~128 KiB)")
     p.add_argument("--engine", default="libaio", choices=["libaio", "deepspeed"], help="the store's io_engine")
     p.add_argument("--gap-kib", type=float, default=None, help="the store's coalesce_gap_bytes, KiB")
-    p.add_argument("--parts", default="raw,store,sequential")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parts", default="raw,store,sequential",
+                   help="which parts to run: raw, store and/or sequential (comma-separated list)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs per figure, each paired with a fio run; medians are reported (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: as the bank's I/O worker)")
     p.add_argument("--no-fio", action="store_true", help="do not run fio")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random rows and offsets (default 0)")
     p.add_argument("--json", default=None, help="write results here (default benchmarks/results/nvme-<date>.json)")
     return p
 

@@ -35,10 +35,11 @@ import sys
 
 from ..bank.nvme import DEFAULT_STAGE_BYTES, SECTOR, TARGET_BLOCK_BYTES
 from ..bank.nvme_model import page_io
+from .._args import parser
 from ..core.softmax import COSINE_KEEP_BYTES, CUDA_BLOCK_BYTES
 
-__all__ = ["plan", "PlanArgumentError", "GPUS", "BACKBONES", "TIERS", "DEFAULTS", "main", "format_plan",
-           "format_sweep", "parse_classes"]
+__all__ = ["plan", "PlanArgumentError", "GPUS", "BACKBONES", "TIERS", "DEFAULTS", "build_parser", "main",
+           "format_plan", "format_sweep", "parse_classes"]
 
 # --------------------------------------------------------------------- constants
 TIERS = ("device", "host", "host-cpu", "nvme")
@@ -678,8 +679,9 @@ def _typed(kind, low=None, high=None, low_open=False):
 
 def build_parser() -> argparse.ArgumentParser:
     d = DEFAULTS
-    ap = argparse.ArgumentParser(prog="ds-pfc-bench plan", description=__doc__.split("\n")[0],
-                                 epilog="Assumptions and how to read the table: docs/planner.md")
+    ap = parser("ds-pfc-bench plan", "Memory and transfer planner for the class bank: per rank, the bytes of each "
+                "way to place the bank and the transfers of a step, computed from formulas (nothing runs).",
+                epilog="Assumptions and how to read the table: docs/planner.md")
     ap.add_argument("--classes", type=parse_classes, required=True,
                     help="C: the global class count (128000000, 128M, 1B; a comma list prints one line per count)")
     ap.add_argument("--dim", type=_typed(int, 1), required=True, help="d: the embedding width")
@@ -691,7 +693,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the row optimizer (and the backbone's)")
     ap.add_argument("--storage", choices=list(STORAGES), default=d["storage"],
                     help="storage of the bank: fp32, bf16, or bf16 with the first moment in 8 bits (bf16-int8m)")
-    ap.add_argument("--backbone", choices=[*BACKBONES, "none"], default=d["backbone"])
+    ap.add_argument("--backbone", choices=[*BACKBONES, "none"], default=d["backbone"],
+                    help="the backbone whose weights, optimizer states and activations share GPU memory with the "
+                         "bank (none: the head alone; default %(default)s)")
     ap.add_argument("--batch", type=_typed(int, 1), default=d["batch"], help="B: the per-GPU batch (N = B k)")
     ap.add_argument("--step-ms", "--step_ms", dest="step_ms", type=_typed(float, 0.0, None, True), default=d["step_ms"],
                     help="the step time the transfers must hide behind")

@@ -27,8 +27,9 @@ import time
 import torch
 
 from . import format_table, write_json
+from .._args import parser
 
-__all__ = ["main", "mapped_table"]
+__all__ = ["build_parser", "main", "mapped_table"]
 
 ASSUMED_ZERO_COPY_GBPS = 45.0     # planner default (PCIe gen5 x16, GPU kernel on mapped rows)
 ASSUMED_DMA_GBPS = 50.0
@@ -139,17 +140,25 @@ def _beside(fn, gemm):
     return run
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="bench.py rows", description=__doc__.split("\n")[0])
-    p.add_argument("--table-gb", type=float, default=32.0, help="mapped host table size (GPU runs)")
+def build_parser() -> argparse.ArgumentParser:
+    p = parser("ds-pfc-bench rows", "Row moves between host memory and the GPU: page-locked DMA and the row-move "
+               "kernel on a mapped host table, measured on one GPU next to the figures the planner assumes.")
+    p.add_argument("--table-gb", type=float, default=32.0,
+                   help="mapped host table size, GB (10^9 bytes; GPU runs, default 32)")
     p.add_argument("--rows", type=int, default=400_000, help="rows moved per launch")
     p.add_argument("--row-bytes", default="256,1024,2048", help="bfloat16 row sizes")
     p.add_argument("--programs", default="2,4,8,16", help="grid caps of the row-move kernel")
     p.add_argument("--huge", choices=["no", "yes", "both"], default="both", help="2 MiB huge pages too")
     p.add_argument("--gemm", action="store_true", help="also measure beside a bf16 GEMM (8192^3)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed runs per figure after one warm-up; the median is reported (default 5)")
     p.add_argument("--dry", action="store_true", help="toy sizes on the CPU: checks the harness, times mean nothing")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/rows-<device>-<date>.json)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("table_gb", "rows", "repeats"):
         if getattr(args, name) <= 0:

@@ -162,17 +162,6 @@ def check_no_sync_step(device) -> str:
 
 
 # --------------------------------------------------------------------- the GPU model, measured
-_GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "mv", "addmv", "addmv_", "dot", "vdot",
-             "matmul", "linear", "_scaled_mm"}
-
-
-def gpu_model_key(name: str) -> str | None:
-    """The :data:`ds_pfc.bench.model.GPUS` key of a CUDA device name (None: not modelled)."""
-    name = name.upper()
-    for key in ("H200", "H100", "A100"):
-        if key in name:
-            return key.lower()
-    return None
 
 
 def fitting_case(free_bytes: int, dim: int = 512, sample_rate: float = 0.1, batch: int = 2048,
@@ -193,6 +182,7 @@ def group_measured(events, triton_kernels) -> dict:
     the kernels named in ``triton_kernels`` each by name (``triton:<kernel>``), the aten
     products together (``torch GEMMs``), every other aten op together (``torch other ops``).
     Other device rows (the kernels behind aten ops, copies) are already in their aten op."""
+    from .model import _GEMM_OPS
     out = {}
     for name, is_kernel, seconds in events:
         if name.startswith("aten::"):
@@ -202,20 +192,6 @@ def group_measured(events, triton_kernels) -> dict:
         else:
             continue
         out[key] = out.get(key, 0.0) + seconds
-    return out
-
-
-def group_predicted(prediction: dict) -> dict:
-    """The same groups from :func:`ds_pfc.bench.model.predict_case`'s kernels."""
-    out = {}
-    for row in prediction["kernels"]:
-        name = row["kernel"]
-        if name.startswith("triton:"):
-            key = name
-        else:
-            op = name.split(":", 1)[1].split("[")[0]
-            key = "torch GEMMs" if op in _GEMM_OPS else "torch other ops"
-        out[key] = out.get(key, 0.0) + row["seconds"]
     return out
 
 
@@ -267,23 +243,6 @@ def _time_step(device, case: dict, backend: str, steps: int = 3):
     return seconds, rows
 
 
-def _saved_counts(path: str | None, case: dict, sms: int) -> list[dict] | None:
-    """The op counts of ``case`` from a ``launch/bench.py head --predict`` JSON, if it holds
-    that exact case counted for ``sms`` multiprocessors (counts do not depend on the GPU
-    that runs the step, only on the case and the tile plan)."""
-    if not path:
-        return None
-    from .model import with_cosines_path
-    with open(path) as f:
-        doc = json.load(f)
-    if doc.get("gpu_constants", {}).get("sms") != sms:
-        return None
-    for result in doc.get("results", []):
-        if with_cosines_path(result.get("case")) == with_cosines_path(case) and result.get("counts"):
-            return result["counts"]
-    return None
-
-
 def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 2.0,
                 counts_from: str | None = None) -> str:
     """Each Triton kernel, the torch products, the other torch ops and the whole step of the
@@ -291,7 +250,7 @@ def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 
     fails where they differ by more than ``factor``. Counting a case takes minutes on the
     CPU; ``counts_from`` (a ``bench.py head --predict`` JSON of the same case) skips it."""
     from . import model
-    kind = gpu_model_key(torch.cuda.get_device_name(device))
+    kind = model.gpu_model_key(torch.cuda.get_device_name(device))
     if kind is None:
         return f"skipped: the model has no constants for {torch.cuda.get_device_name(device)}"
     free, _ = torch.cuda.mem_get_info(device)
@@ -303,10 +262,10 @@ def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 
         if path is not None:
             case["cosines"] = path          # what the head's default keep budget makes the step do
         sms = model.GPUS[kind]["sms"]
-        counts = _saved_counts(counts_from, case, sms) or model._count_in_subprocess(case, sms)
+        counts = model.saved_counts(counts_from, case, sms) or model._count_in_subprocess(case, sms)
         pred = model.predict_case(case, kind, counts=counts)
         seconds, events = _time_step(device, case, backend)
-        predicted = dict(group_predicted(pred), step=pred["step_s"])
+        predicted = dict(model.group_predicted(pred), step=pred["step_s"])
         names = {k.split(":", 1)[1] for k in predicted if k.startswith("triton:")}
         measured = dict(group_measured(events, names), step=seconds)
         rows = model.compare(measured, predicted, factor=factor, min_seconds=0.5e-3)

@@ -6,7 +6,7 @@ exit status); where a result is useful in-process, ``run(argv=None)`` returns it
 
 May import: every ds_pfc layer (app, bench, deepspeed_plugin, checkpoint, core, ...); argparse.
 Never: the root package; nothing imports cli except the ``python -m`` entry files
-(ds_pfc/selfcheck.py, ds_pfc/migrate.py)."""
+(ds_pfc/selfcheck.py)."""
 from __future__ import annotations
 
 import os

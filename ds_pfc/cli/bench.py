@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from .._args import parser
+
 BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accuracy": "ds_pfc.bench.accuracy",
               "data": "ds_pfc.bench.data", "plan": "ds_pfc.bench.plan", "rows": "ds_pfc.bench.rows",
               "hostpath": "ds_pfc.bench.hostpath", "nvme": "ds_pfc.bench.nvme"}
@@ -14,9 +16,11 @@ BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accurac
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's name, then its own options (checked by the benchmark's parser)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("benchmark", choices=list(BENCHMARKS), help="which benchmark")
-    p.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options")
+    p = parser("ds-pfc-bench", "Run one benchmark of ds_pfc: its name, then its own options "
+               "('ds-pfc-bench NAME --help' lists them).")
+    p.add_argument("benchmark", choices=list(BENCHMARKS), help="which benchmark to run")
+    p.add_argument("options", nargs=argparse.REMAINDER,
+                   help="the benchmark's own options, passed on to it unchanged")
     return p
 
 

@@ -39,6 +39,7 @@ import sys
 import time
 import warnings
 
+from .._args import parser
 
 
 def _sha256(path: str) -> str | None:
@@ -195,7 +196,7 @@ def _bin_sets(paths: list[str]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser("ds-pfc-eval", " ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", required=True, action="append",
                    help="an export .safetensors, a checkpoints directory, arcface_torch's model.pt (with --network) "
                         "or an .onnx file (several with --ijb: one ROC each)")
@@ -205,8 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     p.add_argument("--bins", nargs="*", default=None, help="verification .bin files")
     p.add_argument("--ijb", default=None, metavar="ROOT", help="an IJB release (meta/ and loose_crop/)")
-    p.add_argument("--target", default="IJBC", type=str.upper, choices=["IJBB", "IJBC"], help="with --ijb")
-    p.add_argument("--batch_size", "--batch-size", dest="batch_size", type=int, default=64)
+    p.add_argument("--target", default="IJBC", type=str.upper, choices=["IJBB", "IJBC"],
+                   help="with --ijb: which IJB set to score, IJBB or IJBC (default IJBC)")
+    p.add_argument("--batch_size", "--batch-size", dest="batch_size", type=int, default=64,
+                   help="images per forward pass of the backbone (default 64)")
     p.add_argument("--no_flip", "--no-flip", dest="no_flip", action="store_true",
                    help="no flip test-time augmentation")
     p.add_argument("--no_norm_score", "--no-norm-score", dest="no_norm_score", action="store_true",
@@ -217,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --ijb: also 1:N identification (meta/<target>_1N_gallery_*.csv, _1N_probe_mixed.csv)")
     p.add_argument("--workers", type=int, default=2, help="with --ijb: threads decoding and aligning images")
     p.add_argument("--out", default=None, help="with --ijb: output directory (default: the first model's)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="the torch device that runs the backbone (default cpu)")
     p.add_argument("--json", default=None, help="also write the results here")
     return p
 

@@ -35,6 +35,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from . import checkout_root
+from .._args import parser
 
 # The recorded studies of a source checkout; an installed package writes below the
 # working directory.
@@ -44,7 +45,7 @@ DEFAULT_OUT = os.path.join(checkout_root() or os.curdir, "benchmarks", "results"
 def build_parser() -> argparse.ArgumentParser:
     from ds_pfc.app.experiments import STUDIES
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser("ds-pfc-experiments", " ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("study", choices=sorted(STUDIES) + ["sweep"], help="which study (sweep: classes x sample rate)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..K-1 per cell (default 3)")
     p.add_argument("--cell", action="append", default=None,

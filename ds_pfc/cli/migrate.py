@@ -1,21 +1,25 @@
-"""``ds-pfc-migrate`` / ``python -m ds_pfc.migrate``: convert insightface arcface_torch
+"""``ds-pfc-migrate`` / ``python -m ds_pfc.cli.migrate``: convert insightface arcface_torch
 files for ds_pfc (the conversion is :mod:`ds_pfc.app.migrate`).
 
-    python -m ds_pfc.migrate config configs/wf42m_pfc02_r100.py -o wf42m_pfc02_r100.json
+    ds-pfc-migrate config configs/wf42m_pfc02_r100.py -o wf42m_pfc02_r100.json
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .._args import parser
+
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ds_pfc.migrate",
-                                description="Convert insightface arcface_torch files for ds_pfc.")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("config", help="an arcface_torch configs/*.py -> a ds_pfc job JSON (read, never executed)")
+    p = parser("ds-pfc-migrate", "Convert insightface arcface_torch files for ds_pfc.")
+    sub = p.add_subparsers(dest="command", required=True, help="what to convert ('COMMAND --help' lists its "
+                                                                "options)")
+    c = sub.add_parser("config", help="an arcface_torch configs/*.py -> a ds_pfc job JSON (read, never executed)",
+                       description="Convert an arcface_torch config (configs/*.py, read as literal assignments, "
+                                   "never executed) into a ds_pfc job JSON, with a report of what maps to what.")
     c.add_argument("config", help="the arcface_torch config (.py)")
     c.add_argument("-o", "--output", default=None, help="write the JSON here (default: stdout; the report goes "
                                                          "to stderr then)")
@@ -31,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """``ds-pfc-migrate`` / ``python -m ds_pfc.migrate``: exit status 1 on a refused conversion."""
+    """``ds-pfc-migrate`` / ``python -m ds_pfc.cli.migrate``: exit status 1 on a refused conversion."""
     from ..app.migrate import MigrateError, _config_command
 
     args = build_parser().parse_args(argv)

@@ -9,17 +9,19 @@ import os
 import sys
 import time
 
+from .._args import parser
+
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ds_pfc.selfcheck",
-                                description="GPU self-check: exactness, launch and sync budget, kernels, speed.")
+    p = parser("ds-pfc-selfcheck", "The GPU self-check: exactness, launch and sync budgets, kernels and speed "
+               "(without a GPU, the CPU subset with the Triton kernels in Triton's interpreter).")
     p.add_argument("--quick", action="store_true", help="skip the model check and the benchmarks")
     p.add_argument("--no-benchmarks", action="store_true",
                    help="skip the head and bank benchmarks (the model check still runs)")
     p.add_argument("--counts", default=None, metavar="JSON",
-                   help="op counts for the model check from 'launch/bench.py head --predict' of the same case "
+                   help="op counts for the model check from 'ds-pfc-bench head --predict' of the same case "
                         "(saves the minutes of counting on this machine's CPU)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>-<date>.json)")
     p.add_argument("--timing", action="store_true",

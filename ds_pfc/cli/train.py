@@ -28,7 +28,7 @@ import os
 import sys
 import traceback
 
-from ._args import parser
+from .._args import parser
 from ._launch import launch_env, leave_process_groups
 
 

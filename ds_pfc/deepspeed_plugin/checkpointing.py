@@ -24,7 +24,8 @@ from .._ds_internals import internal, require_internal
 
 if TYPE_CHECKING:
     from ..core.head import PartialFC
-    from .engine import PfcEngine
+# ``engine`` arguments are :class:`~ds_pfc.deepspeed_plugin.engine.PfcEngine` objects; the
+# annotations name it without importing it (the engine module imports this one).
 
 __all__ = ["COMPLETE_MARKER", "list_checkpoints", "remove_checkpoint"]
 

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..devices import collective_device
 from .._ds_internals import DeepSpeedInternalsError, deepspeed_version, internal, none_is_missing
 
-if TYPE_CHECKING:
-    from .engine import PfcEngine
+# ``engine`` arguments are :class:`~ds_pfc.deepspeed_plugin.engine.PfcEngine` objects; the
+# annotations name it without importing it (the engine module imports this one).
 
 __all__ = ["loss_scale"]
 

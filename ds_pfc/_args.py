@@ -1,4 +1,5 @@
-"""One command-line style for every ds_pfc command: each ``--a_b`` option is also accepted
+"""One command-line style for every ds_pfc command (the console commands, the benchmarks,
+launch/*.py): each ``--a_b`` option is also accepted
 as ``--a-b`` (and the other way round); help shows the spelling the option was declared
 with. Every parser has ``--version``. Commands build theirs with :func:`parser`."""
 from __future__ import annotations
@@ -38,7 +39,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def parser(prog: str, description: str, **kwargs) -> ArgumentParser:
     """The parser of the command ``prog`` (its name as users type it, e.g.
     ``ds-pfc-train``), with ``--version``."""
-    from .._version import __version__
+    from ._versions import __version__
     p = ArgumentParser(prog=prog, description=description, **kwargs)
     p.add_argument("--version", action="version", version=f"{prog} (ds_pfc) {__version__}",
                    help="print the ds_pfc version and exit")
