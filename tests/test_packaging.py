@@ -17,9 +17,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """ds_pfc built as a wheel and installed into a directory of its own (no source tree)."""
+    import shutil
     tmp = tmp_path_factory.mktemp("wheel")
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ROOT,
-                            "-w", str(tmp / "dist")], capture_output=True, text=True, timeout=600)
+    # Built from a copy of what the wheel is made of: a build writes build/ and *.egg-info
+    # next to setup.cfg, which must not land in the checkout.
+    source = tmp / "src"
+    source.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md", "LICENSE", "configs", "ds_pfc"):
+        path = os.path.join(ROOT, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, source / name, symlinks=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        elif os.path.exists(path):
+            shutil.copy2(path, source / name)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            str(source), "-w", str(tmp / "dist")], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     [wheel] = glob.glob(str(tmp / "dist" / "ds_pfc-*.whl"))
     target = tmp / "site"
