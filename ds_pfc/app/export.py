@@ -15,7 +15,7 @@ from ..checkpoint.export import (EXPORT_FORMAT, backbone_state_dict, export_chec
                                  reshard_checkpoint, resolve_tag)
 
 __all__ = ["backbone_state_dict", "export_checkpoint", "export_onnx", "resolve_tag", "EXPORT_FORMAT",
-           "load_backbone", "reshard_checkpoint", "dominant_subcenters"]
+           "backbone_weights", "load_backbone", "reshard_checkpoint", "dominant_subcenters"]
 
 
 class _HalfInside(torch.nn.Module):
@@ -68,15 +68,14 @@ def export_onnx(backbone: torch.nn.Module, out_path: str, *, image_size: int = 1
     return out_path
 
 
-def load_backbone(path: str, tag: str | None = None):
-    """``(backbone, config)`` from an export (``.safetensors``), a model folder of
-    ``ds-pfc-export backbone``/``hub`` (:mod:`ds_pfc.app.hub`) or a checkpoint
-    directory (its ``latest`` tag unless ``tag``); the backbone is rebuilt from the
-    job config stored with it and holds the trained float32 weights, in eval mode."""
+def backbone_weights(path: str, tag: str | None = None) -> tuple[dict, dict, dict | None, str | None]:
+    """``(float32 state dict, job config, marker, tag directory)`` of the backbone in an
+    export (``.safetensors``; marker and tag directory None), a model folder of
+    ``ds-pfc-export backbone``/``hub`` (:mod:`ds_pfc.app.hub`) or a checkpoint directory
+    (its ``latest`` tag unless ``tag``; a tag directory works too)."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
-    from .config import split_config
     from .hub import MODEL_FILE, is_model_folder
     if is_model_folder(path):
         path = os.path.join(path, MODEL_FILE)
@@ -91,15 +90,27 @@ def load_backbone(path: str, tag: str | None = None):
                              "(export/model.safetensors) or a checkpoint directory") from None
         if metadata.get("format") != EXPORT_FORMAT or "config" not in metadata:
             raise ValueError(f"{path} is not a ds_pfc model export (format {metadata.get('format')!r})")
-        config = json.loads(metadata["config"])
         state = {k[len("backbone."):]: v for k, v in load_file(path).items() if k.startswith("backbone.")}
-    else:
-        tag_dir = resolve_tag(path, tag)
-        config = read_marker(tag_dir).get("metadata", {}).get("config")
-        if config is None:
-            raise ValueError(f"{tag_dir} does not record its job config; export it with the training app")
-        state = backbone_state_dict(tag_dir)
+        return state, json.loads(metadata["config"]), None, None
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory, model folder or model export at {path!r}")
+    tag_dir = resolve_tag(path, tag)
+    marker = read_marker(tag_dir)
+    config = (marker.get("metadata") or {}).get("config")
+    if config is None:
+        raise ValueError(f"{tag_dir} does not record its job config; export it with the training app")
+    return backbone_state_dict(tag_dir), config, marker, tag_dir
+
+
+def load_backbone(path: str, tag: str | None = None):
+    """``(backbone, config)`` from an export (``.safetensors``), a model folder of
+    ``ds-pfc-export backbone``/``hub`` or a checkpoint directory (its ``latest`` tag unless
+    ``tag``; see :func:`backbone_weights`); the backbone is rebuilt from the job config
+    stored with it and holds the trained float32 weights, in eval mode."""
     import warnings
+
+    from .config import split_config
+    state, config, _, _ = backbone_weights(path, tag)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _, cfg = split_config(config)

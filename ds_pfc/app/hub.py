@@ -36,31 +36,11 @@ def is_model_folder(path: str) -> bool:
 def _source(source: str, tag: str | None):
     """``(backbone state dict, job config, marker or None, run directory or None)`` of a
     checkpoint directory (its ``latest`` tag unless ``tag``), a tag directory or a model
-    export (``.safetensors``)."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
-
-    from ..checkpoint.export import EXPORT_FORMAT, backbone_state_dict, read_marker, resolve_tag
-    if os.path.isfile(source):
-        try:
-            with safe_open(source, "pt") as f:
-                metadata = f.metadata() or {}
-        except SafetensorError as err:
-            raise ValueError(f"{source} is not a safetensors file ({err}); give a checkpoint directory or a "
-                             "ds_pfc model export") from None
-        if metadata.get("format") != EXPORT_FORMAT or "config" not in metadata:
-            raise ValueError(f"{source} is not a ds_pfc model export (format {metadata.get('format')!r})")
-        state = {k[len("backbone."):]: v for k, v in load_file(source).items() if k.startswith("backbone.")}
-        return state, json.loads(metadata["config"]), None, None
-    if not os.path.isdir(source):
-        raise FileNotFoundError(f"no checkpoint directory or model export at {source!r}")
-    tag_dir = resolve_tag(source, tag)
-    marker = read_marker(tag_dir)
-    config = (marker.get("metadata") or {}).get("config")
-    if config is None:
-        raise ValueError(f"{tag_dir} does not record its job config; train it with the ds_pfc app")
-    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(tag_dir)))
-    return backbone_state_dict(tag_dir), config, marker, run_dir
+    export (:func:`ds_pfc.app.export.backbone_weights`)."""
+    from .export import backbone_weights
+    state, config, marker, tag_dir = backbone_weights(source, tag)
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(tag_dir))) if tag_dir else None
+    return state, config, marker, run_dir
 
 
 def _facts(config: dict, marker: dict | None) -> dict:

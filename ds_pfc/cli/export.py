@@ -59,18 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write the backbone's float32 weights without the classifier to <out>/"
                                    "model.safetensors and its facts and job config to <out>/config.json (a folder "
                                    "that ds-pfc-eval --model and load_model read).")
-    b.add_argument("--checkpoint", required=True,
-                   help="the checkpoints directory (holds 'latest'), a tag directory or a model export (.safetensors)")
-    b.add_argument("--tag", default=None, help="the checkpoint tag to export (default: the one 'latest' names)")
-    b.add_argument("--out", required=True, help="the output folder")
+    _model_source_arguments(b)
     h = sub.add_parser("hub", help="a Hugging Face model folder (backbone, config, model card); --push uploads it",
                        description="Write a Hugging Face model folder: the backbone (model.safetensors), config.json "
                                    "and a model card (README.md: the training config, data, results, versions and "
                                    "the code that loads it); with --push, upload it with huggingface_hub.")
-    h.add_argument("--checkpoint", required=True,
-                   help="the checkpoints directory (holds 'latest'), a tag directory or a model export (.safetensors)")
-    h.add_argument("--tag", default=None, help="the checkpoint tag to export (default: the one 'latest' names)")
-    h.add_argument("--out", required=True, help="the output folder")
+    _model_source_arguments(h)
     h.add_argument("--name", default=None, help="the model card's title (default: the output folder's name)")
     h.add_argument("--summary", default=None,
                    help="the run's summary.json for the card's results (default: the one of the checkpoint's run)")
@@ -138,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--config", default=None, help="a ds_pfc job config (JSON) to store with the model")
     a.add_argument("--out", required=True, help="output directory (model.safetensors, head-rank*.safetensors)")
     return p
+
+
+def _model_source_arguments(p) -> None:
+    """--checkpoint, --tag and --out of the commands that write a model folder."""
+    p.add_argument("--checkpoint", required=True,
+                   help="the checkpoints directory (holds 'latest'), a tag directory or a model export (.safetensors)")
+    p.add_argument("--tag", default=None, help="the checkpoint tag to export (default: the one 'latest' names)")
+    p.add_argument("--out", required=True, help="the output folder")
 
 
 def run(argv=None) -> str:
