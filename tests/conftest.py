@@ -10,6 +10,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's test command runs 2 workers on 2 cores) each worker
+# computes on one thread, as every spawned rank does (OMP_NUM_THREADS=1).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # tests/ helpers (``_dist``) importable from every test module and spawned rank.
 sys.path.insert(0, os.path.dirname(__file__))
 # DeepSpeed JIT-builds its async I/O op on first use (minutes on 2 cores); keep the
@@ -39,8 +44,8 @@ def pytest_sessionfinish(session, exitstatus):
     if _TEST_CACHE is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
         shutil.rmtree(_TEST_CACHE, ignore_errors=True)
     started = getattr(session.config, "_ds_pfc_started", None)
-    if started is None:
-        return
+    if started is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return          # under pytest-xdist the controller cleans up once every worker is done
     for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
         try:
             if os.path.getmtime(path) >= started - 1:

@@ -111,7 +111,7 @@ def test_bad_config_names_the_key(head, needle):
 
 
 def test_unknown_block_keys_and_missing_block():
-    with pytest.raises(ConfigError, match=r"ds_pfc: unknown key \['heads'\]; allowed keys are \['backbone', 'checkpoint', 'data', 'description', 'evaluation', 'head', 'train'\]"):
+    with pytest.raises(ConfigError, match=r"ds_pfc: unknown key \['heads'\] \(did you mean 'head'\?\); allowed keys are \['backbone', 'checkpoint', 'data', 'description', 'evaluation', 'head', 'train'\]"):
         split_config({**BASE, "ds_pfc": {"heads": {}}})
     with pytest.raises(ConfigError, match="no 'ds_pfc' block"):
         split_config(BASE)
