@@ -657,7 +657,25 @@ class InitConfig:
     """A directory of head shards ``head-rank*-of-*.safetensors`` for this job's number
     of ranks (``launch/export.py import-arcface --world_size N`` writes them; a ds_pfc
     checkpoint tag holds them too): the head starts from those centers (and optimizer
-    states). null: a fresh head."""
+    states). With ``class_map``, shards of any number of ranks and classes. null: a
+    fresh head."""
+    class_map: str | None = None
+    """Grow ``head`` (a trained head) into this job's ``ds_pfc.head.num_classes``
+    classes: a file mapping old class ids to new ones, a JSON object ``{"old": new,
+    ...}`` (``.json``) or a text file of ``old new`` lines (whitespace or a comma
+    between; blank lines and ``#`` comments skipped). Each listed old row (and, with
+    ``optimizer_states``, its optimizer states) moves bitwise to its new id; the new
+    ids no old id maps to start as ``new_rows`` says. null: ``head`` must hold
+    exactly this job's classes."""
+    new_rows: str = "imprint"
+    """With ``class_map``: how the classes no old id maps to start. ``imprint``: the
+    unit vector along the mean of their training images' L2-normalised embeddings
+    under the initial backbone (one pass over those images before the first step,
+    shared by the ranks); a class without images keeps its fresh row. ``random``: the
+    head's fresh rows (``ds_pfc.head.seed``)."""
+    optimizer_states: bool = True
+    """Carry the optimizer states saved with ``head`` (SGD momentum, AdamW moments)
+    with their rows; false: start every state at zero."""
     freeze_backbone_steps: int = 0
     """The backbone's learning rate is 0 for this many optimizer steps (the head
     trains alone), then follows the schedule."""
@@ -676,6 +694,21 @@ class InitConfig:
             if not any(re.fullmatch(r"head-rank\d{5}-of-\d{5}\.safetensors", n) for n in os.listdir(self.head)):
                 raise ConfigError(f"ds_pfc.train.init.head: {self.head} holds no head shards "
                                   "(head-rank*-of-*.safetensors; launch/export.py import-arcface writes them)")
+        if self.class_map is not None:
+            if not isinstance(self.class_map, str) or not os.path.isfile(self.class_map):
+                raise ConfigError(f"ds_pfc.train.init.class_map: no such file {self.class_map!r} (old class id -> "
+                                  "new class id: a JSON object {\"old\": new} or lines 'old new')")
+            if self.head is None:
+                raise ConfigError("ds_pfc.train.init.class_map maps the classes of a trained head: set "
+                                  "ds_pfc.train.init.head to its shards (or remove class_map)")
+        if self.new_rows not in ("imprint", "random"):
+            raise ConfigError(f"ds_pfc.train.init.new_rows must be imprint or random, got {self.new_rows!r}")
+        if not isinstance(self.optimizer_states, bool):
+            raise ConfigError(f"ds_pfc.train.init.optimizer_states must be true or false, "
+                              f"got {self.optimizer_states!r}")
+        if not self.optimizer_states and self.head is None:
+            raise ConfigError("ds_pfc.train.init.optimizer_states false applies to the rows of "
+                              "ds_pfc.train.init.head, which is not set (a fresh head's states start at zero)")
         if isinstance(self.freeze_backbone_steps, bool) or not isinstance(self.freeze_backbone_steps, int) or \
                 self.freeze_backbone_steps < 0:
             raise ConfigError(f"ds_pfc.train.init.freeze_backbone_steps must be an integer >= 0, "

@@ -15,7 +15,7 @@ from ..checkpoint.export import (EXPORT_FORMAT, backbone_state_dict, export_chec
                                  reshard_checkpoint, resolve_tag)
 
 __all__ = ["backbone_state_dict", "export_checkpoint", "export_onnx", "resolve_tag", "EXPORT_FORMAT",
-           "backbone_weights", "load_backbone", "reshard_checkpoint", "dominant_subcenters"]
+           "backbone_weights", "load_backbone", "is_model_folder", "MODEL_FILE", "reshard_checkpoint", "dominant_subcenters"]
 
 
 class _HalfInside(torch.nn.Module):
@@ -68,6 +68,17 @@ def export_onnx(backbone: torch.nn.Module, out_path: str, *, image_size: int = 1
     return out_path
 
 
+MODEL_FILE = "model.safetensors"
+"""The weights file of a model folder (``ds-pfc-export backbone``/``hub``)."""
+CONFIG_FILE = "config.json"
+
+
+def is_model_folder(path: str) -> bool:
+    """Whether ``path`` is a folder written by ``ds-pfc-export backbone``/``hub``."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MODEL_FILE)) \
+        and os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
 def backbone_weights(path: str, tag: str | None = None) -> tuple[dict, dict, dict | None, str | None]:
     """``(float32 state dict, job config, marker, tag directory)`` of the backbone in an
     export (``.safetensors``; marker and tag directory None), a model folder of
@@ -76,7 +87,6 @@ def backbone_weights(path: str, tag: str | None = None) -> tuple[dict, dict, dic
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
-    from .hub import MODEL_FILE, is_model_folder
     if is_model_folder(path):
         path = os.path.join(path, MODEL_FILE)
     if not os.path.exists(path) and path.endswith(".safetensors"):

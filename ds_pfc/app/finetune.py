@@ -7,7 +7,9 @@ import-arcface``) and its head from a directory of head shards
 and can keep the backbone frozen for its first steps or train it at a fraction of
 the learning rate. The frozen steps and the backbone's learning-rate multiplier are
 one factor on the backbone's learning rate (:class:`BackboneScaledLR`); the heads
-follow the schedule without it.
+follow the schedule without it. With a class map the head grows from the shards of
+another run (any number of ranks and classes) into this job's classes
+(:mod:`ds_pfc.app.grow`).
 """
 from __future__ import annotations
 
@@ -78,11 +80,14 @@ def load_backbone_weights(backbone: torch.nn.Module, path: str) -> None:
         backbone.load_state_dict(state, strict=True)
 
 
-def load_head_weights(head, directory: str, *, seed: int | None = None) -> None:
+def load_head_weights(head, directory: str, *, seed: int | None = None, optimizer_states: bool = True) -> None:
     """Load this rank's shard of the head shards in ``directory`` into ``head``
     (:func:`ds_pfc.checkpoint.load_head_shard`); the shards must be written for
     ``head.world_size`` ranks. ``seed``: the head's sampling seed afterwards (the
-    job's, not the one stored with the shards)."""
+    job's, not the one stored with the shards). ``optimizer_states`` False: the
+    optimizer's states start at zero (the centers as saved). A head of other classes
+    or another number of ranks grows from the shards with a class map instead
+    (:mod:`ds_pfc.app.grow`)."""
     from ..checkpoint import shards as ckpt
     where = f"{_KEY}.head"
     if not os.path.isdir(directory):
@@ -96,11 +101,15 @@ def load_head_weights(head, directory: str, *, seed: int | None = None) -> None:
             f"{head.world_size} rank(s). Write shards for {head.world_size} rank(s): for arcface_torch files, "
             f"python launch/export.py import-arcface --head <arcface_torch dir> --world_size {head.world_size} "
             f"--out <new dir>; for ds_pfc shards, ds_pfc.checkpoint.reshard({directory!r}, <new dir>, "
-            f"{head.world_size})")
+            f"{head.world_size}), or load them as they are with ds_pfc.train.init.class_map (a map of each "
+            "old id to its id here)")
     try:
         ckpt.load_head_shard(head, directory)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"{where}: {err}") from None
+    if not optimizer_states:
+        from .grow import zero_optimizer_states
+        zero_optimizer_states(head)
     if seed is not None:
         head.seed = int(seed)
 

@@ -20,17 +20,11 @@ import os
 import time
 import warnings
 
+from .export import CONFIG_FILE, MODEL_FILE, is_model_folder
+
 __all__ = ["export_backbone", "export_hub", "push_to_hub", "is_model_folder", "MODEL_FILE"]
 
-MODEL_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"
-
-
-def is_model_folder(path: str) -> bool:
-    """Whether ``path`` is a folder written by :func:`export_backbone` / :func:`export_hub`."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MODEL_FILE)) \
-        and os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
 def _source(source: str, tag: str | None):

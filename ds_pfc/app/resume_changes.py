@@ -49,7 +49,8 @@ _HARMLESS = (
     "ds_pfc.train.preempt_signals", "ds_pfc.train.on_nonfinite", "ds_pfc.train.max_consecutive_skips",
     "ds_pfc.train.rollback_lr_factor", "ds_pfc.train.max_rollbacks",
     # Pretrained weights are read only by a fresh run.
-    "ds_pfc.train.init.backbone", "ds_pfc.train.init.head",
+    "ds_pfc.train.init.backbone", "ds_pfc.train.init.head", "ds_pfc.train.init.class_map",
+    "ds_pfc.train.init.new_rows", "ds_pfc.train.init.optimizer_states",
 )
 _FIXED = (
     "ds_pfc.head.num_classes", "ds_pfc.head.embedding_size", "ds_pfc.head.sub_centers", "ds_pfc.head.optimizer.type",

@@ -402,7 +402,10 @@ class Trainer:
         """Pretrained weights (``ds_pfc.train.init``) into the backbone before DeepSpeed
         wraps it and into this rank's head shard, for a fresh run only: a run that
         will resume a checkpoint (``resume_from``, or complete tags in
-        ``checkpoint_dir`` with resuming on) has its own and skips them."""
+        ``checkpoint_dir`` with resuming on) has its own and skips them. With
+        ``class_map`` the head grows from the old shards (:mod:`ds_pfc.app.grow`): its
+        new rows are imprinted by the backbone loaded just before, on this rank's
+        device (every rank takes part: a collective)."""
         if self.cfg.checkpoint.resume and (self.resume_from is not None or list_checkpoints(self.checkpoint_dir)):
             self.log("ds_pfc.train.init: resuming a checkpoint, which holds its own weights; the pretrained "
                      "weights are not read (the frozen steps and backbone_lr_scale still apply by step)")
@@ -411,9 +414,34 @@ class Trainer:
         if init.backbone:
             load_backbone_weights(backbone, init.backbone)
             self.log(f"init: backbone weights from {init.backbone}")
-        if init.head:
-            load_head_weights(head, init.head, seed=self.cfg.head.seed)
-            self.log(f"init: head centers from {init.head} ({self.world_size} shard(s))")
+        if init.head and not init.class_map:
+            load_head_weights(head, init.head, seed=self.cfg.head.seed, optimizer_states=init.optimizer_states)
+            self.log(f"init: head centers from {init.head} ({self.world_size} shard(s)"
+                     f"{'' if init.optimizer_states else ', optimizer states zeroed'})")
+        elif init.head:
+            # Growing a head: the old rows move to their new ids; the others are the fresh
+            # rows, or imprinted from the initial backbone (after init.backbone is in).
+            from .grow import grow_head, imprint_rows, read_class_map
+            grown = grow_head(head, init.head, *read_class_map(init.class_map),
+                              optimizer_states=init.optimizer_states)
+            imprinted, note = 0, ""
+            if init.new_rows == "imprint" and grown.new_classes.numel():
+                from ..data.loader import default_workers
+                workers = default_workers() if self.cfg.data.workers == "auto" else self.cfg.data.workers
+                backbone.to(self.device)          # DeepSpeed keeps it there
+                with self._heartbeat(f"init: imprinting {grown.new_classes.numel()} new classes from their "
+                                     "training images (one pass)"):
+                    done = imprint_rows(head, backbone, self.dataset, grown.new_classes, device=self.device,
+                                        batch_size=self.cfg.evaluation.batch_size, workers=workers)
+                imprinted = done.imprinted
+                note = (f" ({done.images} images embedded"
+                        + (f"; {done.without_images} new classes have no training image and keep their random "
+                           "row" if done.without_images else "") + ")")
+            random_rows = head.num_classes - grown.moved - imprinted
+            self.log(f"init: head grown from {init.head} ({grown.old_num_classes} classes on "
+                     f"{grown.old_world_size} rank(s)) to {head.num_classes} classes by {init.class_map}: "
+                     f"{grown.moved} old rows moved ({'with' if init.optimizer_states else 'without'} optimizer "
+                     f"states), {imprinted} imprinted, {random_rows} random{note}")
 
     # -- checkpoints ------------------------------------------------------------------
     _resumed_tag: str | None = None

@@ -11,7 +11,7 @@ from .._args import parser
 
 BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accuracy": "ds_pfc.bench.accuracy",
               "data": "ds_pfc.bench.data", "plan": "ds_pfc.bench.plan", "rows": "ds_pfc.bench.rows",
-              "hostpath": "ds_pfc.bench.hostpath", "nvme": "ds_pfc.bench.nvme"}
+              "hostpath": "ds_pfc.bench.hostpath", "nvme": "ds_pfc.bench.nvme", "grow": "ds_pfc.bench.grow"}
 
 
 def build_parser() -> argparse.ArgumentParser:
