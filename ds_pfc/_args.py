@@ -1,7 +1,8 @@
 """One command-line style for every ds_pfc command (the console commands, the benchmarks,
 launch/*.py): each ``--a_b`` option is also accepted
 as ``--a-b`` (and the other way round); help shows the spelling the option was declared
-with. Every parser has ``--version``. Commands build theirs with :func:`parser`."""
+with. Every parser, sub-commands' included, has ``--version``. Commands build theirs with
+:func:`parser`."""
 from __future__ import annotations
 
 import argparse
@@ -35,12 +36,29 @@ class ArgumentParser(argparse.ArgumentParser):
             out.append(arg)
         return out
 
+    def add_subparsers(self, **kwargs):
+        """Sub-commands are parsers of this class with their own ``--version``
+        (``ds-pfc-export onnx --version``)."""
+        action = super().add_subparsers(**kwargs)
+        add_parser = action.add_parser
+
+        def add(name, **kw):
+            sub = add_parser(name, **kw)
+            _add_version(sub)
+            return sub
+        action.add_parser = add
+        return action
+
+
+def _add_version(p: argparse.ArgumentParser) -> None:
+    from ._versions import __version__
+    p.add_argument("--version", action="version", version=f"{p.prog} (ds_pfc) {__version__}",
+                   help="print the ds_pfc version and exit")
+
 
 def parser(prog: str, description: str, **kwargs) -> ArgumentParser:
     """The parser of the command ``prog`` (its name as users type it, e.g.
     ``ds-pfc-train``), with ``--version``."""
-    from ._versions import __version__
     p = ArgumentParser(prog=prog, description=description, **kwargs)
-    p.add_argument("--version", action="version", version=f"{prog} (ds_pfc) {__version__}",
-                   help="print the ds_pfc version and exit")
+    _add_version(p)
     return p

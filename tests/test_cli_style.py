@@ -164,13 +164,15 @@ def test_every_argument_has_help(command):
 
 
 def test_version(command, capsys):
+    """The command and each of its sub-commands print the version under their own name."""
     parser, prog = command
-    assert any(isinstance(a, argparse._VersionAction) and "--version" in a.option_strings for a in parser._actions)
-    with pytest.raises(SystemExit) as caught:
-        parser.parse_args(["--version"])
-    assert caught.value.code in (0, None)
-    out = capsys.readouterr().out
-    assert "ds_pfc" in out and out.startswith(prog), out
+    for p, expected, path in _walk(parser, prog):
+        assert any(isinstance(a, argparse._VersionAction) and "--version" in a.option_strings for a in p._actions), expected
+        with pytest.raises(SystemExit) as caught:
+            parser.parse_args(path + ["--version"])
+        assert caught.value.code in (0, None)
+        out = capsys.readouterr().out
+        assert "ds_pfc" in out and out.startswith(expected + " ("), (expected, out)
 
 
 def _other(option: str) -> str:
