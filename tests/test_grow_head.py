@@ -317,7 +317,7 @@ def test_bad_init_keys_are_config_errors(tmp_path, init, needle):
     if init.get("head") == ".":
         _save_old_head(str(tmp_path / "old"), 1)
         init = dict(init, head=str(tmp_path / "old"))
-    config = copy.deepcopy(TINY)
+    config = _tiny()
     config["ds_pfc"]["train"]["init"] = init
     with pytest.raises(ConfigError) as err:
         split_config(config)
@@ -325,25 +325,16 @@ def test_bad_init_keys_are_config_errors(tmp_path, init, needle):
 
 
 # ------------------------------------------------------------------ the train command
-TINY = {
-    "train_micro_batch_size_per_gpu": 8,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": 0.0,
-    "steps_per_print": 10 ** 9,
-    "optimizer": {"type": "SGD", "params": {"lr": 0.02, "momentum": 0.9, "weight_decay": 5e-4}},
-    "zero_optimization": {"stage": 0},
-    "ds_pfc": {
-        "head": {"num_classes": 30, "embedding_size": 32, "sample_rate": 1.0,
-                 "margin": {"type": "cosface", "scale": 16.0, "margin": 0.2}},
-        "backbone": {"name": "vit_t", "width": 0.25},
-        "data": {"synthetic": {"images_per_identity": 3, "held_out_identities": 10}, "workers": 1,
-                 "prefetch_batches": 2},
-        "train": {"epochs": 10, "max_steps": 3, "log_every": 1,
-                  "schedule": {"type": "poly", "warmup_epochs": 0.5, "power": 2.0}},
-        "evaluation": {"synthetic_pairs": 20, "batch_size": 16},
-        "checkpoint": {"every_steps": 0, "keep": 0},
-    },
-}
+def _tiny() -> dict:
+    """The train app's tiny job, with 30 classes, 3 steps and no checkpoints between."""
+    from test_train_app import TINY
+    config = copy.deepcopy(TINY)
+    config.pop("csv_monitor")
+    config["ds_pfc"]["head"]["num_classes"] = 30
+    config["ds_pfc"]["train"]["max_steps"] = 3
+    config["ds_pfc"]["evaluation"]["synthetic_pairs"] = 20
+    config["ds_pfc"]["checkpoint"] = {"every_steps": 0, "keep": 0}
+    return config
 
 
 def _save_head_of(directory, num_classes, embedding_size):
@@ -363,7 +354,7 @@ def test_the_train_command_grows_a_24_class_head_to_30_and_trains(tmp_path):
     _save_head_of(old, 24, 32)
     mapping = {o: (7 * o) % 29 for o in range(24)}                # 24 distinct ids of 0..28; 6 free
     map_path = _write_map(str(tmp_path / "map.txt"), mapping, "text")
-    config = copy.deepcopy(TINY)
+    config = _tiny()
     config["ds_pfc"]["train"]["init"] = {"head": old, "class_map": map_path}
     path = tmp_path / "job.json"
     path.write_text(json.dumps(config))

@@ -510,13 +510,19 @@ class Trainer:
         self._resumed_tag = tag
         self._restore_data_position(loaded["rank_state"]["sampler"], restart, tag)
         self.lr_scale = float(loaded["client_state"].get("ds_pfc_lr_scale", 1.0))     # earlier rollbacks
-        self._apply_optimizer_settings(self._fresh_optimizer)
+        self._after_load(loaded)
         if any(c.key == "ds_pfc.head.seed" for c in changes):
             self.head.seed = self.cfg.head.seed       # the checkpoint's head carries its own
-        self.history = _restored_history(loaded["client_state"].get("ds_pfc_history"), self.engine.global_steps)
         self.log(f"resumed from {os.path.join(self.checkpoint_dir, tag)} at step "
                  f"{self.engine.global_steps} (epoch {self.sampler.epoch}, saved on {loaded['world_size']} rank(s))")
         return True
+
+    def _after_load(self, loaded: dict) -> None:
+        """What :meth:`resume` and a rollback set after the engine loaded ``loaded``:
+        this job's optimizer settings (times ``lr_scale``) and the run history saved
+        with the checkpoint."""
+        self._apply_optimizer_settings(self._fresh_optimizer)
+        self.history = _restored_history(loaded["client_state"].get("ds_pfc_history"), self.engine.global_steps)
 
     def _check_config(self, tag: str, marker: dict) -> list:
         """Compare the job config with the one saved in ``marker``; refuse, or log,
@@ -828,7 +834,7 @@ class Trainer:
                 if guard is not None and reason is None:
                     # Read before backward, so that a non-finite loss (the same on every
                     # rank) can still be dropped: the step's one host sync, moved earlier.
-                    loss_value, acc_value = torch.stack([out.loss.detach(), out.accuracy.detach()]).tolist()
+                    loss_value, acc_value = _host_values(out)
                     if not math.isfinite(loss_value):
                         reason, head_ran = f"the loss is {loss_value} with finite embeddings", True
                 if reason is not None:           # only with on_nonfinite skip/rollback (one micro batch)
@@ -853,8 +859,8 @@ class Trainer:
                     self.head.prefetch(batch[1])
                 engine.backward(out.loss)
                 engine.step()
-                if guard is None:
-                    loss_value, acc_value = torch.stack([out.loss.detach(), out.accuracy.detach()]).tolist()
+                if guard is None:                # the step's one host sync, after the step is queued
+                    loss_value, acc_value = _host_values(out)
                 step_loss += loss_value / self.gas
                 step_acc += acc_value / self.gas
             if dropped:
@@ -990,8 +996,7 @@ class Trainer:
         with self._heartbeat(f"rolling back to {tag}"):
             loaded = self.engine.load_checkpoint(self.checkpoint_dir, tag)
         self.sampler.load_state_dict(loaded["rank_state"]["sampler"])
-        self._apply_optimizer_settings(self._fresh_optimizer)
-        self.history = _restored_history(loaded["client_state"].get("ds_pfc_history"), self.engine.global_steps)
+        self._after_load(loaded)
         guard.records["rollbacks"].append({"step": step, "reason": reason, "to": tag, "lr_scale": self.lr_scale})
         self.history["nonfinite"] = guard.records
         guard.last_target, guard.stepped_since_rollback, guard.consecutive = tag, False, 0
@@ -1244,6 +1249,11 @@ def _plain_history(history: dict) -> dict:
     if history.get("nonfinite"):            # ds_pfc.train.on_nonfinite's records (plain already)
         plain["nonfinite"] = copy.deepcopy(history["nonfinite"])
     return plain
+
+
+def _host_values(out) -> list:
+    """``[loss, accuracy]`` of a head output as Python floats: one device-to-host copy."""
+    return torch.stack([out.loss.detach(), out.accuracy.detach()]).tolist()
 
 
 def _restored_history(saved: dict | None, steps: int) -> dict:
