@@ -28,7 +28,7 @@ from ds_pfc import ArcFace, PartialFC, Partition
 from ds_pfc.bank import Placement, StaleRowError, TieredBank, debug_streams_active
 from ds_pfc.bank.streams import DEBUG_ENV
 
-C, D, WORLD, STEPS = 1021, 16, 3, 22
+C, D, WORLD, STEPS = 1021, 16, 3, 14
 SAMPLE_RATE = 0.2
 OPT = {
     "sgd": dict(optimizer="sgd", momentum=0.9, weight_decay=5e-4),
