@@ -1,8 +1,16 @@
 """``launch/experiments.py`` in its quick mode: the runner records each (cell, seed)
 in the documented JSON, skips recorded runs, re-runs them with ``--force`` to the
-same accuracy, and renders the table and the plot."""
+same accuracy, and renders the table and the plot.
+
+The command's ``main`` (what ``launch/experiments.py`` runs) is called in this process,
+as tests/test_features_setting.py calls it: each training run is still its own process
+(the runner starts one per (cell, seed)), and a fresh interpreter for the runner itself
+would only import torch and ds_pfc again. ``test_unknown_cell_is_refused`` runs the
+script itself."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -15,12 +23,22 @@ pytest.importorskip("deepspeed")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _main(*args):
+    """``launch/experiments.py *args`` in this process: (exit status, stdout, stderr)."""
+    from ds_pfc.cli.experiments import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(list(args))
+        except SystemExit as exit_:
+            status = exit_.code
+    return status, out.getvalue(), err.getvalue()
+
+
 def _run(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "experiments.py"), *args], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    status, stdout, stderr = _main(*args)
+    assert status == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout
 
 
 def test_runner_records_skips_and_reproduces(tmp_path):
@@ -113,11 +131,8 @@ def test_cells_run_on_a_job_of_ones_own(tmp_path):
     assert run["ds_pfc"]["head"]["num_classes"] == 16 + 8 * 3 and job["ds_pfc"]["head"]["num_classes"] == 24
     assert run["ds_pfc"]["head"]["sample_rate"] == 0.1 and run["ds_pfc"]["data"]["stress"]["seed"] == 0
 
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "experiments.py"), "conflict", "--quick",
-                           "--seeds", "1", "--cell", "FC-1", "--out", out], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode != 0 and "another base setup" in proc.stderr
+    status, _, stderr = _main("conflict", "--quick", "--seeds", "1", "--cell", "FC-1", "--out", out)
+    assert status != 0 and "another base setup" in stderr
 
 
 def test_the_scoring_set_is_the_jobs_own_and_must_be_named_when_ambiguous():
@@ -140,17 +155,14 @@ def test_the_scoring_set_is_the_jobs_own_and_must_be_named_when_ambiguous():
 
 
 def test_own_job_options_are_checked_before_any_run(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
     config = tmp_path / "job.json"
     config.write_text(json.dumps(_own_job()))
-    script = os.path.join(ROOT, "launch", "experiments.py")
     for args, message in [(["--config", str(config)], "need their own --out directory"),
                           (["--config", str(config), "--out", str(tmp_path / "o"), "--target", "lfw"],
                            "'lfw' is not among the job's evaluation sets"),
                           (["--target", "lfw", "--out", str(tmp_path / "o")], "apply to --config runs"),
                           (["--config", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")],
                            "config file not found")]:
-        proc = subprocess.run([sys.executable, script, "label_flip", *args], env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])
+        status, _, stderr = _main("label_flip", *args)
+        assert status == 2 and message in stderr, (args, stderr[-500:])
     assert sorted(os.listdir(tmp_path)) == ["job.json"]

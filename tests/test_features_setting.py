@@ -4,12 +4,12 @@ the C x r sweep of ``launch/experiments.py`` (its cells, its per-step statistics
 a quick run, and a slow re-run of a recorded cell)."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -347,12 +347,19 @@ def test_batch_statistics_replay_the_trainers_batches(rate):
     assert got["positives_mean"] == pytest.approx(sum(positives_all) / steps, abs=1e-9)
 
 
-def _run(*args, timeout=900):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "experiments.py"), *args], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+def _run(*args):
+    """``launch/experiments.py *args``, its ``main`` called in this process (each training
+    run is still its own process, started by the runner; a fresh interpreter for the
+    runner would only import torch and ds_pfc again); its stdout."""
+    from ds_pfc.cli.experiments import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(list(args))
+        except SystemExit as exit_:
+            status = exit_.code
+    assert status == 0, out.getvalue()[-3000:] + err.getvalue()[-3000:]
+    return out.getvalue()
 
 
 def test_quick_sweep_run_records_curves_and_sampling(tmp_path):
@@ -440,7 +447,7 @@ def test_a_recorded_sweep_cell_reruns_to_its_value(tmp_path):
         sweep = json.load(f)
     entry = next(e for e in sweep["cells"] if e["cell"] == RERUN[0])
     recorded = next(s for s in entry["seeds"] if s["seed"] == RERUN[1])
-    _run(*RERUN_COMMAND, "--out", str(tmp_path), timeout=1800)
+    _run(*RERUN_COMMAND, "--out", str(tmp_path))
     with open(os.path.join(str(tmp_path), "sweep_rerun.json")) as f:
         rerun = json.load(f)["cells"][0]["seeds"][0]
     same_cpu = machine_info()["cpu"] == sweep["machine"]["cpu"]

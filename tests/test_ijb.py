@@ -10,17 +10,22 @@ References here share no code with the module:
 - synthetic landmarks: the darkest blob (the pupil) found in renders at 448 pixels;
 - the CLI: its JSON against :func:`evaluate` on features computed here, and a model
   trained through the app against an untrained one of the same architecture.
+
+The training app and ``launch/eval.py`` run through their commands' entries in this
+process (``ds_pfc.cli.train.run`` in a one-process world, ``ds_pfc.cli.eval.main``): a
+fresh interpreter for each would spend seconds importing torch, DeepSpeed and
+torch._dynamo again.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import io
 import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -478,29 +483,53 @@ TRAIN = {
 }
 
 
-def _env():
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
-    return env
+@contextlib.contextmanager
+def _one_thread():
+    """One thread, as a launched rank with OMP_NUM_THREADS=1 (the module-scoped fixtures
+    below run before the function-scoped ``one_thread``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _eval_cli(*args):
+    """``launch/eval.py *args`` in this process: (exit status, stdout, stderr). An
+    ``error: ...`` exit reads as it does from the script (status 1, the message on
+    stderr); any other exception escapes, failing the test as a traceback would."""
+    from ds_pfc.cli.eval import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _one_thread():
+        try:
+            status = main(list(args))
+        except SystemExit as exit_:
+            status = exit_.code
+            if isinstance(status, str):
+                print(status, file=err)
+                status = 1
+    return status, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    """(trained, untrained) exports: 60 steps of the training app (about 20 s on one
+    """(trained, untrained) exports: 60 steps of the training app (about 25 s on one
     core), and the weights it started from (the app seeds torch with
     ``ds_pfc.train.seed`` before building the backbone), written in the export format."""
     from safetensors.torch import save_file
 
+    from _dist import one_process_world
     from ds_pfc.app.config import split_config
     from ds_pfc.checkpoint.export import EXPORT_FORMAT
+    from ds_pfc.cli.train import run as train
     tmp = tmp_path_factory.mktemp("models")
     config = os.path.join(tmp, "tiny.json")
     with open(config, "w") as f:
         json.dump(TRAIN, f)
     run = os.path.join(tmp, "run")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", config,
-                           "--output_dir", run], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with one_process_world(), _one_thread(), contextlib.redirect_stdout(io.StringIO()):
+        train(["--deepspeed_config", config, "--output_dir", run])        # launch/train.py's
     trained = os.path.join(run, "export", "model.safetensors")
     _, cfg = split_config(copy.deepcopy(TRAIN))
     torch.manual_seed(cfg.train.seed)
@@ -517,12 +546,11 @@ def cli_run(ijb_dir, exports, tmp_path_factory):
     root, _ = ijb_dir
     out = str(tmp_path_factory.mktemp("ijb_out"))
     trained, untrained = exports
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "eval.py"), "--ijb", root, "--target",
-                           "IJBC", "--model", trained, "--model", untrained, "--batch-size", "48", "--out", out],
-                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status, stdout, stderr = _eval_cli("--ijb", root, "--target", "IJBC", "--model", trained, "--model", untrained,
+                                       "--batch-size", "48", "--out", out)
+    assert status == 0, stdout[-3000:] + stderr[-3000:]
     with open(os.path.join(out, "ijb_ijbc.json")) as f:
-        return json.load(f), out, proc.stdout
+        return json.load(f), out, stdout
 
 
 def test_cli_writes_json_and_roc_consistent_with_evaluate(ijb_dir, exports, cli_run):
@@ -567,13 +595,10 @@ def test_trained_model_beats_an_untrained_one(cli_run):
 def test_cli_refuses_what_it_cannot_do(tmp_path, ijb_dir, exports):
     root, _ = ijb_dir
     trained, _ = exports
-    script = os.path.join(ROOT, "launch", "eval.py")
-    proc = subprocess.run([sys.executable, script, "--ijb", str(tmp_path), "--model", trained], env=_env(),
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "ijbc_face_tid_mid.txt" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, script, "--ijb", root, "--target", "IJBA", "--model", trained],
-                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "invalid choice" in proc.stderr
-    proc = subprocess.run([sys.executable, script, "--model", trained, "--model", trained], env=_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "several --model are for --ijb" in proc.stderr
+    # (no traceback: _eval_cli lets any exception but the CLI's own exit escape)
+    status, _, stderr = _eval_cli("--ijb", str(tmp_path), "--model", trained)
+    assert status != 0 and "ijbc_face_tid_mid.txt" in stderr and "Traceback" not in stderr
+    status, _, stderr = _eval_cli("--ijb", root, "--target", "IJBA", "--model", trained)
+    assert status != 0 and "invalid choice" in stderr
+    status, _, stderr = _eval_cli("--model", trained, "--model", trained)
+    assert status != 0 and "several --model are for --ijb" in stderr

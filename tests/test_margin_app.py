@@ -1,24 +1,34 @@
-"""Every margin loss trains in the app (``launch/train.py``) from its shipped CPU
-config, shrunk to seconds: the training accuracy rises, the loss falls (MagFace's may
-not, see below) and held-out verification is above chance;
+"""Every margin loss trains in the app (``launch/train.py``'s entry, run in-process)
+from its shipped CPU config, shrunk to seconds: the training accuracy rises, the loss
+falls (MagFace's may not, see below) and held-out verification is above chance;
 the stateful losses (AdaFace, CurricularFace, ElasticFace) resume bitwise from a
-checkpoint taken mid-run."""
+checkpoint taken mid-run (mid-epoch).
+
+The app runs in this process, in a one-process world, as tests/test_run_outputs.py
+runs it: a fresh interpreter per run would spend seconds importing torch, DeepSpeed
+and torch._dynamo again each time (9 runs here); each run builds its own engine, head,
+data and RNG state from the config and the checkpoint as a launched one does."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 
+from _dist import one_process_world  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS, EVERY = 90, 30
+# Checkpoints at steps 40, 80 and 90 (the last): the resume from 2 * EVERY re-trains the
+# last 10 steps, from the middle of the third epoch (30 steps per epoch).
+STEPS, EVERY = 90, 40
 SIZE = 40           # pixels: the smallest the backbones' strides take that still learn in 90 steps
 CONFIGS = ["cpu_adaface.json", "cpu_magface.json", "cpu_curricularface.json", "cpu_elastic_arcface.json",
            "cpu_elastic_cosface.json", "cpu_subcenter_arcface.json"]
@@ -44,12 +54,29 @@ def _small(name, out_dir):
     return path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_process_world():
+    """One CPU rank on one thread (as a launched rank with OMP_NUM_THREADS=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with one_process_world():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _train(config, *args):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", config,
-                           *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    """``launch/train.py --deepspeed_config config *args``; its console output."""
+    from ds_pfc.cli.train import run       # launch/train.py's main, which leaves the world afterwards
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            run(["--deepspeed_config", config, *args])
+    except BaseException:           # a failed run (SystemExit included): show what it printed
+        print(out.getvalue()[-3000:])
+        raise
+    return out.getvalue()
 
 
 def _summary(out_dir):
@@ -82,7 +109,7 @@ def test_margin_loss_trains_in_the_app(name, tmp_path):
         _check_classifier_export(out, str(tmp_path / "classifier.safetensors"))
     if name not in STATEFUL:
         return
-    # resume from the checkpoint of step 2 * EVERY in a copy: the same remaining losses, bitwise
+    # resume from the checkpoint of step 2 * EVERY (mid-epoch) in a copy: the same remaining losses, bitwise
     again = str(tmp_path / "again")
     shutil.copytree(out, again)
     os.remove(os.path.join(again, "summary.json"))
@@ -102,11 +129,10 @@ def _check_classifier_export(out, path):
     from ds_pfc.data import SyntheticFaces
     from ds_pfc.data.transforms import normalize
     from ds_pfc.app.export import load_backbone
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "export.py"), "classifier", "--checkpoint",
-                           os.path.join(out, "checkpoints"), "--out", path, "--dominant"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    from ds_pfc.cli.export import main         # launch/export.py's
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["classifier", "--checkpoint", os.path.join(out, "checkpoints"), "--out", path,
+                     "--dominant"]) == 0
     got = load_file(path)
     assert got["weight"].shape == (120 * 3, 128) and got["dominant"].shape == (120,)
     backbone, config = load_backbone(os.path.join(out, "checkpoints"))
