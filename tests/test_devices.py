@@ -257,3 +257,31 @@ def test_head_warns_of_emulated_half_products_on_a_cpu(monkeypatch):
         PartialFC(50, 8, device="cpu")                                   # float32: nothing to say
         monkeypatch.setattr(head_module, "cpu_native_half", lambda dtype: True)
         PartialFC(50, 8, compute_dtype=torch.bfloat16, device="cpu")     # native bf16: nothing either
+
+
+@pytest.mark.parametrize("capability, expected", [
+    ((9, 0), torch.bfloat16), ((8, 6), torch.bfloat16), ((8, 0), torch.bfloat16),   # Hopper, Ada/Ampere
+    ((7, 5), torch.float16), ((7, 0), torch.float16),                                  # Turing, Volta
+    ((6, 0), torch.float32),                                                           # Pascal: no tensor cores
+])
+def test_auto_products_follow_the_gpus_tensor_cores(fake_cuda, monkeypatch, capability, expected):
+    """``compute_dtype`` auto: the 2-byte type the GPU's tensor cores take (bf16 from 8.0,
+    fp16 on 7.x), float32 without tensor cores; asked per device ("cuda" = the current one);
+    CPU and float64 runs keep their accumulation dtype."""
+    from ds_pfc.core import softmax
+    asked = []
+
+    def capability_of(index):
+        asked.append(index)
+        return capability if index == 3 else (9, 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability_of)
+    softmax._cuda_products.cache_clear()
+    try:
+        assert softmax.default_compute_dtype("cuda", torch.float32) == expected
+        assert softmax.default_compute_dtype(torch.device("cuda", 3), torch.float32) == expected
+        assert softmax.default_compute_dtype("cuda:1", torch.float32) == torch.bfloat16
+        assert asked == [3, 1]                              # one query per device, then cached
+        assert softmax.default_compute_dtype("cuda", torch.float64) == torch.float64
+        assert softmax.default_compute_dtype("cpu", torch.float32) == torch.float32
+    finally:
+        softmax._cuda_products.cache_clear()

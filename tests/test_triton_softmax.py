@@ -362,7 +362,7 @@ def test_auto_never_picks_a_backend_that_refuses():
     width, the chosen kernels accept those inputs (run here in the interpreter)."""
     from ds_pfc.core.margins import ArcFace
     from ds_pfc.core.softmax import default_compute_dtype, resolve_backend
-    assert default_compute_dtype("cuda", torch.float32) == torch.bfloat16
+    # what auto picks per GPU family: test_devices.py (mocked compute capabilities)
     assert default_compute_dtype("cpu", torch.float32) == torch.float32
     assert default_compute_dtype("cuda", torch.float64) == torch.float64
     picked = set()

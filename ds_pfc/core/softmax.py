@@ -48,13 +48,15 @@ products (any embedding width, center dtype or layout) and torch for float32 pro
 SGEMM outruns an FMA kernel) and everywhere else.
 
 Compute dtype: ``compute_dtype=None`` means bf16 on CUDA (tensor cores; float32 accumulation, a
-float32 softmax and float32 centers and gradients; about 12x the float32 GEMM rate on an H100)
+float32 softmax and float32 centers and gradients; about 12x the float32 GEMM rate on an H100;
+fp16 on GPUs of compute capability 7.x, which have tensor cores without bf16, and float32 below)
 and the accumulation dtype (float32, or float64 for float64 inputs) elsewhere (CPU bf16 GEMMs are
 slow, and CPU runs serve tests and exactness checks). Pass ``torch.float32`` for IEEE float32
 products on a GPU.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -115,11 +117,20 @@ def check_keep_bytes(value, name: str = "keep_bytes") -> None:
 
 
 def default_compute_dtype(device, acc_dtype) -> torch.dtype:
-    """The product dtype for ``compute_dtype=None``: bf16 on CUDA when accumulating in float32,
-    else the accumulation dtype itself (see the module docstring for why)."""
-    if torch.device(device).type == "cuda" and acc_dtype == torch.float32:
-        return torch.bfloat16
+    """The product dtype for ``compute_dtype=None``: on CUDA when accumulating in float32, the
+    tensor cores' 2-byte type: bf16 from compute capability 8.0 (Ampere) on, fp16 on 7.x
+    (Volta, Turing: tensor cores without bf16), float32 below 7.0 (no tensor cores); else the
+    accumulation dtype itself (see the module docstring for why)."""
+    device = torch.device(device)
+    if device.type == "cuda" and acc_dtype == torch.float32:
+        return _cuda_products(device.index if device.index is not None else torch.cuda.current_device())
     return acc_dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_products(index: int) -> torch.dtype:
+    major = torch.cuda.get_device_capability(index)[0]
+    return torch.bfloat16 if major >= 8 else torch.float16 if major >= 7 else torch.float32
 
 
 def keeps_cosines(n: int, s: int, compute_dtype: torch.dtype, keep_bytes: int) -> bool:
