@@ -9,14 +9,14 @@ would only import torch and ds_pfc again. ``test_unknown_cell_is_refused`` runs 
 script itself."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from _inprocess import call_main
 
 pytest.importorskip("deepspeed")
 
@@ -26,13 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _main(*args):
     """``launch/experiments.py *args`` in this process: (exit status, stdout, stderr)."""
     from ds_pfc.cli.experiments import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = main(list(args))
-        except SystemExit as exit_:
-            status = exit_.code
-    return status, out.getvalue(), err.getvalue()
+    return call_main(main, args)
 
 
 def _run(*args):

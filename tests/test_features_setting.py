@@ -4,9 +4,7 @@ the C x r sweep of ``launch/experiments.py`` (its cells, its per-step statistics
 a quick run, and a slow re-run of a recorded cell)."""
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 import math
 import os
@@ -15,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _inprocess import call_main
 from ds_pfc.data import DistributedIdentitySampler, IdentityFeatures, MicroBatchLoader, StressedDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -352,14 +351,9 @@ def _run(*args):
     run is still its own process, started by the runner; a fresh interpreter for the
     runner would only import torch and ds_pfc again); its stdout."""
     from ds_pfc.cli.experiments import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = main(list(args))
-        except SystemExit as exit_:
-            status = exit_.code
-    assert status == 0, out.getvalue()[-3000:] + err.getvalue()[-3000:]
-    return out.getvalue()
+    status, out, err = call_main(main, args)
+    assert status == 0, out[-3000:] + err[-3000:]
+    return out
 
 
 def test_quick_sweep_run_records_curves_and_sampling(tmp_path):

@@ -18,10 +18,8 @@ torch._dynamo again.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
-import io
 import json
 import math
 import os
@@ -34,6 +32,7 @@ import torch
 from ds_pfc.data import SyntheticFaces
 from ds_pfc.data.transforms import decode_image
 from ds_pfc.eval import ijb
+from _inprocess import call_main, train_here
 from make_synthetic_ijb import make_synthetic_ijb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -483,33 +482,12 @@ TRAIN = {
 }
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """One thread, as a launched rank with OMP_NUM_THREADS=1 (the module-scoped fixtures
-    below run before the function-scoped ``one_thread``)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _eval_cli(*args):
     """``launch/eval.py *args`` in this process: (exit status, stdout, stderr). An
     ``error: ...`` exit reads as it does from the script (status 1, the message on
     stderr); any other exception escapes, failing the test as a traceback would."""
     from ds_pfc.cli.eval import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _one_thread():
-        try:
-            status = main(list(args))
-        except SystemExit as exit_:
-            status = exit_.code
-            if isinstance(status, str):
-                print(status, file=err)
-                status = 1
-    return status, out.getvalue(), err.getvalue()
+    return call_main(main, args)
 
 
 @pytest.fixture(scope="module")
@@ -519,17 +497,14 @@ def exports(tmp_path_factory):
     ``ds_pfc.train.seed`` before building the backbone), written in the export format."""
     from safetensors.torch import save_file
 
-    from _dist import one_process_world
     from ds_pfc.app.config import split_config
     from ds_pfc.checkpoint.export import EXPORT_FORMAT
-    from ds_pfc.cli.train import run as train
     tmp = tmp_path_factory.mktemp("models")
     config = os.path.join(tmp, "tiny.json")
     with open(config, "w") as f:
         json.dump(TRAIN, f)
     run = os.path.join(tmp, "run")
-    with one_process_world(), _one_thread(), contextlib.redirect_stdout(io.StringIO()):
-        train(["--deepspeed_config", config, "--output_dir", run])        # launch/train.py's
+    train_here(["--deepspeed_config", config, "--output_dir", run])
     trained = os.path.join(run, "export", "model.safetensors")
     _, cfg = split_config(copy.deepcopy(TRAIN))
     torch.manual_seed(cfg.train.seed)

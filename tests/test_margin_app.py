@@ -10,9 +10,7 @@ and torch._dynamo again each time (9 runs here); each run builds its own engine,
 data and RNG state from the config and the checkpoint as a launched one does."""
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 import os
 import re
@@ -23,7 +21,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from _dist import one_process_world  # noqa: E402
+from _inprocess import call_main, train_here  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Checkpoints at steps 40, 80 and 90 (the last): the resume from 2 * EVERY re-trains the
@@ -54,29 +52,9 @@ def _small(name, out_dir):
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_process_world():
-    """One CPU rank on one thread (as a launched rank with OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with one_process_world():
-            yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _train(config, *args):
     """``launch/train.py --deepspeed_config config *args``; its console output."""
-    from ds_pfc.cli.train import run       # launch/train.py's main, which leaves the world afterwards
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            run(["--deepspeed_config", config, *args])
-    except BaseException:           # a failed run (SystemExit included): show what it printed
-        print(out.getvalue()[-3000:])
-        raise
-    return out.getvalue()
+    return train_here(["--deepspeed_config", config, *args])
 
 
 def _summary(out_dir):
@@ -130,9 +108,9 @@ def _check_classifier_export(out, path):
     from ds_pfc.data.transforms import normalize
     from ds_pfc.app.export import load_backbone
     from ds_pfc.cli.export import main         # launch/export.py's
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["classifier", "--checkpoint", os.path.join(out, "checkpoints"), "--out", path,
-                     "--dominant"]) == 0
+    status, stdout, stderr = call_main(main, ["classifier", "--checkpoint", os.path.join(out, "checkpoints"),
+                                              "--out", path, "--dominant"])
+    assert status == 0, stdout[-2000:] + stderr[-2000:]
     got = load_file(path)
     assert got["weight"].shape == (120 * 3, 128) and got["dominant"].shape == (120,)
     backbone, config = load_backbone(os.path.join(out, "checkpoints"))

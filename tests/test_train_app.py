@@ -22,6 +22,8 @@ import sys
 import pytest
 import torch
 
+from _inprocess import train_here
+
 pytest.importorskip("deepspeed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,32 +84,13 @@ def _run(args, ranks=1, timeout=600):
     The commands' own process behaviour (exit codes, stderr, signals) is tested below with
     real processes."""
     if ranks == 1:
-        return _run_here(args)
+        return train_here(args)
     script = os.path.join(ROOT, "launch", "train.py")
     cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(ranks), "--master_port", str(_free_port()),
            script, *args]
     proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
-
-
-def _run_here(args):
-    import contextlib
-    import io
-
-    from _dist import one_process_world
-    from ds_pfc.cli.train import run        # launch/train.py's main
-    out, threads = io.StringIO(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with one_process_world(), contextlib.redirect_stdout(out):
-            run(list(args))
-    except BaseException:                   # a failed run (SystemExit included): show what it printed
-        print(out.getvalue()[-4000:])
-        raise
-    finally:
-        torch.set_num_threads(threads)
-    return out.getvalue()
 
 
 def _summary(out_dir):

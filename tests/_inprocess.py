@@ -1,0 +1,53 @@
+"""Commands run in the test process: their ``main`` called directly, as ``launch/*.py``
+calls it, instead of a fresh interpreter that would spend seconds importing torch,
+DeepSpeed and torch._dynamo again. Process behaviour itself (exit codes of the scripts,
+stderr, signals, several ranks) is tested with real processes elsewhere."""
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+
+import torch
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread, as a launched rank with OMP_NUM_THREADS=1 computes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def call_main(main, args) -> tuple[int, str, str]:
+    """``main(args)`` on one thread: ``(exit status, stdout, stderr)``. ``SystemExit``
+    reads as the interpreter reads it (a string: status 1, the message on stderr); any
+    other exception escapes, failing the test as a traceback would."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), one_thread():
+        try:
+            status = main(list(args))
+        except SystemExit as exit_:
+            status = exit_.code
+            if isinstance(status, str):
+                print(status, file=err)
+                status = 1
+    return (0 if status is None else status), out.getvalue(), err.getvalue()
+
+
+def train_here(args) -> str:
+    """``launch/train.py *args`` as one rank in a one-process world on one thread; its
+    console output (printed, last part, if the run fails)."""
+    from _dist import one_process_world
+    from ds_pfc.cli.train import run
+    out = io.StringIO()
+    try:
+        with one_process_world(), one_thread(), contextlib.redirect_stdout(out):
+            run(list(args))
+    except BaseException:
+        sys.stdout.write(out.getvalue()[-4000:])
+        raise
+    return out.getvalue()
