@@ -32,7 +32,7 @@ import torch
 from ds_pfc.data import SyntheticFaces
 from ds_pfc.data.transforms import decode_image
 from ds_pfc.eval import ijb
-from _inprocess import call_main, train_here
+from _inprocess import call_main, one_thread as single_thread, train_here
 from make_synthetic_ijb import make_synthetic_ijb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,10 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 def similarity(angle_deg: float, scale: float, tx: float, ty: float) -> torch.Tensor:
