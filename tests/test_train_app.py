@@ -88,7 +88,11 @@ def _run(args, ranks=1, timeout=600):
     script = os.path.join(ROOT, "launch", "train.py")
     cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(ranks), "--master_port", str(_free_port()),
            script, *args]
-    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:      # say where the ranks were when it stopped
+        text = lambda b: (b.decode(errors="replace") if isinstance(b, bytes) else b or "")[-4000:]
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{text(err.stdout)}\n{text(err.stderr)}")
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
