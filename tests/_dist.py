@@ -25,8 +25,9 @@ import torch.multiprocessing as mp
 
 
 # What every rank imports anyway, loaded once into the fork server (below).
-_PRELOAD = ["torch", "torch.distributed", "deepspeed", "ds_pfc", "ds_pfc.core.head", "ds_pfc.deepspeed_plugin",
-            "_dist"]
+# (torch._dynamo: torch's optimizers import it when they take their first parameters, ~1.5 s.)
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "deepspeed", "ds_pfc", "ds_pfc.core.head",
+            "ds_pfc.deepspeed_plugin", "ds_pfc.cli.train", "_dist"]
 
 
 def _entry(rank, world_size, init_file, out_dir, fn, args, env=None):
@@ -69,6 +70,75 @@ def run_ranks(fn, world_size: int, *args):
         mp.start_processes(_entry, args=(world_size, init_file, tmp, fn, args, dict(os.environ)), nprocs=world_size,
                            join=True, start_method=method)
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _script_entry(rank, code, argv, env, cwd, out_dir):
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    faulthandler.enable(all_threads=True)
+    torch.set_num_threads(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, name in ((1, "out"), (2, "err")):     # as a subprocess's pipes: the rank's own files
+        f = os.open(os.path.join(out_dir, f"{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = ["-c", *argv]
+    status = 0
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as stop:                    # what the interpreter makes of sys.exit(x)
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            status = 1
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def run_script_ranks(code: str, argv, envs, cwd: str, timeout: float = 600):
+    """``python -c code *argv`` as one process per environment of ``envs`` (a rank's
+    ``RANK``, ``WORLD_SIZE``, ... are the caller's to set); returns ``(exit codes,
+    [(stdout, stderr)])`` as subprocesses would. Each process forks from the fork server
+    (``DS_PFC_TEST_START_METHOD=spawn``: a fresh interpreter), so a 2-rank run of the train
+    command costs no imports; what runs, its exit code and its output are a subprocess's."""
+    import subprocess
+    import time
+    if os.environ.get("DS_PFC_TEST_START_METHOD", "forkserver") != "forkserver":
+        procs = [subprocess.Popen([sys.executable, "-c", code, *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for env in envs]
+        results = [p.communicate(timeout=timeout) for p in procs]
+        return [p.returncode for p in procs], results
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    context = multiprocessing.get_context("forkserver")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [context.Process(target=_script_entry, args=(rank, code, list(argv), dict(env), cwd, tmp))
+                 for rank, env in enumerate(envs)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        late = [rank for rank, p in enumerate(procs) if p.exitcode is None]
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        def read(rank, name):
+            path = os.path.join(tmp, f"{rank}.{name}")
+            return open(path, errors="replace").read() if os.path.exists(path) else ""
+        results = [(read(rank, "out"), read(rank, "err")) for rank in range(len(procs))]
+    if late:
+        raise TimeoutError(f"ranks {late} ran past {timeout} s:\n" + "\n".join(r[1][-3000:] for r in results))
+    return [p.exitcode for p in procs], results
 
 
 def free_port() -> int:

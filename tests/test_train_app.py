@@ -22,6 +22,7 @@ import sys
 import pytest
 import torch
 
+from _dist import run_script_ranks
 from _inprocess import train_here
 
 pytest.importorskip("deepspeed")
@@ -95,6 +96,22 @@ def _run(args, ranks=1, timeout=600):
         pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{text(err.stdout)}\n{text(err.stderr)}")
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
+
+
+def _forked(args, ranks):
+    """``launch/train.py *args`` on a gloo job of ``ranks`` ranks set up as the launcher sets
+    them up (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...), each rank a process forked from
+    the tests' fork server instead of a fresh interpreter; rank 0's console output."""
+    port = _free_port()
+    envs = [{**_env(), "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+             "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            for rank in range(ranks)]
+    codes, results = run_script_ranks(_TRAIN, args, envs, ROOT)
+    assert codes == [0] * ranks, (codes, [err[-3000:] for _, err in results])
+    return results[0][0]
+
+
+_TRAIN = "import sys\nfrom ds_pfc.cli.train import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def _summary(out_dir):
@@ -248,7 +265,7 @@ def test_zero1_checkpoint_resumes_on_another_world_size(two_rank_run, tmp_path):
     rank: the curve continues as the 2-rank run's did (the ZeRO 0 run's, same math)."""
     out = os.path.join(tmp_path, "run")
     z1 = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
-    _run(["--deepspeed_config", _config(tmp_path, "two_z1", **z1), "--output_dir", out, "--max_steps", "2"], ranks=2)
+    _forked(["--deepspeed_config", _config(tmp_path, "two_z1", **z1), "--output_dir", out, "--max_steps", "2"], ranks=2)
     stdout = _run(["--deepspeed_config", _config(tmp_path, "one_z1", gradient_accumulation_steps=2, **z1),
                    "--output_dir", out])
     assert "converted it to a universal checkpoint for 1 rank(s)" in stdout
@@ -358,12 +375,12 @@ def test_bad_configs_fail_with_a_clear_message(tmp_path, edit, needle):
     path = os.path.join(tmp_path, "bad.json")
     with open(path, "w") as f:
         json.dump(config, f)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", path,
-                           "--output_dir", str(tmp_path)], env=_env(), cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode != 0
-    assert needle in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    # (a process of its own, forked; test_missing_config_file runs launch/train.py as it is)
+    [code], [(_, stderr)] = run_script_ranks(_TRAIN, ["--deepspeed_config", path, "--output_dir", str(tmp_path)],
+                                             [_env()], ROOT, 300)
+    assert code != 0
+    assert needle in stderr, stderr[-2000:]
+    assert "Traceback" not in stderr
 
 
 def test_missing_config_file(tmp_path):
@@ -492,22 +509,17 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _nan_job(config: dict, tmp_path, name: str, *args, ranks=2, **env):
-    """A gloo job of ``ranks`` ranks through the train command's main under ``_NAN_RUNNER``;
-    returns ``(exit codes, [(stdout, stderr)] per rank)``."""
+    """A gloo job of ``ranks`` ranks through the train command's main under ``_NAN_RUNNER``
+    (each rank a process of its own, forked from the tests' fork server); returns ``(exit
+    codes, [(stdout, stderr)] per rank)``."""
     path = os.path.join(tmp_path, f"{name}.json")
     with open(path, "w") as f:
         json.dump(config, f)
     port = _free_port()
-    procs = []
-    for rank in range(ranks):
-        rank_env = dict(_env(), RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
-                        LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        rank_env.update({"NAN_AT": "-1", "NAN_RANK": "0", **env})
-        procs.append(subprocess.Popen([sys.executable, "-c", _NAN_RUNNER, "--deepspeed_config", path, *args],
-                                      env=rank_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    results = [p.communicate(timeout=600) for p in procs]
-    return [p.returncode for p in procs], results
+    envs = [{**_env(), "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+             "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NAN_AT": "-1",
+             "NAN_RANK": "0", **env} for rank in range(ranks)]
+    return run_script_ranks(_NAN_RUNNER, ["--deepspeed_config", path, *args], envs, ROOT)
 
 
 def test_failures_are_one_line_on_rank_0_with_the_traceback_in_a_file(tmp_path):
@@ -718,7 +730,8 @@ def test_long_phases_of_the_train_command_are_announced_while_they_run(tmp_path)
     """Every phase that can take long on rank 0 (head and engine build with DeepSpeed's first op
     builds, checkpoints, the export) says so while it runs, on the console and in training.log
     (the heartbeat's first line is due after 0.05 s here instead of 10 s, and a checkpoint and
-    the export take 0.3 s more, as those of a real model would)."""
+    the export take 0.3 s more, as those of a real model would). A fresh interpreter, not a
+    forked one: its engine build imports what a first run imports."""
     out = os.path.join(tmp_path, "run")
     config = copy.deepcopy(TINY)
     config["ds_pfc"]["evaluation"]["synthetic_pairs"] = 0
@@ -748,11 +761,11 @@ sys.exit(main(sys.argv[1:]))
 
 def test_a_bug_keeps_its_traceback_and_writes_it_to_the_file(tmp_path):
     out = os.path.join(tmp_path, "run")
-    proc = subprocess.run([sys.executable, "-c", _BUG_RUNNER, "--deepspeed_config", _config(tmp_path, "bug"),
-                           "--output_dir", out], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    assert "Traceback" in proc.stderr and "boom: a bug" in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    [code], [(_, stderr)] = run_script_ranks(
+        _BUG_RUNNER, ["--deepspeed_config", _config(tmp_path, "bug"), "--output_dir", out], [_env()], ROOT, 300)
+    assert code == 1
+    assert "Traceback" in stderr and "boom: a bug" in stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith("error: RuntimeError: boom: a bug (a bug in ds_pfc")
     assert "boom: a bug" in open(os.path.join(out, "errors", "rank0.txt")).read()
     assert lines[0] in open(os.path.join(out, "training.log")).read()
