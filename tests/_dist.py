@@ -103,6 +103,10 @@ def _script_entry(rank, code, argv, env, cwd, out_dir):
     os._exit(status)
 
 
+# ``launch/train.py``'s entry, for run_script_ranks.
+TRAIN = "import sys\nfrom ds_pfc.cli.train import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
 def run_script_ranks(code: str, argv, envs, cwd: str, timeout: float = 600):
     """``python -c code *argv`` as one process per environment of ``envs`` (a rank's
     ``RANK``, ``WORLD_SIZE``, ... are the caller's to set); returns ``(exit codes,

@@ -10,8 +10,9 @@ rounding alone (see ds_pfc.bench.accuracy). This test trains the ``guard`` confi
 (200 identities x 10 images at 32 x 32, 148 steps) for seeds 0-5, two processes at
 a time, and fails when their mean accuracy falls, or their mean final loss moves,
 by more than ``3 sigma sqrt(1/6 + 1/n)`` from the record of ``n`` seeds with
-spread ``sigma`` (ds_pfc.bench.accuracy.guard_verdict). A run takes about 20 s on an
-idle core, so the test about 70 s on 2 idle cores (5 minutes on a heavily shared one).
+spread ``sigma`` (ds_pfc.bench.accuracy.guard_verdict). A run takes about 13 s on an
+idle core (each forked from the tests' fork server, which did the imports once), so the test
+about 45 s on 2 idle cores.
 
 Re-record after an intended change of training behaviour:
 ``python launch/bench.py accuracy --config guard --seeds 0-9 --label main --out
@@ -21,12 +22,20 @@ from __future__ import annotations
 
 import pytest
 
+from _dist import TRAIN, run_script_ranks
 from ds_pfc.bench import accuracy
+
+def _forked(argv, env, cwd):
+    """A run of the train command in a process forked from the tests' fork server (one
+    thread, as the guard's runs have): the imports a fresh interpreter would repeat for
+    each of the 10 runs are done once."""
+    [code], [(stdout, stderr)] = run_script_ranks(TRAIN, argv, [env], cwd)
+    return code, stdout, stderr
 
 
 @pytest.mark.slow
 def test_guard_config_reaches_recorded_accuracy_and_loss():
-    res = accuracy.guard_check(jobs=2)
+    res = accuracy.guard_check(jobs=2, launch=_forked)
     for key, check in res["checks"].items():
         assert check["recorded_std"] > 0, f"the record's {key} has no spread"
     assert res["checks"]["accuracy"]["tolerance"] < 0.1, "the record's accuracy spread is too wide to guard"
@@ -40,7 +49,7 @@ def test_compact_bank_storage_costs_no_accuracy():
     1,540 bytes per class at d = 512 instead of 4,096: four seeds of the guard config,
     judged against the float32 record by the same rule (their rounding must not move the
     final loss or lower the accuracy beyond the seed-to-seed spread)."""
-    res = accuracy.guard_check(jobs=2, seeds=range(4), storage="bf16-int8m")
+    res = accuracy.guard_check(jobs=2, seeds=range(4), storage="bf16-int8m", launch=_forked)
     per_seed = ", ".join(f"{r['seed']}: acc {r['accuracy']:.3f} loss {r['final_loss']:.2f}" for r in res["runs"])
     assert res["passed"], f"{accuracy.format_verdict(res)}\nper seed: {per_seed}"
 

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from _dist import run_script_ranks
+from _dist import TRAIN, run_script_ranks
 from _inprocess import train_here
 
 pytest.importorskip("deepspeed")
@@ -106,12 +106,9 @@ def _forked(args, ranks):
     envs = [{**_env(), "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
              "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             for rank in range(ranks)]
-    codes, results = run_script_ranks(_TRAIN, args, envs, ROOT)
+    codes, results = run_script_ranks(TRAIN, args, envs, ROOT)
     assert codes == [0] * ranks, (codes, [err[-3000:] for _, err in results])
     return results[0][0]
-
-
-_TRAIN = "import sys\nfrom ds_pfc.cli.train import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def _summary(out_dir):
@@ -376,7 +373,7 @@ def test_bad_configs_fail_with_a_clear_message(tmp_path, edit, needle):
     with open(path, "w") as f:
         json.dump(config, f)
     # (a process of its own, forked; test_missing_config_file runs launch/train.py as it is)
-    [code], [(_, stderr)] = run_script_ranks(_TRAIN, ["--deepspeed_config", path, "--output_dir", str(tmp_path)],
+    [code], [(_, stderr)] = run_script_ranks(TRAIN, ["--deepspeed_config", path, "--output_dir", str(tmp_path)],
                                              [_env()], ROOT, 300)
     assert code != 0
     assert needle in stderr, stderr[-2000:]

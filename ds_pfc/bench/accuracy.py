@@ -88,10 +88,19 @@ def seeded(config: dict, seed: int) -> dict:
     return config
 
 
-def run_seed(config: dict, seed: int, *, root: str = ROOT, threads: int = 1, env: dict | None = None) -> dict:
+def _subprocess(argv: list, env: dict, cwd: str, root: str) -> tuple[int, str, str]:
+    proc = subprocess.run([sys.executable, os.path.join(root, "launch", "train.py"), *argv], env=env, cwd=cwd,
+                          capture_output=True, text=True)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def run_seed(config: dict, seed: int, *, root: str = ROOT, threads: int = 1, env: dict | None = None,
+             launch=None) -> dict:
     """Train ``config`` with ``seed`` using the app and library under ``root`` (``env``: extra
     environment of the run); returns ``{"seed", "accuracy", "accuracy_std", "final_loss",
-    "steps", "wall_seconds"}``."""
+    "steps", "wall_seconds"}``. ``launch(argv, env, cwd) -> (exit code, stdout, stderr)``
+    runs the train command with ``argv`` in a process of its own; by default a fresh
+    interpreter runs ``root``'s ``launch/train.py``."""
     job = seeded(config, seed)
     with tempfile.TemporaryDirectory(prefix="ds_pfc-accuracy-") as tmp:
         cfg_path = os.path.join(tmp, "job.json")
@@ -101,14 +110,13 @@ def run_seed(config: dict, seed: int, *, root: str = ROOT, threads: int = 1, env
                    PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
-        cmd = [sys.executable, os.path.join(root, "launch", "train.py"), "--deepspeed_config", cfg_path,
-               "--output_dir", os.path.join(tmp, "run")]
+        argv = ["--deepspeed_config", cfg_path, "--output_dir", os.path.join(tmp, "run")]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
+        code, stdout, stderr = (launch or (lambda *a: _subprocess(*a, root)))(argv, env, tmp)
         wall = time.perf_counter() - start
-        if proc.returncode != 0:
-            tail = (proc.stdout[-2000:] + proc.stderr[-3000:]).strip()
-            raise RuntimeError(f"seed {seed} under {root} failed (exit {proc.returncode}):\n{tail}")
+        if code != 0:
+            tail = (stdout[-2000:] + stderr[-3000:]).strip()
+            raise RuntimeError(f"seed {seed} under {root} failed (exit {code}):\n{tail}")
         with open(os.path.join(tmp, "run", "summary.json")) as f:
             summary = json.load(f)
     final = summary["evaluations"][str(summary["steps"])]
@@ -120,11 +128,11 @@ def run_seed(config: dict, seed: int, *, root: str = ROOT, threads: int = 1, env
 
 
 def run_seeds(config: dict, seeds, *, root: str = ROOT, threads: int = 1, jobs: int = 1, log=None,
-              env: dict | None = None) -> list[dict]:
+              env: dict | None = None, launch=None) -> list[dict]:
     """:func:`run_seed` for each seed, ``jobs`` runs at a time (each with ``threads``
     threads; a run's result does not depend on ``jobs``). Sorted by seed."""
     def one(seed):
-        rec = run_seed(config, seed, root=root, threads=threads, env=env)
+        rec = run_seed(config, seed, root=root, threads=threads, env=env, launch=launch)
         if log is not None:
             log(f"seed {seed}: accuracy {rec['accuracy']:.4f}, final loss {rec['final_loss']:.3f}, "
                 f"{rec['wall_seconds']:.0f} s")
@@ -234,15 +242,17 @@ def guard_verdict(runs: list[dict], recorded: list[dict], z: float = GUARD_Z) ->
 
 def guard_check(*, record: str = GUARD_RECORD, engine: str = GUARD_ENGINE, seeds=GUARD_SEEDS,
                 root: str = ROOT, jobs: int = 2, z: float = GUARD_Z, storage: str = "fp32", head_path: str = "default",
-                log=None) -> dict:
+                log=None, launch=None) -> dict:
     """Train the ``guard`` config for ``seeds`` with the engine under ``root`` and judge
     the runs against the ``engine`` entry of ``record`` (:func:`guard_verdict`).
     ``storage``: the head's bank storage of these runs (:data:`STORAGES`); ``head_path``:
-    how its softmax runs (:data:`HEAD_PATHS`). The record is float32 with the torch backend,
-    so a compact storage or the GPU path is judged by what it costs against it."""
+    how its softmax runs (:data:`HEAD_PATHS`); ``launch``: as for :func:`run_seed`. The record
+    is float32 with the torch backend, so a compact storage or the GPU path is judged by what
+    it costs against it."""
     data, recorded = load_guard_record(record, engine)
     config, env = with_head_path(with_storage(data["config"], storage), head_path)
-    runs = run_seeds(config, list(seeds), root=root, threads=data.get("threads", 1), jobs=jobs, log=log, env=env)
+    runs = run_seeds(config, list(seeds), root=root, threads=data.get("threads", 1), jobs=jobs, log=log, env=env,
+                     launch=launch)
     return dict(guard_verdict(runs, recorded, z), runs=runs, storage=storage, head_path=head_path)
 
 
