@@ -107,42 +107,80 @@ def _script_entry(rank, code, argv, env, cwd, out_dir):
 TRAIN = "import sys\nfrom ds_pfc.cli.train import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
-def run_script_ranks(code: str, argv, envs, cwd: str, timeout: float = 600):
+class ForkedProcess:
+    """What the tests use of ``subprocess.Popen`` (``pid``, ``poll``, ``send_signal``,
+    ``kill``, ``communicate``, ``returncode``), for a process forked from the fork server;
+    its stdout and stderr go to files of its own until ``communicate`` reads them."""
+
+    def __init__(self, code: str, argv, env: dict, cwd: str):
+        import multiprocessing
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+        self._dir = tempfile.mkdtemp(prefix="ds_pfc-forked-")
+        self._process = multiprocessing.get_context("forkserver").Process(
+            target=_script_entry, args=(0, code, list(argv), dict(env), cwd, self._dir))
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self):
+        return self._process.exitcode
+
+    def poll(self):
+        return self._process.exitcode
+
+    def send_signal(self, sig):
+        os.kill(self.pid, sig)
+
+    def kill(self):
+        self._process.kill()
+        self._process.join()
+
+    def communicate(self, timeout=None):
+        import shutil
+        import subprocess
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"forked process {self.pid}", timeout)
+        def read(name):
+            path = os.path.join(self._dir, f"0.{name}")
+            return open(path, errors="replace").read() if os.path.exists(path) else ""
+        out, err = read("out"), read("err")
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return out, err
+
+
+def start_script_ranks(code: str, argv, envs, cwd: str) -> list:
     """``python -c code *argv`` as one process per environment of ``envs`` (a rank's
-    ``RANK``, ``WORLD_SIZE``, ... are the caller's to set); returns ``(exit codes,
-    [(stdout, stderr)])`` as subprocesses would. Each process forks from the fork server
-    (``DS_PFC_TEST_START_METHOD=spawn``: a fresh interpreter), so a 2-rank run of the train
-    command costs no imports; what runs, its exit code and its output are a subprocess's."""
+    ``RANK``, ``WORLD_SIZE``, ... are the caller's to set), started and not waited for:
+    :class:`ForkedProcess` objects forked from the fork server, so a rank of the train
+    command costs no imports (``DS_PFC_TEST_START_METHOD=spawn``: ``subprocess.Popen`` of
+    fresh interpreters). What runs, its exit code, its output and the signals it gets
+    are a separate process's."""
+    if os.environ.get("DS_PFC_TEST_START_METHOD", "forkserver") != "forkserver":
+        import subprocess
+        return [subprocess.Popen([sys.executable, "-c", code, *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for env in envs]
+    return [ForkedProcess(code, argv, env, cwd) for env in envs]
+
+
+def run_script_ranks(code: str, argv, envs, cwd: str, timeout: float = 600):
+    """:func:`start_script_ranks` and wait: ``(exit codes, [(stdout, stderr)])``; a rank
+    still running after ``timeout`` seconds kills them all and fails with their stderr."""
     import subprocess
     import time
-    if os.environ.get("DS_PFC_TEST_START_METHOD", "forkserver") != "forkserver":
-        procs = [subprocess.Popen([sys.executable, "-c", code, *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for env in envs]
-        results = [p.communicate(timeout=timeout) for p in procs]
-        return [p.returncode for p in procs], results
-    import multiprocessing
-    multiprocessing.set_forkserver_preload(_PRELOAD)
-    context = multiprocessing.get_context("forkserver")
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [context.Process(target=_script_entry, args=(rank, code, list(argv), dict(env), cwd, tmp))
-                 for rank, env in enumerate(envs)]
+    procs = start_script_ranks(code, argv, envs, cwd)
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
         for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
+            results.append(p.communicate(timeout=max(0.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
         for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        late = [rank for rank, p in enumerate(procs) if p.exitcode is None]
-        for p in procs:
-            if p.exitcode is None:
+            if p.poll() is None:
                 p.kill()
-                p.join()
-        def read(rank, name):
-            path = os.path.join(tmp, f"{rank}.{name}")
-            return open(path, errors="replace").read() if os.path.exists(path) else ""
-        results = [(read(rank, "out"), read(rank, "err")) for rank in range(len(procs))]
-    if late:
-        raise TimeoutError(f"ranks {late} ran past {timeout} s:\n" + "\n".join(r[1][-3000:] for r in results))
-    return [p.exitcode for p in procs], results
+        tails = [p.communicate()[1][-3000:] for p in procs[len(results):]]
+        raise TimeoutError(f"ranks ran past {timeout} s:\n" + "\n".join(tails)) from None
+    return [p.returncode for p in procs], results
 
 
 def free_port() -> int:

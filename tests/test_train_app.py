@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from _dist import TRAIN, run_script_ranks
+from _dist import TRAIN, run_script_ranks, start_script_ranks
 from _inprocess import train_here
 
 pytest.importorskip("deepspeed")
@@ -98,15 +98,20 @@ def _run(args, ranks=1, timeout=600):
     return proc.stdout
 
 
+def _rank_envs(ranks, **extra):
+    """Each rank's environment in a gloo job of ``ranks`` ranks on a free port, as a
+    launcher sets it up, plus ``extra``."""
+    port = _free_port()
+    return [{**_env(), "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+             "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **extra}
+            for rank in range(ranks)]
+
+
 def _forked(args, ranks):
     """``launch/train.py *args`` on a gloo job of ``ranks`` ranks set up as the launcher sets
     them up (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...), each rank a process forked from
     the tests' fork server instead of a fresh interpreter; rank 0's console output."""
-    port = _free_port()
-    envs = [{**_env(), "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
-             "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            for rank in range(ranks)]
-    codes, results = run_script_ranks(TRAIN, args, envs, ROOT)
+    codes, results = run_script_ranks(TRAIN, args, _rank_envs(ranks), ROOT)
     assert codes == [0] * ranks, (codes, [err[-3000:] for _, err in results])
     return results[0][0]
 
@@ -273,9 +278,12 @@ def test_zero1_checkpoint_resumes_on_another_world_size(two_rank_run, tmp_path):
 
 
 def _script(name, *args):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", name), *args], env=_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    return proc
+    """``launch/<name>.py *args`` (the ``ds_pfc.cli.<name>`` command) in a process forked
+    from the fork server; its exit code, stdout and stderr."""
+    from types import SimpleNamespace
+    code = f"import sys\nfrom ds_pfc.cli.{name} import main\nsys.exit(main(sys.argv[1:]))\n"
+    [returncode], [(stdout, stderr)] = run_script_ranks(code, args, [_env()], ROOT, 300)
+    return SimpleNamespace(returncode=returncode, stdout=stdout, stderr=stderr)
 
 
 def test_export_reshard_round_trip_onnx_and_eval(two_rank_run, tmp_path):
@@ -291,7 +299,7 @@ def test_export_reshard_round_trip_onnx_and_eval(two_rank_run, tmp_path):
     src = ckpt_dir
     for world in (3, 2, 5, 2):
         dst = os.path.join(tmp_path, f"w{world}_{len(os.listdir(tmp_path))}")
-        proc = _script("export.py", "reshard", "--checkpoint", src, "--world_size", str(world), "--out", dst)
+        proc = _script("export", "reshard", "--checkpoint", src, "--world_size", str(world), "--out", dst)
         assert proc.returncode == 0, proc.stderr
         shards = [f for f in os.listdir(os.path.join(dst, tag)) if f.startswith("head-rank")]
         assert len(shards) == world
@@ -306,7 +314,7 @@ def test_export_reshard_round_trip_onnx_and_eval(two_rank_run, tmp_path):
 
     # safetensors export: backbone + full classifier
     export = os.path.join(tmp_path, "model.safetensors")
-    proc = _script("export.py", "safetensors", "--checkpoint", ckpt_dir, "--out", export)
+    proc = _script("export", "safetensors", "--checkpoint", ckpt_dir, "--out", export)
     assert proc.returncode == 0, proc.stderr
     tensors = load_file(export)
     assert torch.equal(tensors["heads.head.weight"], original["weight"].float())
@@ -321,7 +329,7 @@ def test_export_reshard_round_trip_onnx_and_eval(two_rank_run, tmp_path):
 
     # eval.py on the export reproduces the app's final evaluation
     result = os.path.join(tmp_path, "eval.json")
-    proc = _script("eval.py", "--model", export, "--json", result)
+    proc = _script("eval", "--model", export, "--json", result)
     assert proc.returncode == 0, proc.stderr
     with open(result) as f:
         acc = json.load(f)["synthetic_held_out"]["accuracy"]
@@ -349,7 +357,7 @@ def test_export_reshard_round_trip_onnx_and_eval(two_rank_run, tmp_path):
     # ONNX
     onnx = pytest.importorskip("onnx")
     path = os.path.join(tmp_path, "backbone.onnx")
-    proc = _script("export.py", "onnx", "--model", export, "--out", path)
+    proc = _script("export", "onnx", "--model", export, "--out", path)
     assert proc.returncode == 0, proc.stderr
     model = onnx.load(path)
     onnx.checker.check_model(model)
@@ -424,17 +432,10 @@ def test_time_based_checkpoints_and_resume_flags(tmp_path):
     assert not os.path.exists(os.path.join(out, "checkpoints", "step00000004"))
 
 
-def _start_ranks(args, ranks, port):
+def _start_ranks(args, ranks):
     """The ranks of a gloo job started directly, as torchrun would (RANK, WORLD_SIZE, ...),
-    so that a test can signal one of them."""
-    script = os.path.join(ROOT, "launch", "train.py")
-    procs = []
-    for rank in range(ranks):
-        env = dict(_env(), RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ranks),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    return procs
+    so that a test can signal one of them (processes forked from the fork server)."""
+    return start_script_ranks(TRAIN, args, _rank_envs(ranks), ROOT)
 
 
 def test_a_real_signal_preempts_every_rank_and_the_rerun_continues_the_trajectory(two_rank_run, tmp_path):
@@ -449,7 +450,7 @@ def test_a_real_signal_preempts_every_rank_and_the_rerun_continues_the_trajector
     path = os.path.join(tmp_path, "job.json")
     with open(path, "w") as f:
         json.dump(config, f)
-    procs = _start_ranks(["--deepspeed_config", path, "--output_dir", out], 2, _free_port())
+    procs = _start_ranks(["--deepspeed_config", path, "--output_dir", out], 2)
     log = os.path.join(out, "training.log")
     deadline = _time.monotonic() + 300
     while _time.monotonic() < deadline:          # wait for step 2's line, then signal rank 1 alone
@@ -469,7 +470,7 @@ def test_a_real_signal_preempts_every_rank_and_the_rerun_continues_the_trajector
     assert saved == {f"step{stopped:08d}"}
     assert "preempted by SIGUSR1" in open(log).read()
 
-    procs = _start_ranks(["--deepspeed_config", path, "--output_dir", out], 2, _free_port())
+    procs = _start_ranks(["--deepspeed_config", path, "--output_dir", out], 2)
     results = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [r[1][-3000:] for r in results]
     resumed = _summary(out)
@@ -512,10 +513,7 @@ def _nan_job(config: dict, tmp_path, name: str, *args, ranks=2, **env):
     path = os.path.join(tmp_path, f"{name}.json")
     with open(path, "w") as f:
         json.dump(config, f)
-    port = _free_port()
-    envs = [{**_env(), "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
-             "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NAN_AT": "-1",
-             "NAN_RANK": "0", **env} for rank in range(ranks)]
+    envs = _rank_envs(ranks, **{"NAN_AT": "-1", "NAN_RANK": "0", **env})
     return run_script_ranks(_NAN_RUNNER, ["--deepspeed_config", path, *args], envs, ROOT)
 
 
