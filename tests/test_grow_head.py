@@ -14,13 +14,11 @@ import copy
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from _dist import run_ranks
+from _dist import TRAIN, run_ranks, run_script_ranks
 
 from ds_pfc.app.config import ConfigError
 
@@ -362,12 +360,11 @@ def test_the_train_command_grows_a_24_class_head_to_30_and_trains(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
 
-    def train(*extra):
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config",
-                               str(path), "--output_dir", out, *extra], env=env, cwd=ROOT, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        return proc.stdout
+    def train(*extra):        # a process of its own, forked from the tests' fork server
+        [code], [(stdout, stderr)] = run_script_ranks(
+            TRAIN, ["--deepspeed_config", str(path), "--output_dir", out, *extra], [env], ROOT)
+        assert code == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
+        return stdout
 
     stdout = train()
     with open(os.path.join(out, "summary.json")) as f:
@@ -404,15 +401,24 @@ def test_the_study_pair_set_is_the_new_identities_held_out_vectors(tmp_path):
     assert steps_to({0: 0.5, 5: 0.9, 10: 0.95}, 0.9) == 5 and steps_to({0: 0.5}, 0.9) is None
 
 
-def test_the_study_runs_in_its_quick_version(tmp_path):
+def test_the_study_runs_in_its_quick_version(tmp_path, monkeypatch):
+    """The study's command in this process; its three training runs are processes of their
+    own, forked from the tests' fork server instead of fresh interpreters."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("PIL")
+    from _inprocess import call_main
+
+    from ds_pfc.bench import grow
+
+    def forked(argv, env, cwd):
+        [code], [(stdout, stderr)] = run_script_ranks(TRAIN, argv, [env], cwd)
+        return code, stdout, stderr
+    monkeypatch.setattr(grow, "_launch", forked)
     out = str(tmp_path / "grow.json")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "ds_pfc.bench.grow", "--quick", "--seeds", "0", "--out", out],
-                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "steps to 0.9" in proc.stdout
+    monkeypatch.chdir(tmp_path)
+    code, stdout, stderr = call_main(grow.main, ["--quick", "--seeds", "0", "--out", out])
+    assert code == 0, stdout[-2000:] + stderr[-2000:]
+    assert "steps to 0.9" in stdout
     with open(out) as f:
         doc = json.load(f)
     assert [r["new_rows"] for r in doc["results"]] == ["imprint", "random"]

@@ -137,8 +137,15 @@ def write_pairs_bin(path: str, *, first_identity: int, identities: int, pairs: i
     return path
 
 
+def _launch(argv: list, env: dict, cwd: str) -> tuple[int, str, str]:
+    """The train command with ``argv`` in a fresh interpreter: ``(exit code, stdout, stderr)``."""
+    proc = subprocess.run([sys.executable, "-m", "ds_pfc.cli.train", *argv], env=env, cwd=cwd, capture_output=True,
+                          text=True)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 def _train(config: dict, out: str, *, threads: int) -> tuple[dict, str]:
-    """One run of the training app in its own process; ``(summary, stdout)``."""
+    """One run of the training app in its own process (:func:`_launch`); ``(summary, stdout)``."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "job.json")
     with open(path, "w") as f:
@@ -147,14 +154,13 @@ def _train(config: dict, out: str, *, threads: int) -> tuple[dict, str]:
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "ds_pfc.cli.train", "--deepspeed_config", path, "--output_dir",
-           os.path.join(out, "run")]
-    proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n"
-                           f"{(proc.stdout[-2000:] + proc.stderr[-3000:]).strip()}")
+    argv = ["--deepspeed_config", path, "--output_dir", os.path.join(out, "run")]
+    code, stdout, stderr = _launch(argv, env, out)
+    if code != 0:
+        raise RuntimeError(f"ds-pfc-train {' '.join(argv)} failed (exit {code}):\n"
+                           f"{(stdout[-2000:] + stderr[-3000:]).strip()}")
     with open(os.path.join(out, "run", "summary.json")) as f:
-        return json.load(f), proc.stdout
+        return json.load(f), stdout
 
 
 def _curve(summary: dict, name: str) -> dict[int, float]:
