@@ -18,6 +18,7 @@ import faulthandler
 import os
 import sys
 import tempfile
+import threading
 
 import torch
 import torch.distributed as dist
@@ -72,21 +73,21 @@ def run_ranks(fn, world_size: int, *args):
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
-def _script_entry(rank, code, argv, env, cwd, out_dir):
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    faulthandler.enable(all_threads=True)
-    torch.set_num_threads(1)
+def _script_entry(code, argv, env, cwd, out_dir):
     sys.stdout.flush()
     sys.stderr.flush()
-    for fd, name in ((1, "out"), (2, "err")):     # as a subprocess's pipes: the rank's own files
-        f = os.open(os.path.join(out_dir, f"{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd, name in ((1, "out"), (2, "err")):     # as a subprocess's pipes: files of its own
+        f = os.open(os.path.join(out_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
         os.close(f)
-    sys.argv = ["-c", *argv]
     status = 0
     try:
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        faulthandler.enable(all_threads=True)
+        torch.set_num_threads(1)
+        sys.argv = ["-c", *argv]
         exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
     except SystemExit as stop:                    # what the interpreter makes of sys.exit(x)
         if stop.code is None or isinstance(stop.code, int):
@@ -106,56 +107,78 @@ def _script_entry(rank, code, argv, env, cwd, out_dir):
 # ``launch/train.py``'s entry, for run_script_ranks.
 TRAIN = "import sys\nfrom ds_pfc.cli.train import main\nsys.exit(main(sys.argv[1:]))\n"
 
+# multiprocessing reads a fork-server child's exit status off a pipe once, and
+# Process.start() polls every other child first: two threads starting and waiting at once
+# (the accuracy guard's two runs) could both read one status, and one would see 255.
+_EXIT_LOCK = threading.Lock()
+
 
 class ForkedProcess:
     """What the tests use of ``subprocess.Popen`` (``pid``, ``poll``, ``send_signal``,
     ``kill``, ``communicate``, ``returncode``), for a process forked from the fork server;
-    its stdout and stderr go to files of its own until ``communicate`` reads them."""
+    its stdout and stderr go to files of its own until ``communicate`` reads them.
+
+    It runs ``code`` as ``python -c`` would, with its own environment, working directory,
+    signals and exit status, but it is not a fresh interpreter: modules come from the fork
+    server (``PYTHONPATH`` and import-time settings of ``env`` do not apply), it computes
+    on one thread, and it leaves with ``os._exit`` after flushing its output, without the
+    interpreter's shutdown (the launcher tests and ``launch/train.py``'s own tests run
+    real interpreters)."""
 
     def __init__(self, code: str, argv, env: dict, cwd: str):
         import multiprocessing
+        import shutil
+        import weakref
         multiprocessing.set_forkserver_preload(_PRELOAD)
         self._dir = tempfile.mkdtemp(prefix="ds_pfc-forked-")
+        weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._process = multiprocessing.get_context("forkserver").Process(
-            target=_script_entry, args=(0, code, list(argv), dict(env), cwd, self._dir))
-        self._process.start()
+            target=_script_entry, args=(code, list(argv), dict(env), cwd, self._dir))
+        with _EXIT_LOCK:
+            self._process.start()
         self.pid = self._process.pid
 
     @property
     def returncode(self):
-        return self._process.exitcode
+        return self.poll()
 
     def poll(self):
-        return self._process.exitcode
+        with _EXIT_LOCK:
+            return self._process.exitcode
 
     def send_signal(self, sig):
         os.kill(self.pid, sig)
 
     def kill(self):
-        self._process.kill()
-        self._process.join()
+        if self.poll() is None:
+            os.kill(self.pid, 9)
+        self.wait()
+
+    def wait(self, timeout=None):
+        from multiprocessing.connection import wait
+        wait([self._process.sentinel], timeout)
+        return self.poll()
 
     def communicate(self, timeout=None):
-        import shutil
         import subprocess
-        self._process.join(timeout)
-        if self._process.exitcode is None:
+        if self.wait(timeout) is None:
             raise subprocess.TimeoutExpired(f"forked process {self.pid}", timeout)
+
         def read(name):
-            path = os.path.join(self._dir, f"0.{name}")
-            return open(path, errors="replace").read() if os.path.exists(path) else ""
-        out, err = read("out"), read("err")
-        shutil.rmtree(self._dir, ignore_errors=True)
-        return out, err
+            path = os.path.join(self._dir, name)
+            if not os.path.exists(path):
+                return ""
+            with open(path, errors="replace") as f:
+                return f.read()
+        return read("out"), read("err")
 
 
 def start_script_ranks(code: str, argv, envs, cwd: str) -> list:
     """``python -c code *argv`` as one process per environment of ``envs`` (a rank's
     ``RANK``, ``WORLD_SIZE``, ... are the caller's to set), started and not waited for:
     :class:`ForkedProcess` objects forked from the fork server, so a rank of the train
-    command costs no imports (``DS_PFC_TEST_START_METHOD=spawn``: ``subprocess.Popen`` of
-    fresh interpreters). What runs, its exit code, its output and the signals it gets
-    are a separate process's."""
+    command costs no imports (``DS_PFC_TEST_START_METHOD`` set to anything but
+    ``forkserver``: ``subprocess.Popen`` of fresh interpreters)."""
     if os.environ.get("DS_PFC_TEST_START_METHOD", "forkserver") != "forkserver":
         import subprocess
         return [subprocess.Popen([sys.executable, "-c", code, *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
@@ -164,8 +187,9 @@ def start_script_ranks(code: str, argv, envs, cwd: str) -> list:
 
 
 def run_script_ranks(code: str, argv, envs, cwd: str, timeout: float = 600):
-    """:func:`start_script_ranks` and wait: ``(exit codes, [(stdout, stderr)])``; a rank
-    still running after ``timeout`` seconds kills them all and fails with their stderr."""
+    """:func:`start_script_ranks` and wait: ``(exit codes, [(stdout, stderr)])``. A rank
+    still running after ``timeout`` seconds (or any error while waiting) kills them all;
+    a timeout fails with their stderr."""
     import subprocess
     import time
     procs = start_script_ranks(code, argv, envs, cwd)
@@ -175,12 +199,27 @@ def run_script_ranks(code: str, argv, envs, cwd: str, timeout: float = 600):
         for p in procs:
             results.append(p.communicate(timeout=max(0.0, deadline - time.monotonic())))
     except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        kill_all(procs)
         tails = [p.communicate()[1][-3000:] for p in procs[len(results):]]
         raise TimeoutError(f"ranks ran past {timeout} s:\n" + "\n".join(tails)) from None
+    except BaseException:
+        kill_all(procs)
+        raise
     return [p.returncode for p in procs], results
+
+
+def run_train_forked(argv, env: dict, cwd: str) -> tuple[int, str, str]:
+    """The train command with ``argv`` in one process forked from the fork server:
+    ``(exit code, stdout, stderr)`` (the ``launch`` hook of the benchmark runners)."""
+    [code], [(stdout, stderr)] = run_script_ranks(TRAIN, argv, [env], cwd)
+    return code, stdout, stderr
+
+
+def kill_all(procs) -> None:
+    """Kill those of ``procs`` still running (a test that stops early leaves none behind)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
 
 
 def free_port() -> int:

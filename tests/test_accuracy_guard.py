@@ -22,20 +22,15 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import TRAIN, run_script_ranks
+# Each run is a process of its own forked from the tests' fork server (one thread, as the
+# guard's runs have): the imports a fresh interpreter would repeat for each run are done once.
+from _dist import run_train_forked
 from ds_pfc.bench import accuracy
-
-def _forked(argv, env, cwd):
-    """A run of the train command in a process forked from the tests' fork server (one
-    thread, as the guard's runs have): the imports a fresh interpreter would repeat for
-    each of the 10 runs are done once."""
-    [code], [(stdout, stderr)] = run_script_ranks(TRAIN, argv, [env], cwd)
-    return code, stdout, stderr
 
 
 @pytest.mark.slow
 def test_guard_config_reaches_recorded_accuracy_and_loss():
-    res = accuracy.guard_check(jobs=2, launch=_forked)
+    res = accuracy.guard_check(jobs=2, launch=run_train_forked)
     for key, check in res["checks"].items():
         assert check["recorded_std"] > 0, f"the record's {key} has no spread"
     assert res["checks"]["accuracy"]["tolerance"] < 0.1, "the record's accuracy spread is too wide to guard"
@@ -49,7 +44,7 @@ def test_compact_bank_storage_costs_no_accuracy():
     1,540 bytes per class at d = 512 instead of 4,096: four seeds of the guard config,
     judged against the float32 record by the same rule (their rounding must not move the
     final loss or lower the accuracy beyond the seed-to-seed spread)."""
-    res = accuracy.guard_check(jobs=2, seeds=range(4), storage="bf16-int8m", launch=_forked)
+    res = accuracy.guard_check(jobs=2, seeds=range(4), storage="bf16-int8m", launch=run_train_forked)
     per_seed = ", ".join(f"{r['seed']}: acc {r['accuracy']:.3f} loss {r['final_loss']:.2f}" for r in res["runs"])
     assert res["passed"], f"{accuracy.format_verdict(res)}\nper seed: {per_seed}"
 
@@ -95,3 +90,20 @@ def test_head_path_variant_runs_the_triton_kernels_with_kept_cosines():
     assert job["ds_pfc"]["head"].get("backend", "auto") != "triton"      # the original is untouched
     with pytest.raises(ValueError, match="head_path must be one of"):
         accuracy.with_head_path(job, "cuda")
+
+
+def test_a_run_is_the_roots_train_script_in_a_fresh_interpreter_by_default(monkeypatch, tmp_path):
+    """Without a ``launch`` of one's own, a run is ``python <root>/launch/train.py argv``
+    with the run's environment and directory (what ``--root`` relies on)."""
+    import subprocess
+    import sys
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append((cmd, kwargs["env"], kwargs["cwd"]))
+        return subprocess.CompletedProcess(cmd, 3, "out", "err")
+    monkeypatch.setattr(accuracy.subprocess, "run", run)
+    assert accuracy._subprocess(["--deepspeed_config", "j.json"], {"A": "1"}, str(tmp_path), "/other/checkout") == (
+        3, "out", "err")
+    assert calls == [([sys.executable, "/other/checkout/launch/train.py", "--deepspeed_config", "j.json"],
+                      {"A": "1"}, str(tmp_path))]

@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from _dist import TRAIN, run_ranks, run_script_ranks
+from _dist import TRAIN, run_ranks, run_script_ranks, run_train_forked
 
 from ds_pfc.app.config import ConfigError
 
@@ -410,10 +410,7 @@ def test_the_study_runs_in_its_quick_version(tmp_path, monkeypatch):
 
     from ds_pfc.bench import grow
 
-    def forked(argv, env, cwd):
-        [code], [(stdout, stderr)] = run_script_ranks(TRAIN, argv, [env], cwd)
-        return code, stdout, stderr
-    monkeypatch.setattr(grow, "_launch", forked)
+    monkeypatch.setattr(grow, "_launch", run_train_forked)
     out = str(tmp_path / "grow.json")
     monkeypatch.chdir(tmp_path)
     code, stdout, stderr = call_main(grow.main, ["--quick", "--seeds", "0", "--out", out])
@@ -426,3 +423,19 @@ def test_the_study_runs_in_its_quick_version(tmp_path, monkeypatch):
     assert "24 old rows moved (with optimizer states), 6 imprinted, 0 random" in lines["imprint"]
     assert "24 old rows moved (with optimizer states), 0 imprinted, 6 random" in lines["random"]
     assert {"machine", "versions", "date", "config"} <= set(doc)
+
+
+def test_the_studys_runs_are_fresh_interpreters_by_default(monkeypatch, tmp_path):
+    """Without the tests' fork server, a study run is ``python -m ds_pfc.cli.train argv``."""
+    import subprocess
+    import sys
+
+    from ds_pfc.bench import grow
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append((cmd, kwargs["env"], kwargs["cwd"]))
+        return subprocess.CompletedProcess(cmd, 0, "out", "err")
+    monkeypatch.setattr(grow.subprocess, "run", run)
+    assert grow._launch(["--output_dir", "x"], {"A": "1"}, str(tmp_path)) == (0, "out", "err")
+    assert calls == [([sys.executable, "-m", "ds_pfc.cli.train", "--output_dir", "x"], {"A": "1"}, str(tmp_path))]

@@ -1,7 +1,7 @@
 """The training app end to end on CPU: ``deepspeed`` launcher with 2 ranks, 1-rank vs
 2-rank loss parity (golden per-step losses stored in ``golden/train_losses.json``),
-exact resume, resume on another world size, export / reshard / ONNX / eval scripts,
-and bad configs.
+exact resume, resume on another world size, the export / reshard / ONNX / eval commands
+(the ``ds_pfc.cli`` mains that the launch scripts call), and bad configs.
 
 Parity holds because the sampler shards the epoch in micro-batch blocks: one rank
 accumulating 2 micro batches sees exactly the batches 2 ranks see in one step
@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from _dist import TRAIN, run_script_ranks, start_script_ranks
+from _dist import TRAIN, kill_all, run_script_ranks, start_script_ranks
 from _inprocess import train_here
 
 pytest.importorskip("deepspeed")
@@ -453,13 +453,18 @@ def test_a_real_signal_preempts_every_rank_and_the_rerun_continues_the_trajector
     procs = _start_ranks(["--deepspeed_config", path, "--output_dir", out], 2)
     log = os.path.join(out, "training.log")
     deadline = _time.monotonic() + 300
-    while _time.monotonic() < deadline:          # wait for step 2's line, then signal rank 1 alone
-        if os.path.exists(log) and "step 2/" in open(log).read():
-            break
-        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
-        _time.sleep(0.2)
-    procs[1].send_signal(signal.SIGUSR1)
-    results = [p.communicate(timeout=300) for p in procs]
+    try:
+        while _time.monotonic() < deadline:      # wait for step 2's line, then signal rank 1 alone
+            if os.path.exists(log) and "step 2/" in open(log).read():
+                break
+            if any(p.poll() is not None for p in procs):
+                kill_all(procs)
+                pytest.fail(f"a rank ended before step 2: {[p.communicate()[1][-3000:] for p in procs]}")
+            _time.sleep(0.2)
+        procs[1].send_signal(signal.SIGUSR1)
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        kill_all(procs)
     codes = [p.returncode for p in procs]
     assert codes == [75, 75], (codes, [r[1][-3000:] for r in results])
     stopped = int(re.search(r"preempted by SIGUSR1 at step (\d+)", results[0][0]).group(1))
@@ -471,7 +476,10 @@ def test_a_real_signal_preempts_every_rank_and_the_rerun_continues_the_trajector
     assert "preempted by SIGUSR1" in open(log).read()
 
     procs = _start_ranks(["--deepspeed_config", path, "--output_dir", out], 2)
-    results = [p.communicate(timeout=600) for p in procs]
+    try:
+        results = [p.communicate(timeout=600) for p in procs]
+    finally:
+        kill_all(procs)
     assert [p.returncode for p in procs] == [0, 0], [r[1][-3000:] for r in results]
     resumed = _summary(out)
     assert resumed["resumed"] and resumed["steps"] == STEPS

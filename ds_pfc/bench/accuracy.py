@@ -100,7 +100,8 @@ def run_seed(config: dict, seed: int, *, root: str = ROOT, threads: int = 1, env
     environment of the run); returns ``{"seed", "accuracy", "accuracy_std", "final_loss",
     "steps", "wall_seconds"}``. ``launch(argv, env, cwd) -> (exit code, stdout, stderr)``
     runs the train command with ``argv`` in a process of its own; by default a fresh
-    interpreter runs ``root``'s ``launch/train.py``."""
+    interpreter runs ``root``'s ``launch/train.py`` (a ``launch`` of one's own decides
+    which code runs: ``root`` then only sets ``PYTHONPATH``)."""
     job = seeded(config, seed)
     with tempfile.TemporaryDirectory(prefix="ds_pfc-accuracy-") as tmp:
         cfg_path = os.path.join(tmp, "job.json")
@@ -112,7 +113,10 @@ def run_seed(config: dict, seed: int, *, root: str = ROOT, threads: int = 1, env
             env.pop(key, None)
         argv = ["--deepspeed_config", cfg_path, "--output_dir", os.path.join(tmp, "run")]
         start = time.perf_counter()
-        code, stdout, stderr = (launch or (lambda *a: _subprocess(*a, root)))(argv, env, tmp)
+        if launch is None:
+            code, stdout, stderr = _subprocess(argv, env, tmp, root)
+        else:
+            code, stdout, stderr = launch(argv, env, tmp)
         wall = time.perf_counter() - start
         if code != 0:
             tail = (stdout[-2000:] + stderr[-3000:]).strip()
