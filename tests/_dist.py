@@ -73,6 +73,15 @@ def run_ranks(fn, world_size: int, *args):
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
+def exit_status(code, stderr) -> int:
+    """The exit status the interpreter makes of ``sys.exit(code)``: 0 for None, an int as
+    it is, anything else printed to ``stderr`` and 1."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=stderr)
+    return 1
+
+
 def _script_entry(code, argv, env, cwd, out_dir):
     sys.stdout.flush()
     sys.stderr.flush()
@@ -89,12 +98,8 @@ def _script_entry(code, argv, env, cwd, out_dir):
         torch.set_num_threads(1)
         sys.argv = ["-c", *argv]
         exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
-    except SystemExit as stop:                    # what the interpreter makes of sys.exit(x)
-        if stop.code is None or isinstance(stop.code, int):
-            status = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            status = 1
+    except SystemExit as stop:
+        status = exit_status(stop.code, sys.stderr)
     except BaseException:
         import traceback
         traceback.print_exc()
@@ -104,8 +109,13 @@ def _script_entry(code, argv, env, cwd, out_dir):
     os._exit(status)
 
 
-# ``launch/train.py``'s entry, for run_script_ranks.
-TRAIN = "import sys\nfrom ds_pfc.cli.train import main\nsys.exit(main(sys.argv[1:]))\n"
+def command_code(module: str) -> str:
+    """``python -c`` code that runs command ``module``'s ``main`` on the arguments, as the
+    launch scripts and console scripts do (for run_script_ranks)."""
+    return f"import sys\nfrom {module} import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+TRAIN = command_code("ds_pfc.cli.train")      # launch/train.py
 
 # multiprocessing reads a fork-server child's exit status off a pipe once, and
 # Process.start() polls every other child first: two threads starting and waiting at once

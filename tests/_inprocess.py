@@ -23,19 +23,18 @@ def one_thread():
 
 
 def call_main(main, args) -> tuple[int, str, str]:
-    """``main(args)`` on one thread: ``(exit status, stdout, stderr)``. ``SystemExit``
-    reads as the interpreter reads it (a string: status 1, the message on stderr); any
-    other exception escapes, failing the test as a traceback would."""
+    """``main(args)`` on one thread: ``(exit status, stdout, stderr)``. A returned status or
+    ``SystemExit`` reads as the interpreter reads it (``_dist.exit_status``: a string is
+    status 1 with the message on stderr); any other exception escapes, failing the test as
+    a traceback would."""
+    from _dist import exit_status
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), one_thread():
         try:
             status = main(list(args))
         except SystemExit as exit_:
             status = exit_.code
-            if isinstance(status, str):
-                print(status, file=err)
-                status = 1
-    return (0 if status is None else status), out.getvalue(), err.getvalue()
+    return exit_status(status, err), out.getvalue(), err.getvalue()
 
 
 def train_here(args) -> str:

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from _dist import TRAIN, kill_all, run_script_ranks, start_script_ranks
+from _dist import TRAIN, command_code, kill_all, run_script_ranks, start_script_ranks
 from _inprocess import train_here
 
 pytest.importorskip("deepspeed")
@@ -281,8 +281,7 @@ def _script(name, *args):
     """``launch/<name>.py *args`` (the ``ds_pfc.cli.<name>`` command) in a process forked
     from the fork server; its exit code, stdout and stderr."""
     from types import SimpleNamespace
-    code = f"import sys\nfrom ds_pfc.cli.{name} import main\nsys.exit(main(sys.argv[1:]))\n"
-    [returncode], [(stdout, stderr)] = run_script_ranks(code, args, [_env()], ROOT, 300)
+    [returncode], [(stdout, stderr)] = run_script_ranks(command_code(f"ds_pfc.cli.{name}"), args, [_env()], ROOT, 300)
     return SimpleNamespace(returncode=returncode, stdout=stdout, stderr=stderr)
 
 
