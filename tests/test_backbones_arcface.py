@@ -30,17 +30,26 @@ from ds_pfc.models import ALIASES, build_backbone
 # --- arcface_torch's layouts, from the architecture numbers ---------------------------
 
 BN = "bn"  # weight, bias, running_mean, running_var, num_batches_tracked
+# A BatchNorm whose weight (gamma) arcface_torch never trains. Only its IResNets have one:
+# backbones/iresnet.py ends __init__ with ``self.features.weight.requires_grad = False``;
+# its mobilefacenet.py (GDC's BatchNorm1d) and vit.py (``feature``'s last BatchNorm1d)
+# leave every parameter trainable.
+BN_FIXED_SCALE = "bn, weight frozen"
+UNUSED = "unused"  # a parameter arcface_torch creates but its forward never reads
 
 
 def _expand(entries):
-    """-> [(shape, is_parameter)] in state-dict order."""
+    """-> [(shape, is_parameter, trained)] in state-dict order."""
     shapes = []
     for entry in entries:
-        if isinstance(entry, tuple) and entry and entry[0] == BN:
+        if isinstance(entry, tuple) and entry and entry[0] in (BN, BN_FIXED_SCALE):
             c = entry[1]
-            shapes += [((c,), True), ((c,), True), ((c,), False), ((c,), False), ((), False)]
+            shapes += [((c,), True, entry[0] == BN), ((c,), True, True), ((c,), False, False),
+                       ((c,), False, False), ((), False, False)]
+        elif isinstance(entry, tuple) and entry and entry[0] == UNUSED:
+            shapes.append((tuple(entry[1]), True, False))
         else:
-            shapes.append((tuple(entry), True))
+            shapes.append((tuple(entry), True, True))
     return shapes
 
 
@@ -54,7 +63,7 @@ def iresnet_layout(layers, emb=512):
             if i == 0:                                          # stride 2: 1x1 downsample
                 e += [(planes, inplanes, 1, 1), (BN, planes)]
             inplanes = planes
-    e += [(BN, 512), (emb, 512 * 7 * 7), (emb,), (BN, emb)]    # bn2, fc, features
+    e += [(BN, 512), (emb, 512 * 7 * 7), (emb,), (BN_FIXED_SCALE, emb)]    # bn2, fc, features
     return _expand(e)
 
 
@@ -81,9 +90,13 @@ def mbf_layout(blocks, scale, emb=512):
     return _expand(e)
 
 
-def vit_layout(dim, depth, emb=512, mask_token=True):
+def vit_layout(dim, depth, emb=512, mask_token=True, masking=True):
+    """``mask_token``: the tensor exists (arcface_torch always creates it); ``masking``:
+    training masks tokens (mask_ratio > 0), the only use of the mask token."""
     tokens = (112 // 9) ** 2
-    e = [(1, tokens, dim)] + ([(1, 1, dim)] if mask_token else [])  # pos_embed, mask_token
+    e = [(1, tokens, dim)]                                          # pos_embed
+    if mask_token:
+        e.append((1, 1, dim) if masking else (UNUSED, (1, 1, dim)))
     e += [(dim, 3, 9, 9), (dim,)]                                   # patch embedding
     for _ in range(depth):
         e += [(dim,), (dim,), (dim,), (dim,),                       # norm1, norm2
@@ -121,9 +134,63 @@ def test_state_dict_shapes_in_order_match_the_arcface_torch_network(name):
     shapes = [tuple(t.shape) for t in model.state_dict().values()]
     expected = LAYOUTS[name]()
     assert len(shapes) == len(expected)
-    assert shapes == [shape for shape, _ in expected]
+    assert shapes == [shape for shape, _, _ in expected]
     assert sum(p.numel() for p in model.parameters()) == sum(
-        torch.Size(shape).numel() for shape, is_parameter in expected if is_parameter)
+        torch.Size(shape).numel() for shape, is_parameter, _ in expected if is_parameter)
+
+
+# Every network name of arcface_torch's get_model that ds-pfc-migrate converts -> its
+# layout in arcface_torch (the WebFace42M ViT variants differ only in drop path and mask
+# ratio; with mask ratio 0 the mask token exists but never trains).
+ARCFACE_NETWORKS = {
+    "r18": LAYOUTS["r18"], "r34": LAYOUTS["r34"], "r50": LAYOUTS["r50"], "r100": LAYOUTS["r100"],
+    "r200": LAYOUTS["r200"], "mbf": LAYOUTS["mbf"], "mbf_large": LAYOUTS["mbf_large"],
+    "vit_t": LAYOUTS["vit_t"], "vit_t_dp005_mask0": lambda: vit_layout(256, 12, masking=False),
+    "vit_s": LAYOUTS["vit_s"], "vit_s_dp005_mask_0": lambda: vit_layout(512, 12, masking=False),
+    "vit_b": LAYOUTS["vit_b"], "vit_b_dp005_mask_005": LAYOUTS["vit_b"],
+    "vit_l_dp005_mask_005": LAYOUTS["vit_l"],
+}
+
+
+def test_the_converter_accepts_exactly_the_networks_checked_here():
+    from ds_pfc.app import migrate
+    accepted = {name for name in migrate._NETWORKS if migrate._network(name)[0] is not None}
+    assert accepted == set(ARCFACE_NETWORKS)
+
+
+@pytest.mark.parametrize("network", sorted(ARCFACE_NETWORKS))
+def test_trained_tensors_are_those_arcface_torch_trains(network):
+    """The backbone a converted config builds trains the tensors arcface_torch's network
+    of that name trains, in order (the embedding BatchNorm's scale: frozen in the
+    IResNets only), and no other."""
+    from ds_pfc.app import migrate
+    name, options, _ = migrate._network(network)
+    with torch.device("meta"):
+        model = BackboneConfig(name=name, options=options).build(512)
+    trained = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    expected = [shape for shape, is_parameter, train in ARCFACE_NETWORKS[network]() if is_parameter and train]
+    assert trained == expected
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == (["features.weight"] if name.startswith("r") else [])
+
+
+def test_trained_tensor_counts():
+    """The counts of trained tensors in arcface_torch's networks (mbf 183, mbf_large 333,
+    vit_t 144 with its mask token, r50 237 of its 238): what the layouts above must give."""
+    def count(network):
+        return sum(1 for _, is_parameter, train in ARCFACE_NETWORKS[network]() if is_parameter and train)
+    assert (count("mbf"), count("mbf_large"), count("vit_t"), count("r50")) == (183, 333, 144, 237)
+    assert count("vit_t_dp005_mask0") == 143
+
+
+@pytest.mark.parametrize("name", ["r18", "mbf", "vit_t"])
+def test_train_embedding_scale_overrides_the_family_rule(name):
+    for value in (True, False):
+        model = meta(name, train_embedding_scale=value)
+        assert model.features.weight.requires_grad is value
+        assert model.features.bias.requires_grad
+    with pytest.raises(ConfigError, match="train_embedding_scale"):
+        BackboneConfig(name=name, options={"train_embedding_scale": "yes"}).build(512)
 
 
 def test_new_names_and_their_defaults():

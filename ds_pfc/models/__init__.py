@@ -3,8 +3,11 @@
 ``build_backbone(name, ...)`` builds one of ``BACKBONES`` (aliases in ``ALIASES``);
 ``count_macs`` / ``count_flops`` measure the compute of one forward pass.
 
-Every backbone ends with a BN1d whose scale (gamma) is fixed at 1 and has
-``requires_grad=False`` (ArcFace's ``fix_gamma``); it is the only frozen parameter.
+Every backbone ends with a BN1d whose scale (gamma) starts at 1. Whether it trains
+follows arcface_torch per family (option ``train_embedding_scale``, None = the rule):
+the IResNets (and ``mlp``) keep it fixed (``requires_grad=False``, ArcFace's
+``fix_gamma``), the MobileFaceNets and ViTs train it. It is the only parameter ever
+frozen.
 Precision is left to the caller (DeepSpeed's fp16/bf16 casting, or ``torch.autocast``):
 the modules have no fp16 switch of their own. Their BatchNorm layers
 (:mod:`ds_pfc.models.norm`) run with 16-bit parameters beside float32 running
@@ -70,6 +73,9 @@ def build_backbone(name: str, *, embedding_size: int = 512, width: float = 1.0, 
         dropout: dropout probability before the embedding FC.
         **options: constructor-specific extras: ``checkpoint_blocks`` (every
             backbone: recompute each block in backward, training only);
+            ``train_embedding_scale`` (every backbone: train the final BatchNorm's
+            scale; None: the IResNets and ``mlp`` keep it at 1, the MobileFaceNets
+            and ViTs train it, as arcface_torch does);
             ``drop_path_rate``, ``mask_ratio`` and ``style`` for the ViTs (vit_t and
             vit_s: 0, 0, ``"default"``; vit_b: 0.1, 0.1, ``"arcface"``; vit_l: 0.05,
             0.05, ``"arcface"``, as insightface trains them); ``image_size`` for the

@@ -12,7 +12,8 @@ Written from the published description:
 - output ("option E"): BN2d -> dropout -> flatten (512x7x7) -> FC -> BN1d.
 
 The final BN1d keeps its scale (gamma) fixed at 1 and not trainable, as ArcFace and
-insightface do (MXNet's ``fix_gamma``); its shift (beta) trains. The embedding is
+arcface_torch's IResNet do (MXNet's ``fix_gamma``; ``train_embedding_scale`` true
+trains it); its shift (beta) trains. The embedding is
 L2-normalized by the margin head, so a learned per-dimension scale would only reweight
 dimensions of the cosine.
 
@@ -68,11 +69,16 @@ def scaled(channels: int, width: float, divisor: int = 1) -> int:
     return max(divisor, int(round(channels * width / divisor)) * divisor)
 
 
-def embedding_bn(num_features: int) -> BatchNorm1d:
-    """The BN1d every backbone ends with: gamma fixed at 1 (frozen), beta trained."""
+def embedding_bn(num_features: int, train_scale) -> BatchNorm1d:
+    """The BN1d every backbone ends with: gamma starts at 1 and is trained only when
+    ``train_scale`` is true (arcface_torch's rule per family: its IResNets freeze it,
+    its MobileFaceNets and ViTs train it); beta is always trained."""
+    if not isinstance(train_scale, bool):
+        raise ValueError(f"train_embedding_scale must be true, false or null (the family's rule), "
+                         f"got {train_scale!r}")
     bn = BatchNorm1d(num_features, eps=_BN_EPS)
     nn.init.ones_(bn.weight)
-    bn.weight.requires_grad_(False)
+    bn.weight.requires_grad_(train_scale)
     return bn
 
 
@@ -122,10 +128,12 @@ class IResNet(nn.Module):
         dropout: dropout probability on the 7x7 feature map before the FC.
         checkpoint_blocks: recompute each basic block's activations in backward instead
             of keeping them (training only; see :mod:`ds_pfc.models.checkpointing`).
+        train_embedding_scale: train the final BatchNorm's scale (gamma); None (default)
+            keeps it fixed at 1, as arcface_torch's IResNets do.
     """
 
     def __init__(self, layers: Sequence[int], *, embedding_size: int = 512, width: float = 1.0,
-                 dropout: float = 0.0, checkpoint_blocks: bool = False):
+                 dropout: float = 0.0, checkpoint_blocks: bool = False, train_embedding_scale: bool | None = None):
         super().__init__()
         check_backbone_args(embedding_size, width, dropout)
         self.checkpoint_blocks = check_checkpoint_blocks(checkpoint_blocks)
@@ -155,7 +163,7 @@ class IResNet(nn.Module):
         self.bn = BatchNorm2d(in_channels, eps=_BN_EPS)
         self.dropout = nn.Dropout(dropout)
         self.fc = nn.Linear(in_channels * spatial * spatial, embedding_size)
-        self.features = embedding_bn(embedding_size)
+        self.features = embedding_bn(embedding_size, False if train_embedding_scale is None else train_embedding_scale)
 
         init_convs(self)
 

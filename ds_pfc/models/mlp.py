@@ -28,10 +28,13 @@ class MLP(nn.Module):
         depth: hidden layers, >= 1 (default 2).
         embedding_size, width, dropout: as every backbone.
         checkpoint_blocks: recompute each hidden layer in backward.
+        train_embedding_scale: train the final BatchNorm's scale (gamma); None (default)
+            keeps it fixed at 1.
     """
 
     def __init__(self, *, input_dim: int, embedding_size: int = 512, width: float = 1.0, dropout: float = 0.0,
-                 hidden: int = 512, depth: int = 2, checkpoint_blocks: bool = False):
+                 hidden: int = 512, depth: int = 2, checkpoint_blocks: bool = False,
+                 train_embedding_scale: bool | None = None):
         super().__init__()
         check_backbone_args(embedding_size, width, dropout)
         for name, value in (("input_dim", input_dim), ("hidden", hidden), ("depth", depth)):
@@ -46,7 +49,7 @@ class MLP(nn.Module):
         self.body = nn.Sequential(*blocks)
         self.dropout = nn.Dropout(dropout)
         self.fc = nn.Linear(previous, embedding_size, bias=False)
-        self.features = embedding_bn(embedding_size)
+        self.features = embedding_bn(embedding_size, False if train_embedding_scale is None else train_embedding_scale)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2 or inputs[0].numel() != self.input_dim:

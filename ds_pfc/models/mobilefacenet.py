@@ -25,8 +25,9 @@ PReLU -> 3x3 depthwise (stride) -> BN -> PReLU -> 1x1 project -> BN (linear), wi
 identity shortcut when stride is 1 and the shape is kept.
 
 The embedding head replaces the paper's final 1x1 linear conv by FC -> BN1d (gamma
-frozen at 1, as for every ds_pfc backbone; see ``iresnet``); ``dropout`` acts on the
-flattened GDC output before the FC.
+starts at 1 and trains, as in arcface_torch's MobileFaceNet; ``train_embedding_scale``
+false fixes it as the IResNets do); ``dropout`` acts on the flattened GDC output before
+the FC.
 """
 from __future__ import annotations
 
@@ -87,11 +88,13 @@ class MobileFaceNet(nn.Module):
             kernel (7 at 112, 4 at 56): smaller faces for quick CPU studies.
         checkpoint_blocks: recompute each layer's activations in backward instead of
             keeping them (training only; see :mod:`ds_pfc.models.checkpointing`).
+        train_embedding_scale: train the final BatchNorm's scale (gamma); None (default)
+            trains it, as arcface_torch's MobileFaceNets do.
     """
 
     def __init__(self, blocks: Sequence[int] = (1, 4, 6, 2), scale: int = 2, *, embedding_size: int = 512,
                  width: float = 1.0, dropout: float = 0.0, image_size: int = 112,
-                 checkpoint_blocks: bool = False):
+                 checkpoint_blocks: bool = False, train_embedding_scale: bool | None = None):
         super().__init__()
         check_backbone_args(embedding_size, width, dropout)
         self.checkpoint_blocks = check_checkpoint_blocks(checkpoint_blocks)
@@ -129,7 +132,7 @@ class MobileFaceNet(nn.Module):
         self.gdc = ConvBN(c512, c512, gdc_size, groups=c512, act=False, padding=0)
         self.dropout = nn.Dropout(dropout)
         self.fc = nn.Linear(c512, embedding_size, bias=False)
-        self.features = embedding_bn(embedding_size)
+        self.features = embedding_bn(embedding_size, True if train_embedding_scale is None else train_embedding_scale)
 
         init_convs(self)
 

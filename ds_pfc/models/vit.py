@@ -11,8 +11,8 @@ Written from the published description:
 - ``depth`` pre-norm blocks: ``x + Attn(LN(x))`` then ``x + MLP(LN(x))``, MLP ratio 4
   with GELU, optional stochastic depth (``drop_path_rate``, linear over depth);
 - a final LayerNorm, then the head maps all tokens to the embedding: flatten
-  (144 * dim) -> [dropout] -> FC -> BN1d -> FC -> BN1d (the last BN1d's gamma frozen at
-  1, as for every ds_pfc backbone; see ``iresnet``).
+  (144 * dim) -> [dropout] -> FC -> BN1d -> FC -> BN1d (the last BN1d's gamma starts at
+  1 and trains, as in arcface_torch's ViT; ``train_embedding_scale`` false fixes it).
 
 Training-only token masking (``mask_ratio``): each sample keeps a random
 ``(1 - mask_ratio)`` of its tokens through the transformer blocks; the dropped positions
@@ -102,11 +102,14 @@ class ViT(nn.Module):
         style: ``"default"`` or ``"arcface"`` (arcface_torch's network; see the module
             docstring).
         checkpoint_blocks: recompute each block's activations in backward (training only).
+        train_embedding_scale: train the final BatchNorm's scale (gamma); None (default)
+            trains it, as arcface_torch's ViTs do.
     """
 
     def __init__(self, dim: int = 256, depth: int = 12, num_heads: int = 8, *, embedding_size: int = 512,
                  width: float = 1.0, dropout: float = 0.0, drop_path_rate: float = 0.0, mask_ratio: float = 0.0,
-                 style: str = "default", checkpoint_blocks: bool = False):
+                 style: str = "default", checkpoint_blocks: bool = False,
+                 train_embedding_scale: bool | None = None):
         super().__init__()
         check_backbone_args(embedding_size, width, dropout)
         if not isinstance(style, str) or style not in _STYLES:
@@ -138,7 +141,7 @@ class ViT(nn.Module):
             BatchNorm1d(self.dim, eps=head_eps),
             nn.Linear(self.dim, embedding_size, bias=False),
         )
-        self.features = embedding_bn(embedding_size)
+        self.features = embedding_bn(embedding_size, True if train_embedding_scale is None else train_embedding_scale)
         self.features.eps = head_eps
 
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
