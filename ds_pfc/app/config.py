@@ -620,19 +620,35 @@ class ScheduleConfig:
 
     type: str = "poly"
     """poly: linear warm-up, then ``lr (1 - t/T)^power``; step: warm-up, then
-    ``lr * gamma^k`` after the k-th milestone."""
+    ``lr * gamma^k`` after the k-th milestone; arcface: arcface_torch's
+    ``PolynomialLRWarmup`` as its ``train_v2.py`` steps it, once per micro batch: the
+    full ``lr`` for the first micro batch, ``k / w`` of it for micro batch ``k`` of a
+    warm-up of ``w``, then ``lr (1 - (k - w) / (t - w))^power`` down to 0 at micro batch
+    ``t``; an optimizer step takes the learning rate of its last micro batch. ``w`` and
+    ``t`` are counted as arcface_torch counts them: ``images_per_epoch // (micro batch x
+    ranks)`` micro batches per epoch, times ``warmup_epochs`` and ``ds_pfc.train.epochs``."""
     warmup_epochs: float = 0.0
-    """Linear warm-up from 0 over this many epochs."""
+    """Linear warm-up from 0 over this many epochs (arcface: from the full lr's first
+    micro batch, then 1/w, 2/w, ...)."""
     power: float = 2.0
-    """poly: decay exponent."""
+    """poly, arcface: decay exponent."""
     milestones: list = field(default_factory=list)
     """step: epochs at which the learning rate is multiplied by ``gamma``."""
     gamma: float = 0.1
     """step: decay factor."""
+    images_per_epoch: int | None = None
+    """arcface: the epoch size its schedule is counted from (arcface_torch's
+    ``config.num_image``, which need not be the data's size); null: the training set's
+    size. The run's length is still ``epochs`` of the training set."""
 
     def __post_init__(self):
-        if self.type not in ("poly", "step"):
-            raise ConfigError(f"ds_pfc.train.schedule.type must be poly or step, got {self.type!r}")
+        if self.type not in ("poly", "step", "arcface"):
+            raise ConfigError(f"ds_pfc.train.schedule.type must be poly, step or arcface, got {self.type!r}")
+        if self.images_per_epoch is not None:
+            if self.type != "arcface":
+                raise ConfigError(f"ds_pfc.train.schedule.images_per_epoch applies to type arcface only (this "
+                                  f"schedule is {self.type!r}); remove it")
+            _positive_int(self.images_per_epoch, "ds_pfc.train.schedule.images_per_epoch")
         _number(self.warmup_epochs, "ds_pfc.train.schedule.warmup_epochs", low=0)
         _number(self.power, "ds_pfc.train.schedule.power", low=0)
         _number(self.gamma, "ds_pfc.train.schedule.gamma", low=0)

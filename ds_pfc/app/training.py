@@ -53,8 +53,18 @@ def load_config(path: str) -> dict:
             raise ConfigError(f"{path}: not valid JSON ({err})") from None
 
 
-def schedule_factor(schedule: ScheduleConfig, steps_per_epoch: int, total_steps: int):
-    """``step -> factor`` of the peak learning rate (for ``torch.optim.lr_scheduler.LambdaLR``)."""
+def schedule_factor(schedule: ScheduleConfig, steps_per_epoch: int, total_steps: int, *,
+                    micro_batches_per_epoch: int | None = None, accumulation: int = 1, epochs: float | None = None):
+    """``step -> factor`` of the peak learning rate at optimizer step ``step`` (0 first;
+    for ``torch.optim.lr_scheduler.LambdaLR``).
+
+    The ``arcface`` type counts micro batches as arcface_torch does and needs
+    ``micro_batches_per_epoch`` (its ``num_image // (micro batch x ranks)``),
+    ``accumulation`` (micro batches per optimizer step) and ``epochs``."""
+    if schedule.type == "arcface":
+        if micro_batches_per_epoch is None or epochs is None:
+            raise ValueError("the arcface schedule needs micro_batches_per_epoch and epochs")
+        return _arcface_factor(schedule, micro_batches_per_epoch, accumulation, epochs)
     warmup = int(round(schedule.warmup_epochs * steps_per_epoch))
     milestones = [int(round(m * steps_per_epoch)) for m in schedule.milestones]
 
@@ -65,6 +75,31 @@ def schedule_factor(schedule: ScheduleConfig, steps_per_epoch: int, total_steps:
             span = max(total_steps - warmup, 1)
             return max(0.0, 1.0 - (step - warmup) / span) ** schedule.power
         return schedule.gamma ** sum(step >= m for m in milestones)
+    return factor
+
+
+def _arcface_factor(schedule: ScheduleConfig, micro_batches_per_epoch: int, accumulation: int, epochs: float):
+    """arcface_torch's ``PolynomialLRWarmup(warmup_iters=w, total_iters=t, power)``
+    stepped after every micro batch, read at the last micro batch of each optimizer step.
+
+    Its micro batch ``k`` (0 first) runs at: the full lr at ``k = 0`` (``get_lr`` returns
+    the group's lr when ``last_epoch == 0``), ``k / w`` for ``1 <= k <= w``, then
+    ``(1 - (k - w) / (t - w))^power`` (a chained product of ratios there, equal to this
+    closed form to double rounding); past ``t`` it keeps the value of its last step
+    within ``t`` (0 at the end of a decay)."""
+    w = micro_batches_per_epoch * schedule.warmup_epochs
+    t = micro_batches_per_epoch * epochs
+    power = schedule.power
+
+    def factor(step: int) -> float:
+        k = (step + 1) * accumulation - 1
+        if k > t:
+            k = math.floor(t)
+        if k <= 0:
+            return 1.0
+        if k <= w:
+            return k / w
+        return (1.0 - (k - w) / (t - w)) ** power
     return factor
 
 
@@ -298,12 +333,18 @@ class Trainer:
         if init is not None and (init.backbone or init.head):
             self._load_init(init, backbone, head)
         scheduler, self.schedule = None, None
+        base_factor = None
+        if cfg.train.schedule is not None:
+            schedule = cfg.train.schedule
+            images = schedule.images_per_epoch or len(self.dataset)
+            base_factor = schedule_factor(schedule, self.steps_per_epoch, self.total_steps,
+                                          micro_batches_per_epoch=images // (self.micro * self.world_size),
+                                          accumulation=self.gas, epochs=cfg.train.epochs)
         if init is not None and init.scales_backbone:
             # The backbone's lr factor carries the frozen steps and the multiplier; the
             # heads follow the schedule alone (BackboneScaledLR.head_lr).
             from .finetune import BackboneScaledLR, backbone_factor
-            base = (schedule_factor(cfg.train.schedule, self.steps_per_epoch, self.total_steps)
-                    if cfg.train.schedule is not None else (lambda step: 1.0))
+            base = base_factor if base_factor is not None else (lambda step: 1.0)
             self.schedule = backbone_factor(base, freeze_steps=init.freeze_backbone_steps,
                                             scale=init.backbone_lr_scale)
 
@@ -311,7 +352,7 @@ class Trainer:
                 return BackboneScaledLR(optimizer, base, freeze_steps=init.freeze_backbone_steps,
                                         scale=init.backbone_lr_scale)
         elif cfg.train.schedule is not None:
-            factor = self.schedule = schedule_factor(cfg.train.schedule, self.steps_per_epoch, self.total_steps)
+            factor = self.schedule = base_factor
 
             def scheduler(optimizer):
                 return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
