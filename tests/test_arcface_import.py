@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ds_pfc import PartialFC
+from ds_pfc.app.config import ConfigError
 from ds_pfc.app import arcface_import as ai
 from ds_pfc.checkpoint import shards as ckpt
 from ds_pfc.app.export import load_backbone
@@ -431,6 +432,75 @@ def test_head_v1_files(tmp_path):
         os.remove(tmp_path / f"rank_{r}_softmax_weight_mom.pt")
     ai.import_head(str(tmp_path), str(tmp_path / "zero"), 4, optimizer_states="zero_momentum")
     _check_shards(tmp_path / "zero", 4, torch.cat(weights), torch.zeros(C, D))
+
+
+@pytest.mark.parametrize("route", ["zero_adamw", "weights only"])
+def test_weights_only_head_starts_adamw_like_a_fresh_torch_adamw(tmp_path, route):
+    """A head saved without optimizer states (arcface_torch's legacy weight files) into an
+    AdamW job: imported with zero_adamw (zero moments, step 0), or as the centers alone
+    and loaded by the training app's init, which starts AdamW at zero. Either way two
+    steps at r = 1 follow torch.optim.AdamW started on the same weights, with gradients
+    from an independent float64 margin softmax."""
+    from _reference import arcface_ref_loss
+    from ds_pfc import ArcFace
+    from ds_pfc.app.finetune import load_head_weights
+    gen = torch.Generator().manual_seed(5)
+    weights = []
+    for r in range(W):
+        _, num_local = _arcface_split(C, W, r)
+        weights.append(torch.randn(num_local, D, generator=gen, dtype=torch.float64))
+        torch.save(weights[-1], tmp_path / f"rank_{r}_softmax_weight.pt")
+    weight = torch.cat(weights)
+    out = tmp_path / "out"
+    ai.import_head(str(tmp_path), str(out), 1, optimizer_states="zero_adamw" if route == "zero_adamw" else "auto")
+    tensors = safetensors.torch.load_file(os.path.join(out, ckpt.shard_file_name("head", 0, 1)))
+    if route == "zero_adamw":
+        assert sorted(tensors) == ["exp_avg", "exp_avg_sq", "step", "weight"]
+        assert not tensors["exp_avg"].any() and not tensors["exp_avg_sq"].any() and not tensors["step"].any()
+    else:
+        assert sorted(tensors) == ["weight"]
+    betas, eps, wd, scale, margin = (0.8, 0.95), 1e-3, 0.05, 16.0, 0.3
+    head = PartialFC(C, D, sample_rate=1.0, margin=ArcFace(scale, margin), optimizer="adamw", betas=betas,
+                     eps=eps, weight_decay=wd)
+    said = load_head_weights(head, str(out))
+    assert ("starts at zero" in said) == (route != "zero_adamw")
+    assert torch.equal(head.state_dict()["weight"], weight.float())      # the importer writes float32 centers
+    ref = torch.nn.Parameter(weight.float().double())
+    opt = torch.optim.AdamW([ref], lr=1.0, betas=betas, eps=eps, weight_decay=wd, foreach=False)
+    for lr in (0.1, 0.05):
+        x = torch.randn(7, D, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, C, (7,), generator=gen)
+        w = ref.detach().clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(arcface_ref_loss(x, w, y, scale, margin), w)
+        head(x.float(), y).backward()
+        head.step(lr)
+        ref.grad = grad
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        state = head.state_dict()
+        torch.testing.assert_close(state["weight"].double(), ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["exp_avg_sq"].double(), opt.state[ref]["exp_avg_sq"], rtol=1e-4,
+                                   atol=1e-9)
+        assert torch.equal(state["step"], torch.full((C,), int(opt.state[ref]["step"]), dtype=state["step"].dtype))
+
+
+def test_centers_alone_into_another_optimizer(tmp_path):
+    """init.optimizer_states false loads SGD-momentum shards into an AdamW head (states at
+    zero); with the default, a head of another optimizer than the shards' is refused,
+    naming the way to load the centers alone."""
+    from ds_pfc.app.finetune import load_head_weights
+    src = tmp_path / "arc"
+    src.mkdir()
+    weight, _ = _write_v2(src)
+    ai.import_head(str(src), str(tmp_path / "w1"), 1)
+    head = PartialFC(C, D, optimizer="adamw")
+    before = head.state_dict()
+    with pytest.raises(ConfigError, match="optimizer_states='zero'"):
+        load_head_weights(head, str(tmp_path / "w1"))
+    assert all(torch.equal(before[k], v) for k, v in head.state_dict().items() if k in before)
+    assert load_head_weights(head, str(tmp_path / "w1"), optimizer_states=False).endswith("zeroed")
+    state = head.state_dict()
+    assert torch.equal(state["weight"], weight) and not state["exp_avg"].any() and not state["step"].any()
 
 
 def test_head_errors(tmp_path):

@@ -473,6 +473,16 @@ def read_head(directory: str, *, num_classes: int | None = None) -> ArcfaceHead:
     return ArcfaceHead({k: [s[k] for s in per_rank] for k in per_rank[0]}, world, directory)
 
 
+#: import_head's ``optimizer_states`` choices.
+OPTIMIZER_STATE_CHOICES = ("auto", "zero_momentum", "zero_adamw", "none")
+
+
+def _zero_state(name: str, rows: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """A state no optimizer step has touched: zero rows (of the centers' dtype); AdamW's
+    per-row step 0 (int32)."""
+    return torch.zeros(rows, dtype=torch.int32) if name == "step" else torch.zeros(rows, d, dtype=dtype)
+
+
 def import_head(head: ArcfaceHead | str, out_dir: str, world_size: int, *, name: str = "head",
                 optimizer_states: str = "auto", num_classes: int | None = None) -> list[str]:
     """Write ``head`` (an :class:`ArcfaceHead`, or a directory :func:`read_head`
@@ -482,14 +492,17 @@ def import_head(head: ArcfaceHead | str, out_dir: str, world_size: int, *, name:
     (SGD's ``momentum_buffer``, which a head with :class:`~ds_pfc.core.optim.RowSGD`
     momentum loads, or AdamW's for :class:`~ds_pfc.core.optim.RowAdamW`);
     ``"zero_momentum"`` the saved ones, or a zero ``momentum_buffer`` where none was
-    saved; ``"none"`` the weights only (a head without optimizer state, e.g.
-    RowSGD(momentum=0)). Sampler and step counters start at 0. Returns the paths."""
+    saved; ``"zero_adamw"`` the saved AdamW states, or zero moments and step 0 (a fresh
+    ``torch.optim.AdamW``) where none were saved (a saved SGD momentum is not written);
+    ``"none"`` the weights only (which a head of any optimizer loads through
+    ``ds_pfc.train.init.head``, starting its states at zero). Sampler and step counters
+    start at 0. Returns the paths."""
     from ..checkpoint import shards as ckpt
     from ..core.partition import Partition
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if optimizer_states not in ("auto", "zero_momentum", "none"):
-        raise ValueError(f"optimizer_states must be 'auto', 'zero_momentum' or 'none', got {optimizer_states!r}")
+    if optimizer_states not in OPTIMIZER_STATE_CHOICES:
+        raise ValueError(f"optimizer_states must be one of {list(OPTIMIZER_STATE_CHOICES)}, got {optimizer_states!r}")
     if isinstance(head, str):
         head = read_head(head, num_classes=num_classes)
     if os.path.isdir(out_dir):
@@ -502,13 +515,17 @@ def import_head(head: ArcfaceHead | str, out_dir: str, world_size: int, *, name:
         optimizer = None
     elif optimizer_states == "zero_momentum" and optimizer is None:
         optimizer = "RowSGD"
+    elif optimizer_states == "zero_adamw" and optimizer != "RowAdamW":
+        optimizer = "RowAdamW"
     names = ("weight",) + (_OPTIMIZER_STATES[optimizer] if optimizer else ())
     C, d = head.num_classes, head.embedding_size
     partition = Partition(C, world_size)
     paths = []
     for rank in range(world_size):
         start, end = partition.bounds(rank)
-        part = {k: head.rows(start, end, k) if k in head.parts else torch.zeros(end - start, d) for k in names}
+        weight = head.rows(start, end, "weight")
+        part = {k: weight if k == "weight" else head.rows(start, end, k) if k in head.parts
+                else _zero_state(k, end - start, d, weight.dtype) for k in names}
         meta = {"num_classes": C, "embedding_size": d, "class_start": start, "num_local": end - start,
                 "world_size": world_size, "rank": rank, "seed": 0, "sample_step": 0, "step_count": 0,
                 "sub_centers": 1, "margin_state": "{}", "optimizer": optimizer or "weights only"}

@@ -80,14 +80,17 @@ def load_backbone_weights(backbone: torch.nn.Module, path: str) -> None:
         backbone.load_state_dict(state, strict=True)
 
 
-def load_head_weights(head, directory: str, *, seed: int | None = None, optimizer_states: bool = True) -> None:
+def load_head_weights(head, directory: str, *, seed: int | None = None, optimizer_states: bool = True) -> str:
     """Load this rank's shard of the head shards in ``directory`` into ``head``
     (:func:`ds_pfc.checkpoint.load_head_shard`); the shards must be written for
     ``head.world_size`` ranks. ``seed``: the head's sampling seed afterwards (the
     job's, not the one stored with the shards). ``optimizer_states`` False: the
-    optimizer's states start at zero (the centers as saved). A head of other classes
-    or another number of ranks grows from the shards with a class map instead
-    (:mod:`ds_pfc.app.grow`)."""
+    optimizer's states start at zero (the centers as saved). Shards that hold the
+    centers alone (``import-arcface --optimizer_states none``, or a source that saved no
+    optimizer state) start every optimizer at zero too: SGD's momentum, AdamW's moments
+    and step (a fresh ``torch.optim.AdamW``). A head of other classes or another number
+    of ranks grows from the shards with a class map instead (:mod:`ds_pfc.app.grow`).
+    Returns what the optimizer states start from, for the log."""
     from ..checkpoint import shards as ckpt
     where = f"{_KEY}.head"
     if not os.path.isdir(directory):
@@ -103,15 +106,23 @@ def load_head_weights(head, directory: str, *, seed: int | None = None, optimize
             f"--out <new dir>; for ds_pfc shards, ds_pfc.checkpoint.reshard({directory!r}, <new dir>, "
             f"{head.world_size}), or load them as they are with ds_pfc.train.init.class_map (a map of each "
             "old id to its id here)")
+    others = [name for name in head.bank.state_names() if name != "weight"]
     try:
-        ckpt.load_head_shard(head, directory)
+        saved = [name for name in ckpt.open_shards(directory, world_size=head.world_size).states if name != "weight"]
+        zero = not optimizer_states or (bool(others) and not saved)
+        ckpt.load_head_shard(head, directory, optimizer_states="zero" if zero else "saved")
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"{where}: {err}") from None
-    if not optimizer_states:
-        from .grow import zero_optimizer_states
-        zero_optimizer_states(head)
     if seed is not None:
         head.seed = int(seed)
+    if not others:
+        return "no optimizer states"
+    if not optimizer_states:
+        return f"optimizer states {others} zeroed"
+    if zero:
+        return (f"the shards hold the centers alone: {type(head.optimizer).__name__} starts at zero "
+                f"({', '.join(others)})")
+    return f"optimizer states {others} as saved"
 
 
 def backbone_factor(factor, *, freeze_steps: int = 0, scale: float = 1.0):

@@ -456,9 +456,9 @@ class Trainer:
             load_backbone_weights(backbone, init.backbone)
             self.log(f"init: backbone weights from {init.backbone}")
         if init.head and not init.class_map:
-            load_head_weights(head, init.head, seed=self.cfg.head.seed, optimizer_states=init.optimizer_states)
-            self.log(f"init: head centers from {init.head} ({self.world_size} shard(s)"
-                     f"{'' if init.optimizer_states else ', optimizer states zeroed'})")
+            states = load_head_weights(head, init.head, seed=self.cfg.head.seed,
+                                       optimizer_states=init.optimizer_states)
+            self.log(f"init: head centers from {init.head} ({self.world_size} shard(s); {states})")
         elif init.head:
             # Growing a head: the old rows move to their new ids; the others are the fresh
             # rows, or imprinted from the initial backbone (after init.backbone is in).

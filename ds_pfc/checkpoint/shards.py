@@ -333,13 +333,19 @@ def save_head_shard(head, directory: str, *, name: str = "head") -> str:
     return _atomic_stream_save(specs, chunks, path, _metadata(meta, {k: v[1] for k, v in specs.items()}))
 
 
-def load_head_shard(head, directory: str, *, name: str = "head") -> None:
+def load_head_shard(head, directory: str, *, name: str = "head", optimizer_states: str = "saved") -> None:
     """Load this rank's shard into ``head`` (all-or-nothing: on any error nothing changes).
 
     The file for ``head.rank`` / ``head.world_size`` must exist and match the head's
     ``num_classes``, ``embedding_size``, class range, world size, states and dtypes;
     a checkpoint written at another world size must first go through :func:`reshard`.
+    ``optimizer_states``: ``"saved"`` loads the optimizer states the file holds, which
+    must be the head's; ``"zero"`` loads the centers (``weight``) alone and starts every
+    other state of the head at zero, whatever the file holds: SGD's momentum, AdamW's
+    moments and its per-row step (so AdamW starts as a fresh ``torch.optim.AdamW``).
     """
+    if optimizer_states not in ("saved", "zero"):
+        raise ValueError(f"optimizer_states must be 'saved' or 'zero', got {optimizer_states!r}")
     shards = _list_shards(directory, name) if os.path.isdir(directory) else {}
     path = shards.get(head.world_size, {}).get(head.rank)
     if path is None:
@@ -360,10 +366,20 @@ def load_head_shard(head, directory: str, *, name: str = "head") -> None:
     if meta["rank"] != head.rank:
         raise ValueError(f"{path}: metadata says rank={meta['rank']} but this head has rank={head.rank}")
     names = head.bank.state_names()
+    empty = torch.zeros(0, dtype=torch.long, device=head.device)
+    if optimizer_states == "zero":
+        if "weight" not in tensors:
+            raise ValueError(f"{path}: holds no 'weight' (states {sorted(tensors)})")
+        zeros = {}
+        for key in names:
+            if key != "weight":
+                probe = head.bank.read(key, empty)
+                zeros[key] = torch.zeros((head.num_rows,) + tuple(probe.shape[1:]), dtype=probe.dtype)
+        tensors = {"weight": tensors["weight"], **zeros}
     if sorted(names) != sorted(tensors):
         raise ValueError(f"{path}: checkpoint holds states {sorted(tensors)} ({meta['optimizer']}) but this head "
-                         f"holds {sorted(names)} (optimizer {head.optimizer})")
-    empty = torch.zeros(0, dtype=torch.long, device=head.device)
+                         f"holds {sorted(names)} (optimizer {head.optimizer}); load its centers alone with "
+                         "optimizer_states='zero'")
     for key in names:
         want = head.bank.read(key, empty).dtype
         if tensors[key].dtype != want:

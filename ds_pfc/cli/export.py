@@ -126,9 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "rank_{rank}_softmax_weight(_mom).pt of every rank")
     a.add_argument("--world_size", type=int, default=None, help="ranks of the ds_pfc job that will load the head")
     a.add_argument("--num_classes", type=int, default=None, help="check the head's class count")
-    a.add_argument("--optimizer_states", choices=("auto", "zero_momentum", "none"), default="auto",
-                   help="the head's optimizer states: as saved (SGD momentum or AdamW moments), or a zero SGD "
-                        "momentum where none was saved, or none")
+    a.add_argument("--optimizer_states", choices=("auto", "zero_momentum", "zero_adamw", "none"), default="auto",
+                   help="the head's optimizer states: auto as saved (SGD momentum or AdamW moments; the centers "
+                        "alone where none were saved, which a head of any optimizer starts from at zero states), "
+                        "zero_momentum a zero SGD momentum where none was saved, zero_adamw zero AdamW moments "
+                        "and step 0 where none were saved, none the centers alone")
     a.add_argument("--config", default=None, help="a ds_pfc job config (JSON) to store with the model")
     a.add_argument("--out", required=True, help="output directory (model.safetensors, head-rank*.safetensors)")
     return p
