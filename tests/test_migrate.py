@@ -193,8 +193,12 @@ def test_arcface_recipe_over_base_key_by_key(configs, tmp_path):
     assert pfc["backbone"] == {"name": "r50"}
     assert pfc["data"] == {"source": "recordio", "path": "/train_tmp/ms1m-retinaface-t1/train.rec", "seed": 2048,
                            "workers": 2, "flip": True, "shuffle": True}
-    assert pfc["train"] == {"epochs": 20, "schedule": {"type": "poly", "warmup_epochs": 0, "power": 1.0},
+    # train_v2.py's PolynomialLRWarmup (power 1) over config.num_image's epochs, per micro batch
+    assert pfc["train"] == {"epochs": 20, "schedule": {"type": "arcface", "warmup_epochs": 0, "power": 1.0,
+                                                       "images_per_epoch": 5179510},
                             "seed": 2048, "log_every": 10, "output_dir": os.path.join("work_dirs", "ms1mv3_r50")}
+    # DDP's fp16_compress_hook: float16 all-reduces, divided by the world size before the sum
+    assert (ds["communication_data_type"], ds["prescale_gradients"]) == ("fp16", True)
     assert pfc["evaluation"] == {"every_steps": 2000, "bins": ["/train_tmp/ms1m-retinaface-t1/lfw.bin",
                                                                "/train_tmp/ms1m-retinaface-t1/cfp_fp.bin",
                                                                "/train_tmp/ms1m-retinaface-t1/agedb_30.bin"]}
@@ -210,11 +214,12 @@ def test_arcface_recipe_over_base_key_by_key(configs, tmp_path):
     assert {k: v for k, v in faithful.items() if k != "checkpoint"} == {k: v for k, v in pfc.items()
                                                                            if k != "checkpoint"}
     unmapped = {k: why for k, _, why in conv.unmapped}
-    assert set(unmapped) == {"num_image", "wandb_key", "suffix_run_name", "using_wandb", "wandb_entity",
+    assert set(unmapped) == {"wandb_key", "suffix_run_name", "using_wandb", "wandb_entity",
                              "wandb_project", "wandb_log_all", "save_artifacts", "wandb_resume"}
     assert "XXXX" not in json.dumps(ds)                          # the key is never written
     notes = " ".join(conv.notes)
     assert "straight-through" in notes and "per GPU" in notes and "every unsampled row" in notes
+    assert "fp16_compress_hook" in notes and "PolynomialLRWarmup" in notes
     ds_config, parsed = _loads(tmp_path, ds)
     margin = parsed.head.margin.build()
     assert type(margin).__name__ == "ArcFace" and margin.straight_through and margin.margin == 0.5

@@ -489,18 +489,36 @@ def convert_arcface_config(parsed: ParsedConfig, *, world_size: int | None = Non
                          f"1/{acc}); DeepSpeed averages them. With SGD that is a factor {acc} in the effective "
                          "learning rate; with AdamW it changes only clipping and eps.")
 
-    # schedule: arcface_torch's PolynomialLRWarmup with its default power 1
+    # schedule: arcface_torch's PolynomialLRWarmup with its default power 1, as train_v2.py steps it
     train: dict = {"epochs": epochs}
     warm = warmup
     if warmup < 0:
         warm = 0
-        out.notes.append(f"warmup_epoch {warmup} < 0 is converted to no warm-up.")
-    train["schedule"] = {"type": "poly", "warmup_epochs": warm, "power": 1.0}
+        out.notes.append(f"warmup_epoch {warmup} < 0 is converted to no warm-up (PolynomialLRWarmup with a "
+                         "negative warm-up decays as with none).")
+    schedule = {"type": "arcface", "warmup_epochs": warm, "power": 1.0}
+    num_image = v.get("num_image")
+    if _number(num_image) and num_image >= 1 and float(num_image).is_integer():
+        schedule["images_per_epoch"] = int(num_image)
+        mapped("num_image", "ds_pfc.train.schedule.images_per_epoch (the epoch size train_v2.py counts its "
+               "schedule from; the run's epochs are still those of the data)")
+    train["schedule"] = schedule
     mapped("num_epoch", "ds_pfc.train.epochs")
-    mapped("warmup_epoch", "ds_pfc.train.schedule.warmup_epochs (poly, power 1 as train_v2.py uses it)")
-    out.notes.append("Schedule: linear warm-up then polynomial decay with power 1 (train_v2.py's "
-                     "PolynomialLRWarmup default). arcface_torch steps it every micro batch, ds_pfc every "
-                     "optimizer step; over the run the shape is the same.")
+    mapped("warmup_epoch", "ds_pfc.train.schedule.warmup_epochs (type arcface: PolynomialLRWarmup, power 1, as "
+           "train_v2.py uses it)")
+    out.notes.append("Schedule: type arcface is train_v2.py's PolynomialLRWarmup (power 1) stepped per micro "
+                     "batch: the full lr at the first micro batch, k / w of it at micro batch k of the warm-up, "
+                     "then linear decay to 0; each optimizer step takes the lr of its last micro batch, so the "
+                     "learning rate of every optimizer step is arcface_torch's.")
+
+    # gradient compression: train_v2.py registers DDP's fp16_compress_hook whatever config.fp16 says
+    ds["communication_data_type"] = "fp16"
+    ds["prescale_gradients"] = True
+    out.notes.append("Gradient compression: train_v2.py all-reduces the backbone's gradients in float16, divided "
+                     "by the number of GPUs before the sum (DDP's fp16_compress_hook); the converted job does the "
+                     "same (communication_data_type fp16, prescale_gradients true). DeepSpeed multiplies by 1/GPUs "
+                     "where the hook divides: the same float16 values when the GPU count is a power of 2, within "
+                     "one float16 rounding otherwise. Remove both keys for float32 all-reduces (twice the bytes).")
     train["seed"] = seed
     head["seed"] = seed
     mapped("seed", "ds_pfc.train.seed, ds_pfc.head.seed, ds_pfc.data.seed")
@@ -533,8 +551,8 @@ def convert_arcface_config(parsed: ParsedConfig, *, world_size: int | None = Non
     workers = _require(v, "num_workers", int, "an integer >= 0")
     data["workers"] = workers
     mapped("num_workers", "ds_pfc.data.workers")
-    unmapped("num_image", "ds_pfc counts the images in the data itself (arcface_torch uses it only for step "
-                          "counts)")
+    if "num_image" not in done:
+        unmapped("num_image", "not a positive whole number: the schedule counts epochs of the training set")
     if _require(v, "dali", bool, "true or false"):
         unmapped("dali", "ds_pfc reads the same train.rec with its own worker processes (no DALI)")
     else:
