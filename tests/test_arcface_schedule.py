@@ -172,3 +172,50 @@ def test_images_per_epoch_belongs_to_the_arcface_schedule():
     config["ds_pfc"]["train"]["schedule"] = {"type": "arcface", "images_per_epoch": 0}
     with pytest.raises(ConfigError, match="images_per_epoch must be a positive integer"):
         split_config(config)
+
+
+# --- gradient compression -----------------------------------------------------------------
+def _gradient_ranks(rank, world_size, keys):
+    """One backward of a small model through ds_pfc's engine with the DeepSpeed ``keys``:
+    the engine's all-reduced gradients, and this rank's own gradients from a plain copy."""
+    import os
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from ds_pfc.deepspeed_plugin import initialize
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ["DS_PFC_TEST_PORT"])
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    plain = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(5, 16, generator=gen) * torch.logspace(-4, 1, 16)      # gradients over many magnitudes
+    target = torch.randn(5, 8, generator=gen)
+    config = {"train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "steps_per_print": 10 ** 9, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **keys}
+    engine = initialize(model=model, config=config)
+    engine.backward(((engine(x) - target) ** 2).mean())
+    averaged = [p.grad.detach().clone() for p in engine.module.parameters()]
+    ((plain(x) - target) ** 2).mean().backward()
+    return averaged, [p.grad.detach().clone() for p in plain.parameters()]
+
+
+def test_converted_jobs_compress_gradients_as_fp16_compress_hook():
+    """communication_data_type fp16 with prescale_gradients (what ds-pfc-migrate writes):
+    every rank's gradient rounded to float16, divided by the world size, summed in
+    float16 and widened back, as DDP's fp16_compress_hook does in train_v2.py; without
+    the keys, the float32 mean."""
+    from _dist import run_ranks
+    compressed = run_ranks(_gradient_ranks, 2, {"communication_data_type": "fp16", "prescale_gradients": True})
+    plain = run_ranks(_gradient_ranks, 2, {})
+    local = [grads for _, grads in compressed]
+    assert all(torch.equal(a, b) for a, b in zip(local[0], plain[0][1]))     # the same local gradients
+    differs = False
+    for i, (g0, g1) in enumerate(zip(*local)):
+        hook = ((g0.half() / 2) + (g1.half() / 2)).float()
+        for averaged, _ in compressed:
+            assert torch.equal(averaged[i], hook), i
+        for averaged, _ in plain:
+            torch.testing.assert_close(averaged[i], (g0 + g1) / 2, rtol=1e-6, atol=0)
+        differs |= not torch.equal(hook, (g0 + g1) / 2)
+    assert differs
