@@ -359,3 +359,29 @@ def test_turning_on_a_non_finite_policy_or_preemption_signals_is_a_harmless_chan
     assert kinds == {f"ds_pfc.train.{k}": "harmless" for k in now["ds_pfc"]["train"] if k != "epochs"}
     assert {c.kind for c in differences(saved, {"ds_pfc": {"head": {"num_classes": 10},
                                                           "train": {"epochs": 1, "seed": 3}}})} == {"training"}
+
+
+def test_a_checkpoint_of_other_trained_tensors_names_the_embedding_scale_option(three_steps, tmp_path):
+    """A vit_t run (its final BatchNorm's scale trains) resumed by a job that fixes the
+    scale: DeepSpeed's optimizer cannot load one tensor fewer; the refusal names the
+    option (which is all a 0.2.0 checkpoint of a MobileFaceNet or ViT needs), and the
+    option itself is not a change the comparison refuses."""
+    from ds_pfc.app.resume_changes import differences
+    from ds_pfc.checkpoint.tags import CheckpointError
+    saved = {"ds_pfc": {"head": {"num_classes": 10}, "backbone": {"name": "mbf"}}}
+    fixed = {"ds_pfc": {"head": {"num_classes": 10},
+                        "backbone": {"name": "mbf", "options": {"train_embedding_scale": False}}}}
+    assert [(c.key, c.kind) for c in differences(saved, fixed)] == [
+        ("ds_pfc.backbone.options.train_embedding_scale", "harmless")]
+    other = copy.deepcopy(fixed)
+    other["ds_pfc"]["backbone"]["options"]["checkpoint_blocks"] = True
+    assert {c.kind for c in differences(saved, other)} == {"fixed", "harmless"}
+    out = _copy_run(three_steps, str(tmp_path))
+    config = copy.deepcopy(CONFIG)
+    config["ds_pfc"]["backbone"]["options"] = {"train_embedding_scale": False}
+    trainer = _trainer(out, config=config)
+    try:
+        with pytest.raises(CheckpointError, match="train_embedding_scale false"):
+            trainer.resume()
+    finally:
+        trainer.close()

@@ -48,6 +48,10 @@ _HARMLESS = (
     # What preemption and non-finite steps do: no value changes until one happens.
     "ds_pfc.train.preempt_signals", "ds_pfc.train.on_nonfinite", "ds_pfc.train.max_consecutive_skips",
     "ds_pfc.train.rollback_lr_factor", "ds_pfc.train.max_rollbacks",
+    # Whether the embedding BatchNorm's scale trains: DeepSpeed's optimizer loads a checkpoint only
+    # into the tensors it trained, so what resumes trains as before (0.2.0 checkpoints of a
+    # MobileFaceNet or ViT, saved without the key, resume with it false).
+    "ds_pfc.backbone.options.train_embedding_scale",
     # Pretrained weights are read only by a fresh run.
     "ds_pfc.train.init.backbone", "ds_pfc.train.init.head", "ds_pfc.train.init.class_map",
     "ds_pfc.train.init.new_rows", "ds_pfc.train.init.optimizer_states",
@@ -106,7 +110,8 @@ def _resolved_pfc(block):
 
 
 def _flatten(value, prefix: str, out: dict) -> dict:
-    if isinstance(value, dict) and value:
+    """Dotted keys of the leaves; an empty object has none (it sets nothing)."""
+    if isinstance(value, dict):
         for k, v in value.items():
             _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
     else:
@@ -119,6 +124,8 @@ def _kind(key: str) -> str:
         return any(key == p or key.startswith(p + ".") for p in prefixes)
     if key in BATCH_KEYS:
         return "batch"
+    if key in _HARMLESS:                 # a key named exactly, under a fixed block
+        return "harmless"
     if under(_FIXED):
         return "fixed"
     if under(_HARMLESS):

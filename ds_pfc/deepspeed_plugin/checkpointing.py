@@ -206,6 +206,17 @@ def _load_files(engine: PfcEngine, load_dir: str, tag: str, saved_world: int, he
             path, client_state = engine.engine.load_checkpoint(load_dir, tag)
     except universal.UniversalCheckpointError:
         raise       # the tag cannot load into this engine (ZeRO stage); not a damaged file
+    except ValueError as err:
+        if "doesn't match the size of optimizer's group" not in str(err):
+            raise tags.CheckpointCorruptError(f"DeepSpeed could not load its files in {tag_dir} "
+                                              f"({type(err).__name__}: {err})", path=tag_dir) from err
+        # The files are intact; the backbone trains another set of parameters than the run that wrote them.
+        trained = sum(p.requires_grad for p in engine.module.parameters())
+        raise tags.CheckpointError(
+            f"{tag_dir} was saved by a backbone that trains another number of tensors than this one ({trained}): "
+            "the checkpoint's optimizer cannot load. A checkpoint of ds_pfc 0.2.0 of a MobileFaceNet or ViT, which "
+            "kept the final BatchNorm's scale fixed, resumes with ds_pfc.backbone.options.train_embedding_scale "
+            "false", path=tag_dir) from err
     except Exception as err:
         raise tags.CheckpointCorruptError(f"DeepSpeed could not load its files in {tag_dir} "
                                           f"({type(err).__name__}: {err})", path=tag_dir) from err
