@@ -268,6 +268,25 @@ def test_set_needs_a_known_key_or_a_plus():
                             "optimizer.params.nesterov=true"])
 
 
+def test_an_unknown_top_level_key_is_one_error_line_also_in_training_log(tmp_path, monkeypatch):
+    from ds_pfc.app import training
+    setup = _Counted(monkeypatch, training.Trainer, "setup")
+    path, out = _job(tmp_path, lambda c: c.update(optimiser={"type": "SGD"}))
+    line = ("error: top-level config key ['optimiser'] is not a DeepSpeed key (DeepSpeed would ignore it; did you "
+            f"mean 'optimizer'?): fix or remove it (traceback: {os.path.join(out, 'errors', 'rank0.txt')})")
+    for attempt in (1, 2):
+        status, _, stderr = _train_inprocess(["--deepspeed_config", path])
+        assert status == 1 and _error_lines(stderr) == [line], stderr[-2000:]
+        assert "UserWarning" not in stderr and "Traceback" not in stderr
+        # training.log keeps a header line per run: each attempt's header, then its error line
+        log = open(os.path.join(out, "training.log")).read().splitlines()
+        assert len(log) == 2 * attempt and log[-1] == line, log
+        assert re.fullmatch(r"=== \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ds_pfc .*, torch .*, deepspeed .*, config "
+                            + re.escape(path) + ", world size 1", log[-2]), log[-2]
+    assert setup.calls == 0
+    assert "optimiser" in open(os.path.join(out, "errors", "rank0.txt")).read()
+
+
 def test_optimizer_params_are_checked_before_anything_is_built(tmp_path, monkeypatch):
     from ds_pfc.app import training
     setup = _Counted(monkeypatch, training.Trainer, "setup")
@@ -279,6 +298,7 @@ def test_optimizer_params_are_checked_before_anything_is_built(tmp_path, monkeyp
         "error: optimizer.params: unknown key ['lrr'] for optimizer type 'SGD' (torch.optim.SGD takes ["), stderr
     assert "did you mean 'lr'?" in line and "building the DeepSpeed engine" not in stdout
     assert setup.calls == 0 and engine.calls == 0
+    assert line in open(os.path.join(out, "training.log")).read()
     # torch.optim.SGD's documented parameters are all taken
     base = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0, "ds_pfc": {"head": {"num_classes": 3}}}
     split_config({**base, "optimizer": {"type": "SGD", "params": {
