@@ -202,6 +202,9 @@ def test_set_typos_are_refused_in_one_line_and_nothing_starts(tmp_path, monkeypa
     assert setup.calls == 0
     # raised before the output directory was known: nothing was created for it
     assert not os.path.exists(out)
+    # the line docs/training.md shows is the one the command prints
+    docs = open(os.path.join(ROOT, "docs", "training.md")).read()
+    assert expected["optimizer.param.lr=0.05"] in docs
 
 
 def test_set_needs_a_known_key_or_a_plus():
@@ -285,6 +288,9 @@ def test_an_unknown_top_level_key_is_one_error_line_also_in_training_log(tmp_pat
                             + re.escape(path) + ", world size 1", log[-2]), log[-2]
     assert setup.calls == 0
     assert "optimiser" in open(os.path.join(out, "errors", "rank0.txt")).read()
+    # docs/training.md quotes the message as the command prints it
+    docs = " ".join(open(os.path.join(ROOT, "docs", "training.md")).read().split())
+    assert line[len("error: "):line.index(" (traceback:")] in docs
 
 
 def test_optimizer_params_are_checked_before_anything_is_built(tmp_path, monkeypatch):
