@@ -119,13 +119,19 @@ def test_schema_command_and_set_overrides_through_the_train_command(tmp_path):
     path = tmp_path / "job.json"
     path.write_text(json.dumps(TINY))
     out = tmp_path / "run"
+    # a new key marked with '+', and a key the JSON lacks but torch.optim.SGD takes
     first = _train("--deepspeed_config", str(path), "--output-dir", str(out), "--max-steps", "2",
-                   "--set", "ds_pfc.head.margin.margin=0.3", "--set", "ds_pfc.evaluation.synthetic_pairs=0")
+                   "--set", "ds_pfc.head.margin.margin=0.3", "--set", "ds_pfc.evaluation.synthetic_pairs=0",
+                   "--set", "+ds_pfc.backbone.options.checkpoint_blocks=true", "--set", "optimizer.params.nesterov=true")
     assert first.returncode == 0, first.stderr[-3000:]
     used = json.load(open(out / "config.json"))
     assert used["ds_pfc"]["head"]["margin"]["margin"] == 0.3 and TINY["ds_pfc"]["head"]["margin"]["margin"] == 0.2
+    assert used["ds_pfc"]["backbone"]["options"] == {"checkpoint_blocks": True} and "options" not in TINY["ds_pfc"][
+        "backbone"]
+    assert used["optimizer"]["params"]["nesterov"] is True and "nesterov" not in TINY["optimizer"]["params"]
     log = open(out / "training.log").read()
-    assert "with --set ds_pfc.head.margin.margin=0.3 ds_pfc.evaluation.synthetic_pairs=0" in log
+    assert ("with --set ds_pfc.head.margin.margin=0.3 ds_pfc.evaluation.synthetic_pairs=0 "
+            "+ds_pfc.backbone.options.checkpoint_blocks=true optimizer.params.nesterov=true") in log
     marker = json.load(open(glob.glob(str(out / "checkpoints" / "step*" / "ds_pfc_complete.json"))[0]))
     assert marker["metadata"]["config"]["ds_pfc"]["head"]["margin"]["margin"] == 0.3
     # a resume without the override changes training: refused, naming it

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the CPU quickstart")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="assignments",
                    help="set one config value, e.g. ds_pfc.train.max_steps=100 or optimizer.params.lr=0.05 "
-                        "(repeatable; VALUE is read as JSON, else as a string); kept in the checkpoints' config")
+                        "(repeatable; VALUE is read as JSON, else as a string; the key must be in the job or known "
+                        "there, +KEY=VALUE adds a new one); kept in the checkpoints' config")
     p.add_argument("--list-configs", action="store_true", help="list the shipped configs and exit")
     p.add_argument("--schema", action="store_true",
                    help="print the JSON Schema of the job config (for editors) and exit")
