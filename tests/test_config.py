@@ -119,13 +119,22 @@ def test_unknown_block_keys_and_missing_block():
         from_dict(DsPfcConfig, [1, 2])
 
 
-def test_top_level_typos_and_missing_clipping_warn():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        split_config({"train_micro_batch_size_per_gpuu": 8, "ds_pfc": {"head": {"num_classes": 3}}})
-    messages = [str(w.message) for w in caught]
-    assert any("train_micro_batch_size_per_gpuu" in m for m in messages), messages
-    assert any("gradient_clipping" in m for m in messages), messages
+def test_top_level_typos_are_refused_and_missing_clipping_warns():
+    typo = {"train_micro_batch_size_per_gpuu": 8, "gradient_clipping": 0.0, "ds_pfc": {"head": {"num_classes": 3}}}
+    with pytest.raises(ConfigError, match=r"top-level config key \['train_micro_batch_size_per_gpuu'\] is not a "
+                                          r"DeepSpeed key \(DeepSpeed would ignore it; did you mean "
+                                          r"'train_micro_batch_size_per_gpu'\?\): fix or remove it"):
+        split_config(typo)
+    with pytest.raises(ConfigError, match=r"keys \['bacth', 'zzz'\] are not DeepSpeed keys"):
+        split_config(_config({"num_classes": 3}, bacth=1, zzz=2))
+    # a config stored with a model, read back (strict=False), only warns
+    with pytest.warns(UserWarning, match="train_micro_batch_size_per_gpuu"):
+        assert split_config(typo, strict=False)[1].head.num_classes == 3
+    with pytest.warns(UserWarning, match="gradient_clipping"):
+        split_config({"train_micro_batch_size_per_gpu": 8, "ds_pfc": {"head": {"num_classes": 3}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")        # an editor's "$schema" is allowed
+        split_config(_config({"num_classes": 3}, **{"$schema": "./ds_pfc.schema.json"}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")        # a clean config warns about nothing
         split_config(_config({"num_classes": 3}, bf16={"enabled": True}, zero_optimization={"stage": 1}))
@@ -188,3 +197,54 @@ def test_on_nonfinite_settings_are_checked(train, needle):
     train = split_config(config)[1].train
     assert (train.on_nonfinite, train.rollback_lr_factor, train.max_rollbacks) == ("rollback", 0.25, 2)
     assert split_config(_config({"num_classes": 10}))[1].train.on_nonfinite == "stop"
+
+
+class _Recording(dict):
+    """A dict that records every key looked up in it (get, [], in, in .keys())."""
+
+    def __init__(self, data, seen):
+        super().__init__(data)
+        self.seen = seen
+
+    def get(self, key, default=None):
+        self.seen.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.seen.add(key)
+        return super().__contains__(key)
+
+    def keys(self):
+        seen = self.seen
+
+        class Keys(list):
+            def __contains__(self, key):
+                seen.add(key)
+                return list.__contains__(self, key)
+        return Keys(super().keys())
+
+
+def test_the_top_level_keys_are_the_ones_deepspeed_reads():
+    """DEEPSPEED_TOP_LEVEL_KEYS (refused otherwise) against the keys DeepSpeed's own parser,
+    DeepSpeedConfig, looks up at the top level of a config (minus the removed ones it looks
+    for to refuse them)."""
+    from unittest import mock
+
+    import deepspeed.comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ds_pfc.app.config import DEEPSPEED_REMOVED_KEYS, DEEPSPEED_TOP_LEVEL_KEYS
+    seen = set()
+    config = _Recording({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, seen)
+    with mock.patch.object(deepspeed.comm, "get_world_size", return_value=1), \
+            mock.patch.object(deepspeed.comm, "get_rank", return_value=0), \
+            mock.patch.object(deepspeed.comm, "is_initialized", return_value=True):
+        DeepSpeedConfig(config)
+    read = {key for key in seen if isinstance(key, str)}
+    assert DEEPSPEED_REMOVED_KEYS <= read
+    assert sorted(read - DEEPSPEED_REMOVED_KEYS) == sorted(DEEPSPEED_TOP_LEVEL_KEYS)

@@ -303,10 +303,11 @@ def test_a_typo_in_the_block_is_an_error_naming_the_key():
             parse(config)
 
 
-def test_a_top_level_typo_warns():
+def test_a_top_level_typo_is_refused():
     config = load("casia_r50_8gpu_fp16.json")
     config["train_micro_batch_size_per_gpuu"] = 32
-    with pytest.warns(UserWarning, match="train_micro_batch_size_per_gpuu"):
+    with pytest.raises(ConfigError, match=r"\['train_micro_batch_size_per_gpuu'\] is not a DeepSpeed key .*did you "
+                                          r"mean 'train_micro_batch_size_per_gpu'\?"):
         split_config(config)
 
 

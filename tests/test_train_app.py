@@ -528,7 +528,7 @@ def test_failures_are_one_line_on_rank_0_with_the_traceback_in_a_file(tmp_path):
     """A NaN injected at step 3 on rank 1 of 2: every rank stops before updating, rank 0 alone
     prints one error line naming the step, rank 1's NaN, the newest checkpoint and the fixes;
     the line is in training.log and each rank's traceback is in errors/rank<R>.txt. A typo in
-    DeepSpeed's optimizer block is one line naming the block too."""
+    DeepSpeed's optimizer params is one line naming the key and the closest one, in training.log too."""
     out = os.path.join(tmp_path, "run")
     codes, ((out0, err0), (out1, err1)) = _nan_job(TINY, tmp_path, "nan", "--output_dir", out, NAN_AT="2",
                                                    NAN_RANK="1")
@@ -558,7 +558,8 @@ def test_failures_are_one_line_on_rank_0_with_the_traceback_in_a_file(tmp_path):
                            "--output_dir", out], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "lrr" in lines[0] and "'optimizer' block" in lines[0], proc.stderr[-3000:]
+    assert len(lines) == 1 and "optimizer.params: unknown key ['lrr']" in lines[0], proc.stderr[-3000:]
+    assert "did you mean 'lr'?" in lines[0] and lines[0] in open(os.path.join(out, "training.log")).read()
     assert "Traceback" not in proc.stderr
     assert "lrr" in open(os.path.join(out, "errors", "rank0.txt")).read()
 

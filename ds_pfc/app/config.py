@@ -3,9 +3,10 @@
 The JSON a job runs with is DeepSpeed's own config plus one ``"ds_pfc"`` block. The
 block is parsed into kw-only dataclasses; every key is checked: an unknown key is an
 error naming the key, where it was found and the keys allowed there. DeepSpeed
-silently accepts unknown *top-level* keys (a typo such as
-``train_micro_batch_size_per_gpuu`` is ignored), so :func:`split_config` warns about
-them.
+silently ignores unknown *top-level* keys (a typo such as
+``train_micro_batch_size_per_gpuu``), so :func:`split_config` refuses them, and it
+refuses ``optimizer.params`` keys the optimizer does not take before anything is built
+(:mod:`ds_pfc.app.deepspeed_keys`).
 
     ds_config, pfc = split_config(json.load(open(path)))
     head = pfc.head.build(group=None, device=device)
@@ -25,25 +26,27 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import ConfigError
+from .deepspeed_keys import Place, check_optimizer_params, did_you_mean as _did_you_mean, place as _deepspeed_place
 
 __all__ = ["MarginConfig", "OptimizerConfig", "BankConfig", "HeadConfig", "BackboneConfig", "SyntheticDataConfig",
            "DataConfig", "ScheduleConfig", "InitConfig", "DiagnosticsConfig", "TrainConfig", "EvaluationConfig",
-           "CheckpointConfig", "DsPfcConfig", "split_config", "set_values",
+           "CheckpointConfig", "DsPfcConfig", "split_config", "set_values", "known_keys",
            "from_dict", "DEEPSPEED_TOP_LEVEL_KEYS", "DEEPSPEED_REMOVED_KEYS", "ConfigError"]
 
 
-# Top-level keys DeepSpeed 0.19 reads; anything else is most likely a typo.
+# Top-level keys DeepSpeed 0.19 reads (its DeepSpeedConfig, and sequence_parallel_size read at
+# initialize); anything else is refused by split_config.
 DEEPSPEED_TOP_LEVEL_KEYS = frozenset("""
 train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps steps_per_print optimizer
-scheduler fp16 bf16 torch_autocast gradient_clipping prescale_gradients gradient_predivide_factor
+scheduler fp16 bf16 bfloat16 torch_autocast gradient_clipping prescale_gradients gradient_predivide_factor
 gradient_allreduce_op zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
 activation_checkpointing wall_clock_breakdown memory_breakdown flops_profiler tensorboard wandb csv_monitor
-comet monitor_config communication_data_type seq_parallel_communication_data_type aio
+comet comms_logger communication_data_type seq_parallel_communication_data_type aio
 data_efficiency data_types checkpoint autotuning pipeline dataloader_drop_last compile
-weight_quantization hybrid_engine load_universal_checkpoint use_node_local_storage timers
-tensor_parallel dump_state disable_allgather disable_python_gc log_level lower_precision_safe_modules
+weight_quantization hybrid_engine timers datastates_ckpt sequence_parallel_size
+tensor_parallel dump_state disable_allgather disable_python_gc log_level
 managed_gradient_accumulation use_data_before_expert_parallelism vocabulary_size
-expert_parallel zenflow mics_shard_size mics_hierarchical_params_gather
+expert_parallel
 """.split())
 
 # Top-level keys DeepSpeed 0.19 removed (it refuses them at initialize).
@@ -980,17 +983,6 @@ def from_dict(cls, data, where: str = "ds_pfc"):
         raise ConfigError(f"{where}: {err}") from None
 
 
-def _did_you_mean(unknown, known) -> str:
-    """``did you mean 'x'?`` for the unknown keys that are close to a known one ('' if none)."""
-    import difflib
-    guesses = []
-    for key in unknown:
-        close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.6)
-        if close:
-            guesses.append(f"{key!r} -> {close[0]!r}" if len(unknown) > 1 else repr(close[0]))
-    return f"did you mean {', '.join(guesses)}?" if guesses else ""
-
-
 def _check_type(value, hint, where):
     origin = typing.get_origin(hint)
     options = typing.get_args(hint) if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) \
@@ -1011,36 +1003,101 @@ def _check_type(value, hint, where):
     raise ConfigError(f"{where} must be {' or '.join(names)}, got {value!r}")
 
 
+def known_keys(config: dict, path) -> Place:
+    """The keys the schema knows in the object at ``path`` (a sequence of keys from the
+    top) of the job ``config``, the job's own keys not included: at the top level
+    DeepSpeed's top-level keys and ``ds_pfc``; in the ``ds_pfc`` block the fields of its
+    config classes; in DeepSpeed's blocks what :func:`ds_pfc.app.deepspeed_keys.place`
+    knows. ``keys`` is None where nothing is known (a free-form object such as
+    ``ds_pfc.backbone.options``)."""
+    path = tuple(path)
+    if not path:
+        return Place(frozenset(DEEPSPEED_TOP_LEVEL_KEYS | {"ds_pfc", "$schema"}),
+                     "DeepSpeed 0.19's top-level keys and 'ds_pfc'")
+    if path[0] != "ds_pfc":
+        return _deepspeed_place(config, path)
+    cls = DsPfcConfig
+    for depth, part in enumerate(path[1:], start=1):
+        types = _field_types(cls)
+        if part not in types:
+            return Place(None, f"{'.'.join(path[:depth])} has no key {part!r}")
+        hint = types[part]
+        options = typing.get_args(hint) or (hint,)
+        inner = [a for a in options if dataclasses.is_dataclass(a)]
+        if not inner:
+            where = ".".join(path[:depth + 1])
+            if dict in [typing.get_origin(a) or a for a in options]:
+                return Place(None, f"{where} is an object of free-form keys")
+            return Place(None, f"{where} is a value, not an object")
+        cls = inner[0]
+    return Place(frozenset(f.name for f in dataclasses.fields(cls)), f"ds_pfc's {cls.__name__}")
+
+
 def set_values(config: dict, assignments) -> dict:
     """A copy of ``config`` with each ``"a.b.c=value"`` of ``assignments`` set (``--set``
     on the command line): the value is read as JSON when it parses (numbers, true/false,
-    null, lists, objects, quoted strings), else taken as a string; missing objects on the
-    way are created. The result is checked by :func:`split_config` like any config."""
+    null, lists, objects, quoted strings), else taken as a string.
+
+    Every key of the path must exist: in the job, or as a key the schema knows at that
+    place (the ``ds_pfc`` config classes, DeepSpeed's top-level keys and the blocks it
+    describes with pydantic models, the parameters of the configured optimizer and
+    scheduler; :func:`known_keys`); known objects missing from the job
+    are created. Anything else is a :class:`ConfigError` naming the key, where it was
+    looked for and the closest known key, unless the key is marked new with a leading
+    ``+`` (``"+a.b.c=value"``, which creates what is missing on the way and is refused
+    for a key that exists). The result is checked by :func:`split_config` like any
+    config; ``config`` is never changed."""
+    if assignments and not isinstance(config, dict):
+        raise ConfigError(f"--set needs a config that is a JSON object, got {type(config).__name__}")
     out = copy.deepcopy(config)
     for item in assignments or ():
-        key, eq, text = str(item).partition("=")
-        parts = key.strip().split(".")
+        item = str(item)
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        new = key.startswith("+")
+        dotted = key[1:] if new else key
+        parts = dotted.split(".")
         if not eq or not all(parts):
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. ds_pfc.train.max_steps=100")
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. ds_pfc.train.max_steps=100 "
+                              "(+KEY=VALUE for a key the job does not have)")
         try:
             value = json.loads(text)
         except ValueError:
             value = text
         node = out
-        for depth, part in enumerate(parts[:-1]):
+        for depth, part in enumerate(parts):
+            where = f"in {'.'.join(parts[:depth])}" if depth else "at the top level"
+            known = known_keys(out, parts[:depth]) if part not in node else None
+            exists = part in node or (known.keys is not None and part in known.keys)
+            if not exists and not new:
+                guess = _did_you_mean([part], set(node) | set(known.keys or ()))
+                looked = f"the job and {known.what}" if known.keys is not None else f"the job only: {known.what}"
+                raise ConfigError(f"--set {item}: no key {part!r} {where} (looked in {looked}"
+                                  f"{'; ' + guess if guess else ''}); to add a key the job does not have, mark it "
+                                  f"new: --set +{dotted}={text}")
+            if depth == len(parts) - 1:
+                if new and exists:
+                    found = "in the job" if part in node else f"a key of {known.what}"
+                    raise ConfigError(f"--set {item}: {dotted} exists ({found}); drop the '+' to set it: "
+                                      f"--set {dotted}={text}")
+                node[part] = value
+                break
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {'.'.join(parts[:depth + 1])} is {child!r}, not an object")
+                raise ConfigError(f"--set {item}: {'.'.join(parts[:depth + 1])} is {child!r}, not an object")
             node = child
-        node[parts[-1]] = value
     return out
 
 
-def split_config(config: dict) -> tuple[dict, DsPfcConfig]:
+def split_config(config: dict, *, strict: bool = True) -> tuple[dict, DsPfcConfig]:
     """Split a job's JSON into DeepSpeed's config and the parsed ``ds_pfc`` block.
 
-    Warns about top-level keys DeepSpeed does not read and about a missing
-    ``gradient_clipping`` (DeepSpeed's default clips at 1.0)."""
+    Refuses top-level keys DeepSpeed does not read (DeepSpeed would ignore them) and
+    ``optimizer.params`` keys the optimizer does not take
+    (:func:`ds_pfc.app.deepspeed_keys.check_optimizer_params`); warns about a missing
+    ``gradient_clipping`` (DeepSpeed's default clips at 1.0). ``strict=False`` (a
+    config stored with a model or checkpoint, read back) only warns about the
+    top-level keys and leaves the optimizer alone."""
     if not isinstance(config, dict):
         raise ConfigError(f"the config must be a JSON object, got {type(config).__name__}")
     if "ds_pfc" not in config:
@@ -1050,11 +1107,17 @@ def split_config(config: dict) -> tuple[dict, DsPfcConfig]:
     if removed:
         raise ConfigError(f"top-level config keys {removed} were removed from DeepSpeed 0.19 (their features no "
                           "longer exist); delete them")
-    unknown = sorted(set(ds_config) - DEEPSPEED_TOP_LEVEL_KEYS)
+    unknown = sorted(set(ds_config) - DEEPSPEED_TOP_LEVEL_KEYS - {"$schema"})
     if unknown:
-        guess = _did_you_mean(unknown, DEEPSPEED_TOP_LEVEL_KEYS)
-        warnings.warn(f"top-level config keys {unknown} are not DeepSpeed keys and will be ignored by DeepSpeed "
-                      f"(a typo?{' ' + guess if guess else ''})", stacklevel=2)
+        guess = _did_you_mean(unknown, DEEPSPEED_TOP_LEVEL_KEYS | {"ds_pfc"})
+        text = (f"top-level config key{'s' if len(unknown) > 1 else ''} {unknown} {'are' if len(unknown) > 1 else 'is'}"
+                f" not {'' if len(unknown) > 1 else 'a '}DeepSpeed key{'s' if len(unknown) > 1 else ''} (DeepSpeed "
+                f"would ignore {'them' if len(unknown) > 1 else 'it'}{'; ' + guess if guess else ''})")
+        if strict:
+            raise ConfigError(f"{text}: fix or remove {'them' if len(unknown) > 1 else 'it'}")
+        warnings.warn(text, stacklevel=2)
+    if strict:
+        check_optimizer_params(ds_config)
     if "gradient_clipping" not in ds_config:
         warnings.warn("the config does not set gradient_clipping; DeepSpeed then clips gradients at norm 1.0. "
                       "Set it explicitly (0.0 disables clipping).", stacklevel=2)

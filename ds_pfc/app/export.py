@@ -123,7 +123,7 @@ def load_backbone(path: str, tag: str | None = None):
     state, config, _, _ = backbone_weights(path, tag)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, cfg = split_config(config)
+        _, cfg = split_config(config, strict=False)
     backbone = cfg.backbone.build(cfg.head.embedding_size)
     backbone.load_state_dict(state)
     return backbone.eval(), config
@@ -148,7 +148,7 @@ def dominant_subcenters(tag_dir: str, *, name: str = "head", batch_size: int = 1
         os.path.normpath(tag_dir)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, cfg = split_config(config)
+        _, cfg = split_config(config, strict=False)
     tensors, meta = ckpt.merge_shards(tag_dir, name=name)
     counter = SubcenterCounter(tensors["weight"], meta["sub_centers"])
     dataset = build_train_set(cfg)

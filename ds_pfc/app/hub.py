@@ -42,7 +42,7 @@ def _facts(config: dict, marker: dict | None) -> dict:
     from .config import split_config
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, cfg = split_config(config)
+        _, cfg = split_config(config, strict=False)
     size = cfg.backbone.options.get("image_size", 112)
     facts = {"library": "ds_pfc", "backbone": cfg.backbone.name, "width": cfg.backbone.width,
              "embedding_size": cfg.head.embedding_size,

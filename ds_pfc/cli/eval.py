@@ -256,7 +256,7 @@ def run(argv=None) -> dict:
         if config is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                _, cfg = split_config(config)
+                _, cfg = split_config(config, strict=False)
             if args.bins is not None:
                 cfg.evaluation.bins = list(args.bins)
                 cfg.evaluation.synthetic_pairs = 0

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the CPU quickstart")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="assignments",
                    help="set one config value, e.g. ds_pfc.train.max_steps=100 or optimizer.params.lr=0.05 "
-                        "(repeatable; VALUE is read as JSON, else as a string); kept in the checkpoints' config")
+                        "(repeatable; VALUE is read as JSON, else as a string; the key must be in the job or known "
+                        "there, +KEY=VALUE adds a new one); kept in the checkpoints' config")
     p.add_argument("--list-configs", action="store_true", help="list the shipped configs and exit")
     p.add_argument("--schema", action="store_true",
                    help="print the JSON Schema of the job config (for editors) and exit")
@@ -136,8 +137,10 @@ def run(argv=None) -> dict | None:
         elif _collective_failure(err):
             text = f"{text} (a collective failed or timed out: see docs/troubleshooting.md)"
         line = f"error: {text}" + (f" (traceback: {path})" if path else "")
-        if trainer is not None:
+        if getattr(trainer, "_training_log", None) is not None:
             trainer.record(line)        # training.log, once it is open
+        elif rank == 0 and where:
+            log_error_line(where, line, config_path=args.deepspeed_config)   # before the run opened it
         if rank == 0:
             if not user:
                 traceback.print_exception(err, file=sys.stderr)
@@ -221,6 +224,21 @@ def _collective_errors() -> tuple:
 
 def _collective_failure(err) -> bool:
     return isinstance(err, _collective_errors())
+
+
+def log_error_line(output_dir: str, line: str, *, config_path: str | None) -> None:
+    """Append ``line`` to ``<output_dir>/training.log`` under a header line of its own
+    (:class:`~ds_pfc.app.run_outputs.TrainingLog`), for an error raised before the run
+    opened the log (e.g. a refused config)."""
+    from ds_pfc.app.run_outputs import TrainingLog
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        world_size = 1
+    try:
+        TrainingLog(output_dir, config_path=config_path, world_size=world_size).write(line)
+    except OSError:
+        pass
 
 
 def write_traceback(err: BaseException, output_dir: str | None, rank: int) -> str | None:
