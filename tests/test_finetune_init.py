@@ -293,3 +293,51 @@ def test_a_resumed_run_keeps_the_backbone_frozen_for_the_rest_of_its_steps(tmp_p
     assert summary["resumed"] and len(snapshots) == 2           # optimizer steps 2 and 3
     assert all(torch.equal(snapshots[0][n], expected[n]) for n in params)
     assert any(not torch.equal(snapshots[1][n], expected[n]) for n in params)
+
+
+def test_head_from_a_runs_checkpoints_directory_reads_the_tag_latest_names(tmp_path):
+    """init.head may name a run's checkpoints/ directory: the head starts from the tag its
+    'latest' file names (read back here with safetensors from that tag's shard), the log
+    names the tag; with 'latest' lagging behind a newer complete tag, the newer one is
+    read, as the export command reads it."""
+    from ds_pfc.app.training import Trainer
+    first = copy.deepcopy(CONFIG)
+    first["ds_pfc"]["train"]["max_steps"] = 2
+    first["ds_pfc"]["checkpoint"]["every_steps"] = 1
+    source = str(tmp_path / "source")
+    trainer = Trainer(first, output_dir=source, log=lambda line: None)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    checkpoints = os.path.join(source, "checkpoints")
+    assert open(os.path.join(checkpoints, "latest")).read().strip() == "step00000002"
+    shard = "head-rank00000-of-00001.safetensors"
+    saved = {tag: load_file(os.path.join(checkpoints, tag, shard))["weight"]
+             for tag in ("step00000001", "step00000002")}
+    assert not torch.equal(saved["step00000001"], saved["step00000002"])      # training moved the rows
+
+    logs = []
+    trainer = _trainer(str(tmp_path / "run"), _config(head=checkpoints), logs)
+    try:
+        assert torch.equal(trainer.head.state_dict()["weight"].cpu(), saved["step00000002"].reshape(C, D))
+    finally:
+        trainer.close()
+    assert any("is a checkpoints directory: reading its tag step00000002" in line for line in logs), logs
+
+    with open(os.path.join(checkpoints, "latest"), "w") as f:      # a save interrupted before it moved 'latest'
+        f.write("step00000001")
+    logs = []
+    trainer = _trainer(str(tmp_path / "run2"), _config(head=checkpoints), logs)
+    try:
+        assert torch.equal(trainer.head.state_dict()["weight"].cpu(), saved["step00000002"].reshape(C, D))
+    finally:
+        trainer.close()
+    assert any("reading its tag step00000002" in line and "names step00000001" in line for line in logs), logs
+
+
+def test_an_empty_checkpoints_directory_is_not_a_head(tmp_path):
+    empty = tmp_path / "checkpoints"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="ds_pfc.train.init.head: .* no head shards .* no checkpoints directory"):
+        split_config(_config(head=str(empty)))

@@ -642,6 +642,13 @@ class ScheduleConfig:
             raise ConfigError(f"ds_pfc.train.schedule.milestones must be increasing, got {self.milestones}")
 
 
+def _is_checkpoints_directory(path: str) -> bool:
+    """Whether ``path`` is a run's ``checkpoints/`` directory: a ``latest`` file or a
+    complete tag in it (which tag is read is decided when the weights load)."""
+    from ..checkpoint import tags
+    return os.path.isfile(os.path.join(path, tags.LATEST)) or bool(tags.complete_tags(path))
+
+
 @dataclass(kw_only=True)
 class InitConfig:
     """Pretrained weights a fresh run starts from, and how the backbone trains from
@@ -657,8 +664,10 @@ class InitConfig:
     """A directory of head shards ``head-rank*-of-*.safetensors`` for this job's number
     of ranks (``launch/export.py import-arcface --world_size N`` writes them; a ds_pfc
     checkpoint tag holds them too): the head starts from those centers (and optimizer
-    states). With ``class_map``, shards of any number of ranks and classes. null: a
-    fresh head."""
+    states). A run's checkpoints directory (``<output_dir>/checkpoints``) stands for the
+    tag its ``latest`` file names (the newest complete one when ``latest`` lags or is
+    missing), as for ``launch/export.py``; the log names the tag read. With
+    ``class_map``, shards of any number of ranks and classes. null: a fresh head."""
     class_map: str | None = None
     """Grow ``head`` (a trained head) into this job's ``ds_pfc.head.num_classes``
     classes: a file mapping old class ids to new ones, a JSON object ``{"old": new,
@@ -691,9 +700,11 @@ class InitConfig:
             if not os.path.isdir(self.head):
                 raise ConfigError(f"ds_pfc.train.init.head: no such directory {self.head!r} (a directory of head "
                                   "shards head-rank*-of-*.safetensors)")
-            if not any(re.fullmatch(r"head-rank\d{5}-of-\d{5}\.safetensors", n) for n in os.listdir(self.head)):
+            if not any(re.fullmatch(r"head-rank\d{5}-of-\d{5}\.safetensors", n) for n in os.listdir(self.head)) \
+                    and not _is_checkpoints_directory(self.head):
                 raise ConfigError(f"ds_pfc.train.init.head: {self.head} holds no head shards "
-                                  "(head-rank*-of-*.safetensors; launch/export.py import-arcface writes them)")
+                                  "(head-rank*-of-*.safetensors; launch/export.py import-arcface writes them) and "
+                                  "is no checkpoints directory (one holding 'latest' or complete checkpoint tags)")
         if self.class_map is not None:
             if not isinstance(self.class_map, str) or not os.path.isfile(self.class_map):
                 raise ConfigError(f"ds_pfc.train.init.class_map: no such file {self.class_map!r} (old class id -> "

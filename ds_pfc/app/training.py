@@ -410,19 +410,25 @@ class Trainer:
             self.log("ds_pfc.train.init: resuming a checkpoint, which holds its own weights; the pretrained "
                      "weights are not read (the frozen steps and backbone_lr_scale still apply by step)")
             return
-        from .finetune import load_backbone_weights, load_head_weights
+        from .finetune import head_directory, load_backbone_weights, load_head_weights
         if init.backbone:
             load_backbone_weights(backbone, init.backbone)
             self.log(f"init: backbone weights from {init.backbone}")
+        head_dir = None
+        if init.head:
+            # A run's checkpoints directory: the tag 'latest' names, chosen once by rank 0.
+            head_dir, note = tags.on_rank0(lambda: head_directory(init.head))
+            if note:
+                self.log(note)
         if init.head and not init.class_map:
-            load_head_weights(head, init.head, seed=self.cfg.head.seed, optimizer_states=init.optimizer_states)
-            self.log(f"init: head centers from {init.head} ({self.world_size} shard(s)"
+            load_head_weights(head, head_dir, seed=self.cfg.head.seed, optimizer_states=init.optimizer_states)
+            self.log(f"init: head centers from {head_dir} ({self.world_size} shard(s)"
                      f"{'' if init.optimizer_states else ', optimizer states zeroed'})")
         elif init.head:
             # Growing a head: the old rows move to their new ids; the others are the fresh
             # rows, or imprinted from the initial backbone (after init.backbone is in).
             from .grow import grow_head, imprint_rows, read_class_map
-            grown = grow_head(head, init.head, *read_class_map(init.class_map),
+            grown = grow_head(head, head_dir, *read_class_map(init.class_map),
                               optimizer_states=init.optimizer_states)
             imprinted, note = 0, ""
             if init.new_rows == "imprint" and grown.new_classes.numel():
@@ -438,7 +444,7 @@ class Trainer:
                         + (f"; {done.without_images} new classes have no training image and keep their random "
                            "row" if done.without_images else "") + ")")
             random_rows = head.num_classes - grown.moved - imprinted
-            self.log(f"init: head grown from {init.head} ({grown.old_num_classes} classes on "
+            self.log(f"init: head grown from {head_dir} ({grown.old_num_classes} classes on "
                      f"{grown.old_world_size} rank(s)) to {head.num_classes} classes by {init.class_map}: "
                      f"{grown.moved} old rows moved ({'with' if init.optimizer_states else 'without'} optimizer "
                      f"states), {imprinted} imprinted, {random_rows} random{note}")
