@@ -341,3 +341,32 @@ def test_an_empty_checkpoints_directory_is_not_a_head(tmp_path):
     empty.mkdir()
     with pytest.raises(ConfigError, match="ds_pfc.train.init.head: .* no head shards .* no checkpoints directory"):
         split_config(_config(head=str(empty)))
+
+
+def test_a_missing_relative_class_map_names_where_it_looked_and_the_file_beside_the_config(tmp_path, monkeypatch):
+    """A relative class_map is read from the working directory; when it is missing there,
+    the error gives the absolute path tried, the working directory and, when the file sits
+    beside the job config, that path (the run does not read it from there)."""
+    from ds_pfc.app.training import Trainer
+    _write_shards(str(tmp_path / "head"), 1)
+    jobs, work = tmp_path / "jobs", tmp_path / "work"
+    jobs.mkdir()
+    work.mkdir()
+    (jobs / "map.txt").write_text("0 0\n")
+    job = jobs / "job.json"
+    config = _config(head=str(tmp_path / "head"), class_map="map.txt")
+    job.write_text(json.dumps(config))
+    monkeypatch.chdir(work)
+    with pytest.raises(ConfigError) as err:
+        Trainer(config, output_dir=str(tmp_path / "run"), config_path=str(job))
+    message = str(err.value)
+    assert message.startswith("ds_pfc.train.init.class_map: no such file 'map.txt'")
+    assert f"looked for {work / 'map.txt'}" in message and f"working directory {work}" in message
+    assert f"{jobs / 'map.txt'} exists beside the job config {job}" in message
+    assert not (tmp_path / "run").exists()
+    (jobs / "map.txt").unlink()                 # nothing beside the config: no such hint
+    with pytest.raises(ConfigError) as err:
+        Trainer(config, output_dir=str(tmp_path / "run"), config_path=str(job))
+    assert f"looked for {work / 'map.txt'}" in str(err.value) and "beside" not in str(err.value)
+    (work / "map.txt").write_text("0 0\n")      # found in the working directory: accepted
+    assert split_config(config)[1].train.init.class_map == "map.txt"

@@ -12,6 +12,7 @@ them.
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import json
@@ -642,6 +643,30 @@ class ScheduleConfig:
             raise ConfigError(f"ds_pfc.train.schedule.milestones must be increasing, got {self.milestones}")
 
 
+_SOURCE = contextvars.ContextVar("ds_pfc_config_source", default=None)
+"""The job config file being parsed (:func:`split_config`'s ``source``), for the hints
+of a missing path."""
+
+
+def _not_found(key: str, value, what: str, kind: str = "file") -> str:
+    """The error of a config path ``value`` (``key``) that does not exist: the absolute
+    path looked for and the working directory relative paths are read from; when a file
+    of that name sits beside the job config file, that too."""
+    if not isinstance(value, str) or not value:
+        return f"{key}: no such {kind} {value!r} ({what})"
+    text = f"{key}: no such {kind} {value!r} (looked for {os.path.abspath(value)}"
+    if not os.path.isabs(value):
+        text += f"; relative paths in the job config are read from the working directory {os.getcwd()}"
+    text += f"; {what})"
+    source = _SOURCE.get()
+    if source and not os.path.isabs(value):
+        beside = os.path.join(os.path.dirname(os.path.abspath(source)), value)
+        if os.path.exists(beside):
+            text += (f"; {beside} exists beside the job config {source}: give that path (absolute, or relative "
+                     "to the working directory)")
+    return text
+
+
 def _is_checkpoints_directory(path: str) -> bool:
     """Whether ``path`` is a run's ``checkpoints/`` directory: a ``latest`` file or a
     complete tag in it (which tag is read is decided when the weights load)."""
@@ -694,12 +719,13 @@ class InitConfig:
 
     def __post_init__(self):
         if self.backbone is not None and not os.path.isfile(self.backbone):
-            raise ConfigError(f"ds_pfc.train.init.backbone: no such file {self.backbone!r} (a model export, "
-                              "export/model.safetensors)")
+            raise ConfigError(_not_found("ds_pfc.train.init.backbone", self.backbone,
+                                         "a model export, export/model.safetensors"))
         if self.head is not None:
             if not os.path.isdir(self.head):
-                raise ConfigError(f"ds_pfc.train.init.head: no such directory {self.head!r} (a directory of head "
-                                  "shards head-rank*-of-*.safetensors)")
+                raise ConfigError(_not_found("ds_pfc.train.init.head", self.head, "a directory of head shards "
+                                             "head-rank*-of-*.safetensors, or a run's checkpoints directory",
+                                             "directory"))
             if not any(re.fullmatch(r"head-rank\d{5}-of-\d{5}\.safetensors", n) for n in os.listdir(self.head)) \
                     and not _is_checkpoints_directory(self.head):
                 raise ConfigError(f"ds_pfc.train.init.head: {self.head} holds no head shards "
@@ -707,8 +733,8 @@ class InitConfig:
                                   "is no checkpoints directory (one holding 'latest' or complete checkpoint tags)")
         if self.class_map is not None:
             if not isinstance(self.class_map, str) or not os.path.isfile(self.class_map):
-                raise ConfigError(f"ds_pfc.train.init.class_map: no such file {self.class_map!r} (old class id -> "
-                                  "new class id: a JSON object {\"old\": new} or lines 'old new')")
+                raise ConfigError(_not_found("ds_pfc.train.init.class_map", self.class_map, "old class id -> new "
+                                             "class id: a JSON object {\"old\": new} or lines 'old new'"))
             if self.head is None:
                 raise ConfigError("ds_pfc.train.init.class_map maps the classes of a trained head: set "
                                   "ds_pfc.train.init.head to its shards (or remove class_map)")
@@ -1031,8 +1057,10 @@ def set_values(config: dict, assignments) -> dict:
     return out
 
 
-def split_config(config: dict) -> tuple[dict, DsPfcConfig]:
+def split_config(config: dict, *, source: str | None = None) -> tuple[dict, DsPfcConfig]:
     """Split a job's JSON into DeepSpeed's config and the parsed ``ds_pfc`` block.
+    ``source``: the file it was read from (a missing relative path found beside it is
+    named in the error; paths are still read from the working directory).
 
     Warns about top-level keys DeepSpeed does not read and about a missing
     ``gradient_clipping`` (DeepSpeed's default clips at 1.0)."""
@@ -1053,4 +1081,8 @@ def split_config(config: dict) -> tuple[dict, DsPfcConfig]:
     if "gradient_clipping" not in ds_config:
         warnings.warn("the config does not set gradient_clipping; DeepSpeed then clips gradients at norm 1.0. "
                       "Set it explicitly (0.0 disables clipping).", stacklevel=2)
-    return ds_config, from_dict(DsPfcConfig, config["ds_pfc"])
+    token = _SOURCE.set(source)
+    try:
+        return ds_config, from_dict(DsPfcConfig, config["ds_pfc"])
+    finally:
+        _SOURCE.reset(token)

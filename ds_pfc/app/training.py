@@ -146,7 +146,7 @@ class Trainer:
         self.raw_config, self.config_path = config, config_path
         self.resume_from, self.allow_batch_change = resume_from, bool(allow_batch_change)
         self.allow_config_change = bool(allow_config_change)
-        self.ds_config, self.cfg = split_config(config)
+        self.ds_config, self.cfg = split_config(config, source=config_path)
         # The command-line overrides of ds_pfc.train, saved with every checkpoint so
         # that a resume compares the settings the run really had.
         self.overrides = {}
