@@ -370,3 +370,58 @@ def test_a_missing_relative_class_map_names_where_it_looked_and_the_file_beside_
     assert f"looked for {work / 'map.txt'}" in str(err.value) and "beside" not in str(err.value)
     (work / "map.txt").write_text("0 0\n")      # found in the working directory: accepted
     assert split_config(config)[1].train.init.class_map == "map.txt"
+
+
+def test_max_steps_0_writes_the_initial_state_and_a_later_run_resumes_it(tmp_path):
+    """max_steps 0 trains nothing: the checkpoint step00000000 holds the init weights (the
+    head rows and the export's backbone read back with safetensors equal the ones drawn
+    here), the export exists, and a run with more steps resumes from it, training exactly
+    as a run started from the same init weights does."""
+    from ds_pfc.app.training import Trainer
+    export = _write_export(str(tmp_path / "model.safetensors"))
+    weight, momentum = _write_shards(str(tmp_path / "head"), 1)
+    expected = {k: v for k, v in load_file(export).items()}
+    config = _config(backbone=export, head=str(tmp_path / "head"))
+    config["ds_pfc"]["checkpoint"]["export"] = True
+    out = str(tmp_path / "run")
+    logs = []
+    trainer = Trainer(config, output_dir=out, max_steps=0, log=logs.append)
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    tag = os.path.join(out, "checkpoints", "step00000000")
+    assert summary["checkpoint"] == tag and summary["losses"] == []
+    assert os.path.isfile(os.path.join(tag, "ds_pfc_complete.json"))
+    assert open(os.path.join(out, "checkpoints", "latest")).read().strip() == "step00000000"
+    shard = load_file(os.path.join(tag, "head-rank00000-of-00001.safetensors"))
+    assert torch.equal(shard["weight"].reshape(C, D), weight)
+    assert torch.equal(shard["momentum_buffer"].reshape(C, D), momentum)
+    exported = load_file(os.path.join(out, "export", "model.safetensors"))
+    for name, value in expected.items():
+        assert torch.equal(exported[name].to(value.dtype), value), name
+    assert any("no training steps to run" in line for line in logs), logs
+
+    logs = []
+    trainer = Trainer(config, output_dir=out, max_steps=2, log=logs.append)
+    try:
+        resumed = trainer.run()
+    finally:
+        trainer.close()
+    assert resumed["resumed"] and any("resumed from" in line and "step00000000" in line for line in logs), logs
+    assert len(resumed["losses"]) == 2
+    direct = Trainer(config, output_dir=str(tmp_path / "direct"), max_steps=2, log=lambda line: None)
+    try:
+        reference = direct.run()
+    finally:
+        direct.close()
+    assert resumed["losses"] == reference["losses"]
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_max_steps_below_0_or_not_an_integer_is_refused(value):
+    config = copy.deepcopy(CONFIG)
+    config["ds_pfc"]["train"]["max_steps"] = value
+    with pytest.raises(ConfigError, match="ds_pfc.train.max_steps must be "):
+        split_config(config)
+

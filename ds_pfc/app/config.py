@@ -787,7 +787,10 @@ class TrainConfig:
     epochs: float = 1.0
     """Passes over the training set (fractions allowed)."""
     max_steps: int | None = None
-    """Stop after this many optimizer steps (overrides ``epochs`` when smaller)."""
+    """Stop after this many optimizer steps (overrides ``epochs`` when smaller). 0: no
+    training: everything is built (pretrained ``init`` weights loaded), the initial
+    state is saved as checkpoint ``step00000000`` (and exported), and a later run with
+    more steps resumes from it."""
     schedule: ScheduleConfig | None = None
     """ds_pfc's learning-rate schedule (None: DeepSpeed's ``scheduler`` block, if any)."""
     seed: int = 0
@@ -829,8 +832,10 @@ class TrainConfig:
         _positive_int(self.max_consecutive_skips, "ds_pfc.train.max_consecutive_skips")
         _number(self.rollback_lr_factor, "ds_pfc.train.rollback_lr_factor", low=0, high=1, low_open=True)
         _positive_int(self.max_rollbacks, "ds_pfc.train.max_rollbacks")
-        if self.max_steps is not None:
-            _positive_int(self.max_steps, "ds_pfc.train.max_steps")
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
+                                           or self.max_steps < 0):
+            raise ConfigError(f"ds_pfc.train.max_steps must be an integer >= 0 (0: write the initial state, no "
+                              f"training), got {self.max_steps!r}")
         _positive_int(self.log_every, "ds_pfc.train.log_every")
         import signal
         names = self.preempt_signals

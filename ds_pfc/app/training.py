@@ -287,7 +287,8 @@ class Trainer:
         total = int(cfg.train.epochs * self.steps_per_epoch)
         if cfg.train.max_steps is not None:
             total = min(total, cfg.train.max_steps)
-        self.total_steps = max(total, 1)
+        # max_steps 0: no step; the initial state is saved and exported (run()).
+        self.total_steps = 0 if cfg.train.max_steps == 0 else max(total, 1)
 
         torch.manual_seed(cfg.train.seed)
         backbone = cfg.backbone.build(cfg.head.embedding_size)
@@ -791,7 +792,10 @@ class Trainer:
 
     def run(self) -> dict:
         """Train to ``total_steps`` (resuming if a checkpoint exists), evaluate, save,
-        export. Returns a summary dict (losses per step, evaluations, paths)."""
+        export. Returns a summary dict (losses per step, evaluations, paths). With
+        ``total_steps`` 0 (``max_steps`` 0) nothing trains: the initial state (the init
+        weights, or the seed's fresh ones) is evaluated, saved as ``step00000000`` and
+        exported."""
         if not hasattr(self, "engine"):
             self.setup()
         resumed = self.resume()
@@ -805,13 +809,16 @@ class Trainer:
         flips = self.flip_mechanism
         if flips is not None:
             summary["flip_mechanism"] = self.history.setdefault("flip_mechanism", {})
-        if not resumed and cfg.evaluation.at_start:
-            summary["evaluations"][0] = self.run_evaluation()
         step = engine.global_steps
+        if not resumed and cfg.evaluation.at_start and step < self.total_steps:   # else _finish evaluates it
+            summary["evaluations"][0] = self.run_evaluation()
         progress = _Progress(time.perf_counter(), step)
         last_save = time.monotonic()        # ds_pfc.checkpoint.every_minutes counts from here
-        with _Preemption(cfg.train.preempt_signals) as preempt:
-            step = self._train_steps(summary, step, progress, last_save, preempt)
+        if step < self.total_steps:         # max_steps 0 (or a resumed run at its end): no step
+            with _Preemption(cfg.train.preempt_signals) as preempt:
+                step = self._train_steps(summary, step, progress, last_save, preempt)
+        else:
+            self.log(f"no training steps to run (step {step} of {self.total_steps}): saving the state as it is")
         return self._finish(summary, step, progress)
 
     def _train_steps(self, summary, step, progress, last_save, preempt) -> int:
