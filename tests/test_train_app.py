@@ -771,3 +771,48 @@ def test_a_bug_keeps_its_traceback_and_writes_it_to_the_file(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: RuntimeError: boom: a bug (a bug in ds_pfc")
     assert "boom: a bug" in open(os.path.join(out, "errors", "rank0.txt")).read()
     assert lines[0] in open(os.path.join(out, "training.log")).read()
+
+
+def _csv_rows(path):
+    import csv
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def test_the_csv_monitor_files_continue_across_resumes(tmp_path):
+    """DeepSpeed's csv monitor writes a header the first time a process writes a file; a
+    resumed run continues the files instead: one header line, and the step column (the
+    samples seen: 8 a step here) continuous. Resuming an older tag drops the rows written
+    after it, which the resumed run writes again."""
+    out = os.path.join(tmp_path, "run")
+    path = _config(tmp_path, "job")
+    monitor = os.path.join(out, "monitor", "train")
+    _run(["--deepspeed_config", path, "--output_dir", out, "--max_steps", "3"])
+    _run(["--deepspeed_config", path, "--output_dir", out, "--max_steps", "5", "--resume"])
+    names = sorted(os.listdir(monitor))
+    assert "Train_Samples_train_loss.csv" in names and "Train_Samples_lr.csv" in names, names
+    for name in names:
+        rows = _csv_rows(os.path.join(monitor, name))
+        assert rows[0][0] == "step" and all(row[0] != "step" for row in rows[1:]), (name, rows)
+    for name in ("Train_Samples_train_loss.csv", "Train_Samples_train_accuracy.csv", "Train_Samples_lr.csv"):
+        steps = [int(row[0]) for row in _csv_rows(os.path.join(monitor, name))[1:]]
+        assert steps == [8 * k for k in range(1, 6)], (name, steps)
+    losses = [float(row[1]) for row in _csv_rows(os.path.join(monitor, "Train_Samples_train_loss.csv"))[1:]]
+    assert losses == _summary(out)["losses"]
+
+    # Back to step 2 (checkpoints every 2 steps): the rows of steps 3-5 go, 3-4 come again.
+    stdout = _run(["--deepspeed_config", path, "--output_dir", out, "--max_steps", "4",
+                   "--resume_from", "step00000002"])
+    assert "monitor: removed" in stdout
+    rows = _csv_rows(os.path.join(monitor, "Train_Samples_train_loss.csv"))
+    assert rows[0] == ["step", "train_loss"] and [int(r[0]) for r in rows[1:]] == [8, 16, 24, 32], rows
+    assert [float(r[1]) for r in rows[1:]] == _summary(out)["losses"]
+
+
+def test_max_steps_0_through_the_command_exits_0_with_the_initial_checkpoint(tmp_path):
+    out = os.path.join(tmp_path, "run")
+    _forked(["--deepspeed_config", _config(tmp_path, "job"), "--output_dir", out, "--max_steps", "0"], 1)
+    summary = _summary(out)
+    assert summary["steps"] == 0 and summary["losses"] == [] and summary["checkpoint"].endswith("step00000000")
+    assert os.path.isfile(os.path.join(out, "export", "model.safetensors"))
+    assert os.path.isfile(os.path.join(out, "checkpoints", "step00000000", "ds_pfc_complete.json"))

@@ -782,6 +782,19 @@ class Trainer:
         self._monitor(events)
         return results
 
+    def _continue_monitor_files(self) -> None:
+        """Rank 0: the csv monitor's files of an earlier run continue at this run's
+        sample count (:func:`~ds_pfc.app.run_outputs.continue_csv_monitor`)."""
+        if self.rank != 0:
+            return
+        from .run_outputs import continue_csv_monitor
+        inner = self.engine.engine
+        files, removed = continue_csv_monitor(inner, int(inner.global_samples))
+        if removed:
+            self.log(f"monitor: removed {removed} csv row(s) from {len(files)} file(s) of an earlier run: rows past "
+                     f"sample {inner.global_samples} (written after the checkpoint this run starts from) and "
+                     "repeated header lines")
+
     def _monitor(self, events: list[tuple[str, float]]) -> None:
         """Write ``(name, value)`` events to DeepSpeed's monitors (csv, TensorBoard,
         W&B) at the engine's sample count, as DeepSpeed writes the learning rate."""
@@ -799,6 +812,7 @@ class Trainer:
         if not hasattr(self, "engine"):
             self.setup()
         resumed = self.resume()
+        self._continue_monitor_files()
         if self._nonfinite is not None:         # its records live in the history (every checkpoint)
             records = self.history.setdefault("nonfinite", {})
             for kind in ("skipped", "rollbacks"):
