@@ -1045,10 +1045,11 @@ class Trainer:
         due = bool(minutes) and time.monotonic() - since >= 60.0 * minutes
         if not (minutes or preempt.active):
             return False, 0
+        received = preempt.poll()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return due, preempt.received
+            return due, received
         from ..devices import collective_device
-        flags = torch.tensor([float(due), float(preempt.received)], device=collective_device(None, self.device))
+        flags = torch.tensor([float(due), float(received)], device=collective_device(None, self.device))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         due, signum = flags.tolist()
         return bool(due), int(signum)
@@ -1158,34 +1159,99 @@ class Preempted(Exception):
         self.signal_name, self.step, self.path = signal_name, step, path
 
 
+LAUNCHER_GONE = 1000
+"""The "signal" number of a preemption by the end of the rank's ``deepspeed`` launcher
+(above every real signal number; the ranks agree on the largest)."""
+
+
 def _signal_name(signum: int) -> str:
+    if signum == LAUNCHER_GONE:
+        return "the end of its deepspeed launcher"
     try:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
 
 
+class _LauncherWatch:
+    """Whether the ``deepspeed`` launcher of this rank is gone. A rank started by
+    DeepSpeed's per-node launcher (``deepspeed.launcher.launch``, the rank's parent)
+    notes at the start the launcher and the process that started it (the ``deepspeed``
+    command on one node, the remote shell of a multi-node launch). ``deepspeed`` on one
+    node installs no signal handler: a SIGTERM sent to it alone ends it and leaves the
+    launcher and the ranks running; a launcher killed outright leaves the ranks alone
+    too. :meth:`gone` says so once either process has ended (the launcher's parent, or
+    this rank's, is another process then), at most one look per ``every_s`` seconds.
+    Not under any other launcher (``active`` False)."""
+
+    every_s = 1.0
+
+    def __init__(self):
+        self.launcher = self.starter = None
+        self._process = None
+        self._next = 0.0
+        try:
+            import psutil
+            parent = psutil.Process(os.getppid())
+            if any("deepspeed.launcher.launch" in part
+                   or part.endswith(os.path.join("deepspeed", "launcher", "launch.py")) for part in parent.cmdline()):
+                self.launcher, self.starter, self._process = parent.pid, parent.ppid(), parent
+        except Exception:            # no psutil, no /proc, a parent already gone: no watch
+            self.launcher = self.starter = None
+
+    @property
+    def active(self) -> bool:
+        return self.launcher is not None
+
+    def gone(self) -> bool:
+        if self.launcher is None:
+            return False
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.every_s
+        if os.getppid() != self.launcher:
+            return True
+        try:
+            return self.starter > 1 and self._process.ppid() != self.starter
+        except Exception:            # the launcher ended between the two looks
+            return True
+
+
 class _Preemption:
     """Within it, the named signals only record that they arrived (``received``: the first
     one's number, 0 while none), so that the loop can finish its step and checkpoint; the
     previous handlers come back on exit. Outside the main thread nothing is installed
-    (``active`` False)."""
+    (``active`` False). With any preempting signal configured, the end of the rank's
+    ``deepspeed`` launcher (:class:`_LauncherWatch`) preempts too (``received``
+    :data:`LAUNCHER_GONE`), as a SIGTERM the launcher would forward: :meth:`poll`."""
 
     def __init__(self, names):
         self._signals = [getattr(signal, n) for n in names]
         self._previous = {}
         self.received = 0
         self.active = False
+        self._watch = None
 
     def _handle(self, signum, frame):
         if not self.received:
             self.received = signum
+
+    def poll(self) -> int:
+        """``received``, after a look at the launcher."""
+        if not self.received and self._watch is not None and self._watch.gone():
+            self.received = LAUNCHER_GONE
+        return self.received
 
     def __enter__(self):
         if self._signals and threading.current_thread() is threading.main_thread():
             for sig in self._signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
             self.active = True
+        if self._signals:
+            watch = _LauncherWatch()
+            if watch.active:
+                self._watch, self.active = watch, True
         return self
 
     def __exit__(self, *exc):
