@@ -669,6 +669,9 @@ def test_on_nonfinite_rollback_reloads_the_newest_checkpoint_with_a_lower_lr(two
     assert (record["step"], record["to"], record["lr_scale"]) == (5, "step00000004", 0.5)
     log = open(os.path.join(out, "training.log")).read()
     assert "step 5:" in log and "rolled back every rank to" in log and "learning rate x0.5" in log
+    rows = _csv_rows(os.path.join(out, "monitor", "train", "Train_Samples_train_loss.csv"))
+    assert rows[0] == ["step", "train_loss"] and [int(r[0]) for r in rows[1:]] == [16 * k for k in range(1, 7)]
+    assert [float(r[1]) for r in rows[1:]] == rolled["losses"]
 
     ref = os.path.join(tmp_path, "ref")
     os.makedirs(os.path.join(ref, "checkpoints"))

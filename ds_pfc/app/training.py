@@ -783,17 +783,18 @@ class Trainer:
         return results
 
     def _continue_monitor_files(self) -> None:
-        """Rank 0: the csv monitor's files of an earlier run continue at this run's
-        sample count (:func:`~ds_pfc.app.run_outputs.continue_csv_monitor`)."""
+        """Rank 0: the csv monitor's files continue at the sample count training continues
+        from, at the start and after a rollback
+        (:func:`~ds_pfc.app.run_outputs.continue_csv_monitor`)."""
         if self.rank != 0:
             return
         from .run_outputs import continue_csv_monitor
         inner = self.engine.engine
         files, removed = continue_csv_monitor(inner, int(inner.global_samples))
         if removed:
-            self.log(f"monitor: removed {removed} csv row(s) from {len(files)} file(s) of an earlier run: rows past "
-                     f"sample {inner.global_samples} (written after the checkpoint this run starts from) and "
-                     "repeated header lines")
+            self.log(f"monitor: removed {removed} csv row(s) from {len(files)} file(s): rows past sample "
+                     f"{inner.global_samples} (written after the checkpoint training continues from) and repeated "
+                     "header lines")
 
     def _monitor(self, events: list[tuple[str, float]]) -> None:
         """Write ``(name, value)`` events to DeepSpeed's monitors (csv, TensorBoard,
@@ -1024,6 +1025,7 @@ class Trainer:
             loaded = self.engine.load_checkpoint(self.checkpoint_dir, tag)
         self.sampler.load_state_dict(loaded["rank_state"]["sampler"])
         self._after_load(loaded)
+        self._continue_monitor_files()          # the rows of the abandoned steps go
         guard.records["rollbacks"].append({"step": step, "reason": reason, "to": tag, "lr_scale": self.lr_scale})
         self.history["nonfinite"] = guard.records
         guard.last_target, guard.stepped_since_rollback, guard.consecutive = tag, False, 0
