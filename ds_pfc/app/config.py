@@ -805,8 +805,10 @@ class TrainConfig:
     """Opt-in training diagnostics (all off by default)."""
     preempt_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that preempt the run: every rank finishes its step, a complete checkpoint is
-    written and the command exits with code 75 (requeue it; the rerun resumes). ``[]``: the
-    signals keep their default action."""
+    written and the command exits with code 75 (requeue it; the rerun resumes). Under
+    DeepSpeed's launcher, the end of the launcher or of the ``deepspeed`` command that
+    started it preempts alike. ``[]``: the signals keep their default action (and the
+    launcher is not watched)."""
     on_nonfinite: str = "stop"
     """What a step whose embeddings (on any rank) or loss are NaN or Inf does, on every rank
     together: ``stop`` (the run ends with one error line naming the newest checkpoint and the
