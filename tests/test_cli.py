@@ -70,3 +70,35 @@ def test_train_defaults_to_the_shipped_quickstart():
 def test_entry_files_run(argv):
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr
+
+
+@pytest.mark.parametrize("value", [os.path.join("configs", "cpu_quickstart.json"),
+                                   os.path.join("somewhere", "else", "cpu_quickstart")])
+def test_a_missing_path_named_like_a_shipped_config_names_it(tmp_path, monkeypatch, value):
+    """Outside a checkout, configs/cpu_quickstart.json is no file; the error names the
+    shipped config to pass instead (the shipped files are listed here from the package's
+    folder, independently of the code under test)."""
+    from ds_pfc.cli import train
+    shipped = os.path.join(os.path.dirname(train.__file__), os.pardir, "configs", "cpu_quickstart.json")
+    assert os.path.isfile(shipped)
+    monkeypatch.chdir(tmp_path)                 # no configs/ here
+    code, _, err = _call_train(["--deepspeed_config", value])
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 1 and len(line) == 1, err
+    assert "not found" in line[0] and str(tmp_path / value) in line[0]
+    assert "; cpu_quickstart is a config shipped with ds_pfc: --deepspeed_config cpu_quickstart" in line[0]
+    assert os.listdir(tmp_path) == []               # nothing written
+
+
+def test_a_missing_path_of_another_name_gets_no_shipped_config_hint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _call_train(["--deepspeed_config", os.path.join("configs", "my_job.json")])
+    assert code == 1 and "config file not found" in err and "shipped" not in err
+
+
+def _call_train(args):
+    import sys as _sys
+    _sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _inprocess import call_main
+    from ds_pfc.cli.train import main
+    return call_main(main, args)

@@ -293,3 +293,135 @@ def test_a_resumed_run_keeps_the_backbone_frozen_for_the_rest_of_its_steps(tmp_p
     assert summary["resumed"] and len(snapshots) == 2           # optimizer steps 2 and 3
     assert all(torch.equal(snapshots[0][n], expected[n]) for n in params)
     assert any(not torch.equal(snapshots[1][n], expected[n]) for n in params)
+
+
+def test_head_from_a_runs_checkpoints_directory_reads_the_tag_latest_names(tmp_path):
+    """init.head may name a run's checkpoints/ directory: the head starts from the tag its
+    'latest' file names (read back here with safetensors from that tag's shard), the log
+    names the tag; with 'latest' lagging behind a newer complete tag, the newer one is
+    read, as the export command reads it."""
+    from ds_pfc.app.training import Trainer
+    first = copy.deepcopy(CONFIG)
+    first["ds_pfc"]["train"]["max_steps"] = 2
+    first["ds_pfc"]["checkpoint"]["every_steps"] = 1
+    source = str(tmp_path / "source")
+    trainer = Trainer(first, output_dir=source, log=lambda line: None)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    checkpoints = os.path.join(source, "checkpoints")
+    assert open(os.path.join(checkpoints, "latest")).read().strip() == "step00000002"
+    shard = "head-rank00000-of-00001.safetensors"
+    saved = {tag: load_file(os.path.join(checkpoints, tag, shard))["weight"]
+             for tag in ("step00000001", "step00000002")}
+    assert not torch.equal(saved["step00000001"], saved["step00000002"])      # training moved the rows
+
+    logs = []
+    trainer = _trainer(str(tmp_path / "run"), _config(head=checkpoints), logs)
+    try:
+        assert torch.equal(trainer.head.state_dict()["weight"].cpu(), saved["step00000002"].reshape(C, D))
+    finally:
+        trainer.close()
+    assert any("is a checkpoints directory: reading its tag step00000002" in line for line in logs), logs
+
+    with open(os.path.join(checkpoints, "latest"), "w") as f:      # a save interrupted before it moved 'latest'
+        f.write("step00000001")
+    logs = []
+    trainer = _trainer(str(tmp_path / "run2"), _config(head=checkpoints), logs)
+    try:
+        assert torch.equal(trainer.head.state_dict()["weight"].cpu(), saved["step00000002"].reshape(C, D))
+    finally:
+        trainer.close()
+    assert any("reading its tag step00000002" in line and "names step00000001" in line for line in logs), logs
+
+
+def test_an_empty_checkpoints_directory_is_not_a_head(tmp_path):
+    empty = tmp_path / "checkpoints"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="ds_pfc.train.init.head: .* no head shards .* no checkpoints directory"):
+        split_config(_config(head=str(empty)))
+
+
+def test_a_missing_relative_class_map_names_where_it_looked_and_the_file_beside_the_config(tmp_path, monkeypatch):
+    """A relative class_map is read from the working directory; when it is missing there,
+    the error gives the absolute path tried, the working directory and, when the file sits
+    beside the job config, that path (the run does not read it from there)."""
+    from ds_pfc.app.training import Trainer
+    _write_shards(str(tmp_path / "head"), 1)
+    jobs, work = tmp_path / "jobs", tmp_path / "work"
+    jobs.mkdir()
+    work.mkdir()
+    (jobs / "map.txt").write_text("0 0\n")
+    job = jobs / "job.json"
+    config = _config(head=str(tmp_path / "head"), class_map="map.txt")
+    job.write_text(json.dumps(config))
+    monkeypatch.chdir(work)
+    with pytest.raises(ConfigError) as err:
+        Trainer(config, output_dir=str(tmp_path / "run"), config_path=str(job))
+    message = str(err.value)
+    assert message.startswith("ds_pfc.train.init.class_map: no such file 'map.txt'")
+    assert f"looked for {work / 'map.txt'}" in message and f"working directory {work}" in message
+    assert f"{jobs / 'map.txt'} exists beside the job config {job}" in message
+    assert not (tmp_path / "run").exists()
+    (jobs / "map.txt").unlink()                 # nothing beside the config: no such hint
+    with pytest.raises(ConfigError) as err:
+        Trainer(config, output_dir=str(tmp_path / "run"), config_path=str(job))
+    assert f"looked for {work / 'map.txt'}" in str(err.value) and "beside" not in str(err.value)
+    (work / "map.txt").write_text("0 0\n")      # found in the working directory: accepted
+    assert split_config(config)[1].train.init.class_map == "map.txt"
+
+
+def test_max_steps_0_writes_the_initial_state_and_a_later_run_resumes_it(tmp_path):
+    """max_steps 0 trains nothing: the checkpoint step00000000 holds the init weights (the
+    head rows and the export's backbone read back with safetensors equal the ones drawn
+    here), the export exists, and a run with more steps resumes from it, training exactly
+    as a run started from the same init weights does."""
+    from ds_pfc.app.training import Trainer
+    export = _write_export(str(tmp_path / "model.safetensors"))
+    weight, momentum = _write_shards(str(tmp_path / "head"), 1)
+    expected = {k: v for k, v in load_file(export).items()}
+    config = _config(backbone=export, head=str(tmp_path / "head"))
+    config["ds_pfc"]["checkpoint"]["export"] = True
+    out = str(tmp_path / "run")
+    logs = []
+    trainer = Trainer(config, output_dir=out, max_steps=0, log=logs.append)
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    tag = os.path.join(out, "checkpoints", "step00000000")
+    assert summary["checkpoint"] == tag and summary["losses"] == []
+    assert os.path.isfile(os.path.join(tag, "ds_pfc_complete.json"))
+    assert open(os.path.join(out, "checkpoints", "latest")).read().strip() == "step00000000"
+    shard = load_file(os.path.join(tag, "head-rank00000-of-00001.safetensors"))
+    assert torch.equal(shard["weight"].reshape(C, D), weight)
+    assert torch.equal(shard["momentum_buffer"].reshape(C, D), momentum)
+    exported = load_file(os.path.join(out, "export", "model.safetensors"))
+    for name, value in expected.items():
+        assert torch.equal(exported[name].to(value.dtype), value), name
+    assert any("no training steps to run" in line for line in logs), logs
+
+    logs = []
+    trainer = Trainer(config, output_dir=out, max_steps=2, log=logs.append)
+    try:
+        resumed = trainer.run()
+    finally:
+        trainer.close()
+    assert resumed["resumed"] and any("resumed from" in line and "step00000000" in line for line in logs), logs
+    assert len(resumed["losses"]) == 2
+    direct = Trainer(config, output_dir=str(tmp_path / "direct"), max_steps=2, log=lambda line: None)
+    try:
+        reference = direct.run()
+    finally:
+        direct.close()
+    assert resumed["losses"] == reference["losses"]
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_max_steps_below_0_or_not_an_integer_is_refused(value):
+    config = copy.deepcopy(CONFIG)
+    config["ds_pfc"]["train"]["max_steps"] = value
+    with pytest.raises(ConfigError, match="ds_pfc.train.max_steps must be "):
+        split_config(config)
+

@@ -324,7 +324,7 @@ def test_eval_cli_names_a_model_file_it_cannot_read(tmp_path):
 @pytest.mark.parametrize("script, args, needle", [
     ("demo.py", ["--sample-rate", "1.5"], "--sample-rate must be in (0, 1]"),
     ("multitask_tp.py", ["--tp", "0"], "--tp must be >= 1"),
-    ("train.py", ["--max_steps", "0"], "--max_steps must be >= 1"),
+    ("train.py", ["--max_steps", "-1"], "--max_steps must be >= 0"),
 ])
 def test_cli_argument_errors_are_usage_errors(script, args, needle):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")

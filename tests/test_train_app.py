@@ -670,6 +670,9 @@ def test_on_nonfinite_rollback_reloads_the_newest_checkpoint_with_a_lower_lr(two
     assert (record["step"], record["to"], record["lr_scale"]) == (5, "step00000004", 0.5)
     log = open(os.path.join(out, "training.log")).read()
     assert "step 5:" in log and "rolled back every rank to" in log and "learning rate x0.5" in log
+    rows = _csv_rows(os.path.join(out, "monitor", "train", "Train_Samples_train_loss.csv"))
+    assert rows[0] == ["step", "train_loss"] and [int(r[0]) for r in rows[1:]] == [16 * k for k in range(1, 7)]
+    assert [float(r[1]) for r in rows[1:]] == rolled["losses"]
 
     ref = os.path.join(tmp_path, "ref")
     os.makedirs(os.path.join(ref, "checkpoints"))
@@ -772,3 +775,111 @@ def test_a_bug_keeps_its_traceback_and_writes_it_to_the_file(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: RuntimeError: boom: a bug (a bug in ds_pfc")
     assert "boom: a bug" in open(os.path.join(out, "errors", "rank0.txt")).read()
     assert lines[0] in open(os.path.join(out, "training.log")).read()
+
+
+def _csv_rows(path):
+    import csv
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def test_the_csv_monitor_files_continue_across_resumes(tmp_path):
+    """DeepSpeed's csv monitor writes a header the first time a process writes a file; a
+    resumed run continues the files instead: one header line, and the step column (the
+    samples seen: 8 a step here) continuous. Resuming an older tag drops the rows written
+    after it, which the resumed run writes again."""
+    out = os.path.join(tmp_path, "run")
+    path = _config(tmp_path, "job")
+    monitor = os.path.join(out, "monitor", "train")
+    _run(["--deepspeed_config", path, "--output_dir", out, "--max_steps", "3"])
+    _run(["--deepspeed_config", path, "--output_dir", out, "--max_steps", "5", "--resume"])
+    names = sorted(os.listdir(monitor))
+    assert "Train_Samples_train_loss.csv" in names and "Train_Samples_lr.csv" in names, names
+    for name in names:
+        rows = _csv_rows(os.path.join(monitor, name))
+        assert rows[0][0] == "step" and all(row[0] != "step" for row in rows[1:]), (name, rows)
+    for name in ("Train_Samples_train_loss.csv", "Train_Samples_train_accuracy.csv", "Train_Samples_lr.csv"):
+        steps = [int(row[0]) for row in _csv_rows(os.path.join(monitor, name))[1:]]
+        assert steps == [8 * k for k in range(1, 6)], (name, steps)
+    losses = [float(row[1]) for row in _csv_rows(os.path.join(monitor, "Train_Samples_train_loss.csv"))[1:]]
+    assert losses == _summary(out)["losses"]
+
+    # Back to step 2 (checkpoints every 2 steps): the rows of steps 3-5 go, 3-4 come again.
+    stdout = _run(["--deepspeed_config", path, "--output_dir", out, "--max_steps", "4",
+                   "--resume_from", "step00000002"])
+    assert "monitor: removed" in stdout
+    rows = _csv_rows(os.path.join(monitor, "Train_Samples_train_loss.csv"))
+    assert rows[0] == ["step", "train_loss"] and [int(r[0]) for r in rows[1:]] == [8, 16, 24, 32], rows
+    assert [float(r[1]) for r in rows[1:]] == _summary(out)["losses"]
+
+
+def test_max_steps_0_through_the_command_exits_0_with_the_initial_checkpoint(tmp_path):
+    out = os.path.join(tmp_path, "run")
+    _forked(["--deepspeed_config", _config(tmp_path, "job"), "--output_dir", out, "--max_steps", "0"], 1)
+    summary = _summary(out)
+    assert summary["steps"] == 0 and summary["losses"] == [] and summary["checkpoint"].endswith("step00000000")
+    assert os.path.isfile(os.path.join(out, "export", "model.safetensors"))
+    assert os.path.isfile(os.path.join(out, "checkpoints", "step00000000", "ds_pfc_complete.json"))
+
+
+def test_sigterm_to_the_deepspeed_command_alone_preempts_the_ranks(tmp_path):
+    """``deepspeed`` on one node installs no SIGTERM handler: a SIGTERM to that command alone
+    ends it, leaving DeepSpeed's per-node launcher and the ranks running. Each rank notices
+    that its launcher's starter is gone and preempts itself: one complete checkpoint of the
+    step, every rank exits 75 (which the launcher reports in its own words), and a rerun
+    resumes from it."""
+    import signal
+    import time as _time
+    psutil = pytest.importorskip("psutil")
+    out = os.path.join(tmp_path, "run")
+    config = copy.deepcopy(TINY)
+    config["ds_pfc"]["checkpoint"] = {"every_steps": 0, "keep": 0, "export": False}
+    config["ds_pfc"]["train"]["max_steps"] = 12
+    path = os.path.join(tmp_path, "job.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    console = os.path.join(tmp_path, "console.txt")
+    beside = os.path.join(os.path.dirname(sys.executable), "deepspeed")      # this interpreter's
+    cmd = [beside if os.path.isfile(beside) else shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2",
+           "--master_port", str(_free_port()), os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", path,
+           "--output_dir", out]
+    log = os.path.join(out, "training.log")
+    with open(console, "w") as sink:
+        # A session of its own: whatever is left of it at the end is killed as one group.
+        runner = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        deadline = _time.monotonic() + 400
+        while _time.monotonic() < deadline:      # wait for step 2's line
+            if os.path.exists(log) and "step 2/" in open(log).read():
+                break
+            if runner.poll() is not None:
+                pytest.fail(f"deepspeed ended before step 2:\n{open(console).read()[-4000:]}")
+            _time.sleep(0.2)
+        else:
+            pytest.fail(f"no step 2 in {deadline} s:\n{open(console).read()[-4000:]}")
+        left = psutil.Process(runner.pid).children(recursive=True)     # the launcher and the ranks
+        assert len(left) >= 3, left
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=60) == -signal.SIGTERM          # no handler: it just ends
+        _, alive = psutil.wait_procs(left, timeout=300)
+        assert not alive, f"still running: {alive}\n{open(console).read()[-4000:]}"
+    finally:
+        try:
+            os.killpg(runner.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    text = open(console).read()
+    found = re.search(r"preempted by the end of its deepspeed launcher at step (\d+)", text)
+    assert found, text[-4000:]
+    stopped = int(found.group(1))
+    assert 2 <= stopped < 12
+    assert "exits with return code = 75" in text                   # DeepSpeed's launcher, in its words
+    saved = {n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step")}
+    assert saved == {f"step{stopped:08d}"}
+    assert os.path.isfile(os.path.join(out, "checkpoints", f"step{stopped:08d}", "ds_pfc_complete.json"))
+
+    _forked(["--deepspeed_config", path, "--output_dir", out], 2)
+    resumed = _summary(out)
+    assert resumed["resumed"] and resumed["steps"] == 12 and resumed["first_loss_step"] == 1
+    assert f"resumed from {os.path.join(out, 'checkpoints', f'step{stopped:08d}')}" in open(log).read()

@@ -13,6 +13,7 @@ refuses ``optimizer.params`` keys the optimizer does not take before anything is
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import json
@@ -661,6 +662,37 @@ class ScheduleConfig:
             raise ConfigError(f"ds_pfc.train.schedule.milestones must be increasing, got {self.milestones}")
 
 
+_SOURCE = contextvars.ContextVar("ds_pfc_config_source", default=None)
+"""The job config file being parsed (:func:`split_config`'s ``source``), for the hints
+of a missing path."""
+
+
+def _not_found(key: str, value, what: str, kind: str = "file") -> str:
+    """The error of a config path ``value`` (``key``) that does not exist: the absolute
+    path looked for and the working directory relative paths are read from; when a file
+    of that name sits beside the job config file, that too."""
+    if not isinstance(value, str) or not value:
+        return f"{key}: no such {kind} {value!r} ({what})"
+    text = f"{key}: no such {kind} {value!r} (looked for {os.path.abspath(value)}"
+    if not os.path.isabs(value):
+        text += f"; relative paths in the job config are read from the working directory {os.getcwd()}"
+    text += f"; {what})"
+    source = _SOURCE.get()
+    if source and not os.path.isabs(value):
+        beside = os.path.join(os.path.dirname(os.path.abspath(source)), value)
+        if os.path.exists(beside):
+            text += (f"; {beside} exists beside the job config {source}: give that path (absolute, or relative "
+                     "to the working directory)")
+    return text
+
+
+def _is_checkpoints_directory(path: str) -> bool:
+    """Whether ``path`` is a run's ``checkpoints/`` directory: a ``latest`` file or a
+    complete tag in it (which tag is read is decided when the weights load)."""
+    from ..checkpoint import tags
+    return os.path.isfile(os.path.join(path, tags.LATEST)) or bool(tags.complete_tags(path))
+
+
 @dataclass(kw_only=True)
 class InitConfig:
     """Pretrained weights a fresh run starts from, and how the backbone trains from
@@ -676,8 +708,10 @@ class InitConfig:
     """A directory of head shards ``head-rank*-of-*.safetensors`` for this job's number
     of ranks (``launch/export.py import-arcface --world_size N`` writes them; a ds_pfc
     checkpoint tag holds them too): the head starts from those centers (and optimizer
-    states). With ``class_map``, shards of any number of ranks and classes. null: a
-    fresh head."""
+    states). A run's checkpoints directory (``<output_dir>/checkpoints``) stands for the
+    tag its ``latest`` file names (the newest complete one when ``latest`` lags or is
+    missing), as for ``launch/export.py``; the log names the tag read. With
+    ``class_map``, shards of any number of ranks and classes. null: a fresh head."""
     class_map: str | None = None
     """Grow ``head`` (a trained head) into this job's ``ds_pfc.head.num_classes``
     classes: a file mapping old class ids to new ones, a JSON object ``{"old": new,
@@ -704,19 +738,22 @@ class InitConfig:
 
     def __post_init__(self):
         if self.backbone is not None and not os.path.isfile(self.backbone):
-            raise ConfigError(f"ds_pfc.train.init.backbone: no such file {self.backbone!r} (a model export, "
-                              "export/model.safetensors)")
+            raise ConfigError(_not_found("ds_pfc.train.init.backbone", self.backbone,
+                                         "a model export, export/model.safetensors"))
         if self.head is not None:
             if not os.path.isdir(self.head):
-                raise ConfigError(f"ds_pfc.train.init.head: no such directory {self.head!r} (a directory of head "
-                                  "shards head-rank*-of-*.safetensors)")
-            if not any(re.fullmatch(r"head-rank\d{5}-of-\d{5}\.safetensors", n) for n in os.listdir(self.head)):
+                raise ConfigError(_not_found("ds_pfc.train.init.head", self.head, "a directory of head shards "
+                                             "head-rank*-of-*.safetensors, or a run's checkpoints directory",
+                                             "directory"))
+            if not any(re.fullmatch(r"head-rank\d{5}-of-\d{5}\.safetensors", n) for n in os.listdir(self.head)) \
+                    and not _is_checkpoints_directory(self.head):
                 raise ConfigError(f"ds_pfc.train.init.head: {self.head} holds no head shards "
-                                  "(head-rank*-of-*.safetensors; launch/export.py import-arcface writes them)")
+                                  "(head-rank*-of-*.safetensors; launch/export.py import-arcface writes them) and "
+                                  "is no checkpoints directory (one holding 'latest' or complete checkpoint tags)")
         if self.class_map is not None:
             if not isinstance(self.class_map, str) or not os.path.isfile(self.class_map):
-                raise ConfigError(f"ds_pfc.train.init.class_map: no such file {self.class_map!r} (old class id -> "
-                                  "new class id: a JSON object {\"old\": new} or lines 'old new')")
+                raise ConfigError(_not_found("ds_pfc.train.init.class_map", self.class_map, "old class id -> new "
+                                             "class id: a JSON object {\"old\": new} or lines 'old new'"))
             if self.head is None:
                 raise ConfigError("ds_pfc.train.init.class_map maps the classes of a trained head: set "
                                   "ds_pfc.train.init.head to its shards (or remove class_map)")
@@ -769,7 +806,10 @@ class TrainConfig:
     epochs: float = 1.0
     """Passes over the training set (fractions allowed)."""
     max_steps: int | None = None
-    """Stop after this many optimizer steps (overrides ``epochs`` when smaller)."""
+    """Stop after this many optimizer steps (overrides ``epochs`` when smaller). 0: no
+    training: everything is built (pretrained ``init`` weights loaded), the initial
+    state is saved as checkpoint ``step00000000`` (and exported), and a later run with
+    more steps resumes from it."""
     schedule: ScheduleConfig | None = None
     """ds_pfc's learning-rate schedule (None: DeepSpeed's ``scheduler`` block, if any)."""
     seed: int = 0
@@ -784,8 +824,10 @@ class TrainConfig:
     """Opt-in training diagnostics (all off by default)."""
     preempt_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that preempt the run: every rank finishes its step, a complete checkpoint is
-    written and the command exits with code 75 (requeue it; the rerun resumes). ``[]``: the
-    signals keep their default action."""
+    written and the command exits with code 75 (requeue it; the rerun resumes). Under
+    DeepSpeed's launcher, the end of the launcher or of the ``deepspeed`` command that
+    started it preempts alike. ``[]``: the signals keep their default action (and the
+    launcher is not watched)."""
     on_nonfinite: str = "stop"
     """What a step whose embeddings (on any rank) or loss are NaN or Inf does, on every rank
     together: ``stop`` (the run ends with one error line naming the newest checkpoint and the
@@ -811,8 +853,10 @@ class TrainConfig:
         _positive_int(self.max_consecutive_skips, "ds_pfc.train.max_consecutive_skips")
         _number(self.rollback_lr_factor, "ds_pfc.train.rollback_lr_factor", low=0, high=1, low_open=True)
         _positive_int(self.max_rollbacks, "ds_pfc.train.max_rollbacks")
-        if self.max_steps is not None:
-            _positive_int(self.max_steps, "ds_pfc.train.max_steps")
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
+                                           or self.max_steps < 0):
+            raise ConfigError(f"ds_pfc.train.max_steps must be an integer >= 0 (0: write the initial state, no "
+                              f"training), got {self.max_steps!r}")
         _positive_int(self.log_every, "ds_pfc.train.log_every")
         import signal
         names = self.preempt_signals
@@ -1089,8 +1133,10 @@ def set_values(config: dict, assignments) -> dict:
     return out
 
 
-def split_config(config: dict, *, strict: bool = True) -> tuple[dict, DsPfcConfig]:
+def split_config(config: dict, *, strict: bool = True, source: str | None = None) -> tuple[dict, DsPfcConfig]:
     """Split a job's JSON into DeepSpeed's config and the parsed ``ds_pfc`` block.
+    ``source``: the file it was read from (a missing relative path found beside it is
+    named in the error; paths are still read from the working directory).
 
     Refuses top-level keys DeepSpeed does not read (DeepSpeed would ignore them) and
     ``optimizer.params`` keys the optimizer does not take
@@ -1121,4 +1167,8 @@ def split_config(config: dict, *, strict: bool = True) -> tuple[dict, DsPfcConfi
     if "gradient_clipping" not in ds_config:
         warnings.warn("the config does not set gradient_clipping; DeepSpeed then clips gradients at norm 1.0. "
                       "Set it explicitly (0.0 disables clipping).", stacklevel=2)
-    return ds_config, from_dict(DsPfcConfig, config["ds_pfc"])
+    token = _SOURCE.set(source)
+    try:
+        return ds_config, from_dict(DsPfcConfig, config["ds_pfc"])
+    finally:
+        _SOURCE.reset(token)

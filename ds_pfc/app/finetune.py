@@ -20,7 +20,7 @@ import torch
 
 from .config import ConfigError
 
-__all__ = ["read_backbone_weights", "load_backbone_weights", "load_head_weights", "backbone_factor",
+__all__ = ["read_backbone_weights", "load_backbone_weights", "head_directory", "load_head_weights", "backbone_factor",
            "BackboneScaledLR"]
 
 _KEY = "ds_pfc.train.init"
@@ -78,6 +78,35 @@ def load_backbone_weights(backbone: torch.nn.Module, path: str) -> None:
                           + "; set ds_pfc.backbone (and ds_pfc.head.embedding_size) to what the file holds")
     with torch.no_grad():
         backbone.load_state_dict(state, strict=True)
+
+
+def head_directory(path: str) -> tuple[str, str | None]:
+    """``ds_pfc.train.init.head`` as a directory of head shards: ``(directory, note)``.
+    A directory holding shards is itself (note None); a run's checkpoints directory is
+    the tag its ``latest`` file names, or the newest complete one when ``latest`` lags
+    or is missing, checked complete and intact, as ``launch/export.py`` reads it
+    (:func:`ds_pfc.checkpoint.export.resolve_tag`); the note says which tag (and why
+    when not ``latest``'s). A damaged or empty checkpoints directory is a ConfigError
+    naming the key."""
+    import re
+    import warnings
+    from ..checkpoint.export import resolve_tag
+    from ..checkpoint.tags import CheckpointError
+    where = f"{_KEY}.head"
+    if not os.path.isdir(path):
+        raise ConfigError(f"{where}: no such directory {path!r}")
+    if any(re.fullmatch(r"head-rank\d{5}-of-\d{5}\.safetensors", n) for n in os.listdir(path)):
+        return path, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            tag_dir = resolve_tag(path)
+        except (CheckpointError, FileNotFoundError) as err:
+            raise ConfigError(f"{where}: {path} holds no head shards and no readable checkpoint ({err})") from None
+    why = "; ".join(str(w.message) for w in caught)
+    note = (f"init: {where} {path} is a checkpoints directory: reading its tag {os.path.basename(tag_dir)} "
+            + (f"({why})" if why else "(the one 'latest' names)"))
+    return tag_dir, note
 
 
 def load_head_weights(head, directory: str, *, seed: int | None = None, optimizer_states: bool = True) -> str:

@@ -43,11 +43,19 @@ def recipe_path(name: str) -> str:
 
 def resolve_config(value: str) -> str:
     """``--deepspeed_config``'s value as a path: an existing file as it is, else a bare name
-    (no directory part) as a shipped config; else FileNotFoundError."""
+    (no directory part) as a shipped config; else FileNotFoundError (naming the shipped
+    config when the missing path's file name is one, e.g. ``configs/cpu_quickstart.json``
+    run outside a checkout)."""
     if os.path.isfile(value):
         return value
     if os.sep in value or (os.altsep and os.altsep in value):
-        raise FileNotFoundError(f"config file not found: {value!r}")
+        # A path that is not there, e.g. configs/cpu_quickstart.json outside a checkout:
+        # when its file name is a shipped config, say how to name that one.
+        base = os.path.basename(value.rstrip("/" + os.sep))
+        stem = base[:-5] if base.endswith(".json") else base
+        hint = (f"; {stem} is a config shipped with ds_pfc: --deepspeed_config {stem}"
+                if stem and stem in recipe_names() else "")
+        raise FileNotFoundError(f"config file not found: {value!r} (looked for {os.path.abspath(value)}){hint}")
     return recipe_path(value)
 
 

@@ -13,6 +13,9 @@ DeepSpeed's TensorBoard and W&B monitors under the output directory.
   names an ``output_path``; the ``wandb`` block's run directory is
   ``<output_dir>/wandb`` unless ``WANDB_DIR`` is set; a monitor whose package is
   missing is refused before anything is built.
+- :func:`continue_csv_monitor`: a resumed run continues DeepSpeed's csv files (one
+  header line each; rows past the resumed checkpoint, from a run that went on after
+  it, removed).
 - :func:`loss_scale_text`: the loss scale for the progress line under fp16.
 - :class:`Heartbeat`: a "still running after N s" line (with progress when known) for
   every long phase of rank 0: the data index, the engine build (DeepSpeed's first JIT op
@@ -31,7 +34,7 @@ import os
 import sys
 
 __all__ = ["TrainingLog", "LOG_NAME", "strict_json", "finite_or_none", "monitor_config", "check_monitor_packages",
-           "loss_scale_text", "versions_line"]
+           "continue_csv_monitor", "loss_scale_text", "versions_line"]
 
 LOG_NAME = "training.log"
 
@@ -143,6 +146,55 @@ def monitor_config(ds_config: dict, output_dir: str, *, rank: int) -> dict:
         os.makedirs(output_dir, exist_ok=True)
         os.environ["WANDB_DIR"] = os.path.abspath(output_dir)
     return out
+
+
+def continue_csv_monitor(ds_engine, samples: int) -> tuple[list[str], int]:
+    """Let DeepSpeed's csv monitor of ``ds_engine`` (rank 0's; a no-op elsewhere or when
+    it is off) continue the files an earlier run of the output directory wrote, at the
+    run's sample count ``samples`` (the csv files' ``step`` column): DeepSpeed writes a
+    ``step,<name>`` header the first time a process writes a file, also to a file that
+    has one, so the files already there are marked as started; rows whose step is past
+    ``samples`` (written after the checkpoint this run resumed, by a run that went on and
+    stopped before its next checkpoint) and header lines repeated inside a file are
+    removed (the file is rewritten atomically). Returns ``(files continued, rows
+    removed)``."""
+    import csv
+    import io
+    master = getattr(ds_engine, "monitor", None)
+    monitor = getattr(master, "csv_monitor", None)
+    directory = getattr(monitor, "log_dir", None)
+    if monitor is None or not monitor.enabled or not directory or not os.path.isdir(directory):
+        return [], 0
+    from ..checkpoint.files import atomic_write
+    continued, removed = [], 0
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not name.endswith(".csv") or not os.path.isfile(path):
+            continue
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+        if not rows:
+            continue
+        header, kept = rows[0], [rows[0]]
+        for row in rows[1:]:
+            if row == header:
+                continue
+            try:
+                past = float(row[0]) > samples
+            except (IndexError, ValueError):
+                past = False
+            if not past:
+                kept.append(row)
+        if len(kept) != len(rows):
+            removed += len(rows) - len(kept)
+            text = io.StringIO()
+            csv.writer(text).writerows(kept)        # DeepSpeed's dialect (excel, \r\n)
+            atomic_write(path, text.getvalue().encode())
+        stem = name[:-len(".csv")]
+        if stem not in monitor.filenames:
+            monitor.filenames.append(stem)
+        continued.append(name)
+    return continued, removed
 
 
 # ---------------------------------------------------------------------------- progress line

@@ -181,7 +181,7 @@ class Trainer:
         self.raw_config, self.config_path = config, config_path
         self.resume_from, self.allow_batch_change = resume_from, bool(allow_batch_change)
         self.allow_config_change = bool(allow_config_change)
-        self.ds_config, self.cfg = split_config(config)
+        self.ds_config, self.cfg = split_config(config, source=config_path)
         # The command-line overrides of ds_pfc.train, saved with every checkpoint so
         # that a resume compares the settings the run really had.
         self.overrides = {}
@@ -322,7 +322,8 @@ class Trainer:
         total = int(cfg.train.epochs * self.steps_per_epoch)
         if cfg.train.max_steps is not None:
             total = min(total, cfg.train.max_steps)
-        self.total_steps = max(total, 1)
+        # max_steps 0: no step; the initial state is saved and exported (run()).
+        self.total_steps = 0 if cfg.train.max_steps == 0 else max(total, 1)
 
         torch.manual_seed(cfg.train.seed)
         backbone = cfg.backbone.build(cfg.head.embedding_size)
@@ -451,19 +452,25 @@ class Trainer:
             self.log("ds_pfc.train.init: resuming a checkpoint, which holds its own weights; the pretrained "
                      "weights are not read (the frozen steps and backbone_lr_scale still apply by step)")
             return
-        from .finetune import load_backbone_weights, load_head_weights
+        from .finetune import head_directory, load_backbone_weights, load_head_weights
         if init.backbone:
             load_backbone_weights(backbone, init.backbone)
             self.log(f"init: backbone weights from {init.backbone}")
+        head_dir = None
+        if init.head:
+            # A run's checkpoints directory: the tag 'latest' names, chosen once by rank 0.
+            head_dir, note = tags.on_rank0(lambda: head_directory(init.head))
+            if note:
+                self.log(note)
         if init.head and not init.class_map:
-            states = load_head_weights(head, init.head, seed=self.cfg.head.seed,
+            states = load_head_weights(head, head_dir, seed=self.cfg.head.seed,
                                        optimizer_states=init.optimizer_states)
-            self.log(f"init: head centers from {init.head} ({self.world_size} shard(s); {states})")
+            self.log(f"init: head centers from {head_dir} ({self.world_size} shard(s); {states})")
         elif init.head:
             # Growing a head: the old rows move to their new ids; the others are the fresh
             # rows, or imprinted from the initial backbone (after init.backbone is in).
             from .grow import grow_head, imprint_rows, read_class_map
-            grown = grow_head(head, init.head, *read_class_map(init.class_map),
+            grown = grow_head(head, head_dir, *read_class_map(init.class_map),
                               optimizer_states=init.optimizer_states)
             imprinted, note = 0, ""
             if init.new_rows == "imprint" and grown.new_classes.numel():
@@ -479,7 +486,7 @@ class Trainer:
                         + (f"; {done.without_images} new classes have no training image and keep their random "
                            "row" if done.without_images else "") + ")")
             random_rows = head.num_classes - grown.moved - imprinted
-            self.log(f"init: head grown from {init.head} ({grown.old_num_classes} classes on "
+            self.log(f"init: head grown from {head_dir} ({grown.old_num_classes} classes on "
                      f"{grown.old_world_size} rank(s)) to {head.num_classes} classes by {init.class_map}: "
                      f"{grown.moved} old rows moved ({'with' if init.optimizer_states else 'without'} optimizer "
                      f"states), {imprinted} imprinted, {random_rows} random{note}")
@@ -816,6 +823,20 @@ class Trainer:
         self._monitor(events)
         return results
 
+    def _continue_monitor_files(self) -> None:
+        """Rank 0: the csv monitor's files continue at the sample count training continues
+        from, at the start and after a rollback
+        (:func:`~ds_pfc.app.run_outputs.continue_csv_monitor`)."""
+        if self.rank != 0:
+            return
+        from .run_outputs import continue_csv_monitor
+        inner = self.engine.engine
+        files, removed = continue_csv_monitor(inner, int(inner.global_samples))
+        if removed:
+            self.log(f"monitor: removed {removed} csv row(s) from {len(files)} file(s): rows past sample "
+                     f"{inner.global_samples} (written after the checkpoint training continues from) and repeated "
+                     "header lines")
+
     def _monitor(self, events: list[tuple[str, float]]) -> None:
         """Write ``(name, value)`` events to DeepSpeed's monitors (csv, TensorBoard,
         W&B) at the engine's sample count, as DeepSpeed writes the learning rate."""
@@ -826,10 +847,14 @@ class Trainer:
 
     def run(self) -> dict:
         """Train to ``total_steps`` (resuming if a checkpoint exists), evaluate, save,
-        export. Returns a summary dict (losses per step, evaluations, paths)."""
+        export. Returns a summary dict (losses per step, evaluations, paths). With
+        ``total_steps`` 0 (``max_steps`` 0) nothing trains: the initial state (the init
+        weights, or the seed's fresh ones) is evaluated, saved as ``step00000000`` and
+        exported."""
         if not hasattr(self, "engine"):
             self.setup()
         resumed = self.resume()
+        self._continue_monitor_files()
         if self._nonfinite is not None:         # its records live in the history (every checkpoint)
             records = self.history.setdefault("nonfinite", {})
             for kind in ("skipped", "rollbacks"):
@@ -840,13 +865,16 @@ class Trainer:
         flips = self.flip_mechanism
         if flips is not None:
             summary["flip_mechanism"] = self.history.setdefault("flip_mechanism", {})
-        if not resumed and cfg.evaluation.at_start:
-            summary["evaluations"][0] = self.run_evaluation()
         step = engine.global_steps
+        if not resumed and cfg.evaluation.at_start and step < self.total_steps:   # else _finish evaluates it
+            summary["evaluations"][0] = self.run_evaluation()
         progress = _Progress(time.perf_counter(), step)
         last_save = time.monotonic()        # ds_pfc.checkpoint.every_minutes counts from here
-        with _Preemption(cfg.train.preempt_signals) as preempt:
-            step = self._train_steps(summary, step, progress, last_save, preempt)
+        if step < self.total_steps:         # max_steps 0 (or a resumed run at its end): no step
+            with _Preemption(cfg.train.preempt_signals) as preempt:
+                step = self._train_steps(summary, step, progress, last_save, preempt)
+        else:
+            self.log(f"no training steps to run (step {step} of {self.total_steps}): saving the state as it is")
         return self._finish(summary, step, progress)
 
     def _train_steps(self, summary, step, progress, last_save, preempt) -> int:
@@ -1038,6 +1066,7 @@ class Trainer:
             loaded = self.engine.load_checkpoint(self.checkpoint_dir, tag)
         self.sampler.load_state_dict(loaded["rank_state"]["sampler"])
         self._after_load(loaded)
+        self._continue_monitor_files()          # the rows of the abandoned steps go
         guard.records["rollbacks"].append({"step": step, "reason": reason, "to": tag, "lr_scale": self.lr_scale})
         self.history["nonfinite"] = guard.records
         guard.last_target, guard.stepped_since_rollback, guard.consecutive = tag, False, 0
@@ -1059,10 +1088,11 @@ class Trainer:
         due = bool(minutes) and time.monotonic() - since >= 60.0 * minutes
         if not (minutes or preempt.active):
             return False, 0
+        received = preempt.poll()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return due, preempt.received
+            return due, received
         from ..devices import collective_device
-        flags = torch.tensor([float(due), float(preempt.received)], device=collective_device(None, self.device))
+        flags = torch.tensor([float(due), float(received)], device=collective_device(None, self.device))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         due, signum = flags.tolist()
         return bool(due), int(signum)
@@ -1172,34 +1202,99 @@ class Preempted(Exception):
         self.signal_name, self.step, self.path = signal_name, step, path
 
 
+LAUNCHER_GONE = 1000
+"""The "signal" number of a preemption by the end of the rank's ``deepspeed`` launcher
+(above every real signal number; the ranks agree on the largest)."""
+
+
 def _signal_name(signum: int) -> str:
+    if signum == LAUNCHER_GONE:
+        return "the end of its deepspeed launcher"
     try:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
 
 
+class _LauncherWatch:
+    """Whether the ``deepspeed`` launcher of this rank is gone. A rank started by
+    DeepSpeed's per-node launcher (``deepspeed.launcher.launch``, the rank's parent)
+    notes at the start the launcher and the process that started it (the ``deepspeed``
+    command on one node, the remote shell of a multi-node launch). ``deepspeed`` on one
+    node installs no signal handler: a SIGTERM sent to it alone ends it and leaves the
+    launcher and the ranks running; a launcher killed outright leaves the ranks alone
+    too. :meth:`gone` says so once either process has ended (the launcher's parent, or
+    this rank's, is another process then), at most one look per ``every_s`` seconds.
+    Not under any other launcher (``active`` False)."""
+
+    every_s = 1.0
+
+    def __init__(self):
+        self.launcher = self.starter = None
+        self._process = None
+        self._next = 0.0
+        try:
+            import psutil
+            parent = psutil.Process(os.getppid())
+            if any("deepspeed.launcher.launch" in part
+                   or part.endswith(os.path.join("deepspeed", "launcher", "launch.py")) for part in parent.cmdline()):
+                self.launcher, self.starter, self._process = parent.pid, parent.ppid(), parent
+        except Exception:            # no psutil, no /proc, a parent already gone: no watch
+            self.launcher = self.starter = None
+
+    @property
+    def active(self) -> bool:
+        return self.launcher is not None
+
+    def gone(self) -> bool:
+        if self.launcher is None:
+            return False
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.every_s
+        if os.getppid() != self.launcher:
+            return True
+        try:
+            return self.starter > 1 and self._process.ppid() != self.starter
+        except Exception:            # the launcher ended between the two looks
+            return True
+
+
 class _Preemption:
     """Within it, the named signals only record that they arrived (``received``: the first
     one's number, 0 while none), so that the loop can finish its step and checkpoint; the
     previous handlers come back on exit. Outside the main thread nothing is installed
-    (``active`` False)."""
+    (``active`` False). With any preempting signal configured, the end of the rank's
+    ``deepspeed`` launcher (:class:`_LauncherWatch`) preempts too (``received``
+    :data:`LAUNCHER_GONE`), as a SIGTERM the launcher would forward: :meth:`poll`."""
 
     def __init__(self, names):
         self._signals = [getattr(signal, n) for n in names]
         self._previous = {}
         self.received = 0
         self.active = False
+        self._watch = None
 
     def _handle(self, signum, frame):
         if not self.received:
             self.received = signum
+
+    def poll(self) -> int:
+        """``received``, after a look at the launcher."""
+        if not self.received and self._watch is not None and self._watch.gone():
+            self.received = LAUNCHER_GONE
+        return self.received
 
     def __enter__(self):
         if self._signals and threading.current_thread() is threading.main_thread():
             for sig in self._signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
             self.active = True
+        if self._signals:
+            watch = _LauncherWatch()
+            if watch.active:
+                self._watch, self.active = watch, True
         return self
 
     def __exit__(self, *exc):

@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for DeepSpeed's usual command line; the app always trains through DeepSpeed")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     p.add_argument("--output_dir", default=None, help="overrides ds_pfc.train.output_dir")
-    p.add_argument("--max_steps", type=int, default=None, help="overrides ds_pfc.train.max_steps")
+    p.add_argument("--max_steps", type=int, default=None,
+                   help="overrides ds_pfc.train.max_steps (0: write the initial state as a checkpoint and the "
+                        "export, no training)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in the output directory, whatever "
                         "ds_pfc.checkpoint.resume says (a fresh start when there is none)")
@@ -104,8 +106,8 @@ def run(argv=None) -> dict | None:
         return None
     if args.no_resume and (args.resume_from is not None or args.resume):
         p.error("--no_resume excludes --resume and --resume_from")
-    if args.max_steps is not None and args.max_steps < 1:
-        p.error(f"--max_steps must be >= 1, got {args.max_steps}")
+    if args.max_steps is not None and args.max_steps < 0:
+        p.error(f"--max_steps must be >= 0 (0: write the initial state, no training), got {args.max_steps}")
     if args.deepspeed_config is None:
         args.deepspeed_config = default_config()
         if args.deepspeed_config is None:
