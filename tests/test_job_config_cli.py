@@ -122,7 +122,8 @@ def test_schema_command_and_set_overrides_through_the_train_command(tmp_path):
     # a new key marked with '+', and a key the JSON lacks but torch.optim.SGD takes
     first = _train("--deepspeed_config", str(path), "--output-dir", str(out), "--max-steps", "2",
                    "--set", "ds_pfc.head.margin.margin=0.3", "--set", "ds_pfc.evaluation.synthetic_pairs=0",
-                   "--set", "+ds_pfc.backbone.options.checkpoint_blocks=true", "--set", "optimizer.params.nesterov=true")
+                   "--set", "ds_pfc.backbone.options.checkpoint_blocks=true", "--set", "optimizer.params.nesterov=true",
+                   "--set", "+aio.block_size=1048576")
     assert first.returncode == 0, first.stderr[-3000:]
     used = json.load(open(out / "config.json"))
     assert used["ds_pfc"]["head"]["margin"]["margin"] == 0.3 and TINY["ds_pfc"]["head"]["margin"]["margin"] == 0.2
@@ -131,7 +132,7 @@ def test_schema_command_and_set_overrides_through_the_train_command(tmp_path):
     assert used["optimizer"]["params"]["nesterov"] is True and "nesterov" not in TINY["optimizer"]["params"]
     log = open(out / "training.log").read()
     assert ("with --set ds_pfc.head.margin.margin=0.3 ds_pfc.evaluation.synthetic_pairs=0 "
-            "+ds_pfc.backbone.options.checkpoint_blocks=true optimizer.params.nesterov=true") in log
+            "ds_pfc.backbone.options.checkpoint_blocks=true optimizer.params.nesterov=true +aio.block_size=1048576") in log
     marker = json.load(open(glob.glob(str(out / "checkpoints" / "step*" / "ds_pfc_complete.json"))[0]))
     assert marker["metadata"]["config"]["ds_pfc"]["head"]["margin"]["margin"] == 0.3
     # a resume without the override changes training: refused, naming it
@@ -243,7 +244,8 @@ def test_set_needs_a_known_key_or_a_plus():
         "ds_pfc.train.max_stepz=3": r"no key 'max_stepz' in ds_pfc.train \(looked in the job and ds_pfc's "
                                     r"TrainConfig; did you mean 'max_steps'\?\)",
         "ds_pfc.backbone.options.image_size=112": r"no key 'image_size' in ds_pfc.backbone.options \(looked in the "
-                                                  r"job only: ds_pfc.backbone.options is an object of free-form keys\)",
+                                                  r"job and the options of backbone vit_t \(ViT\)",
+        "ds_pfc.backbone.options.train_embeding_scale=false": r"did you mean 'train_embedding_scale'\?",
         "aio.block_size=1": r"no key 'block_size' in aio \(looked in the job only: ds_pfc has no list of the keys of "
                             r"DeepSpeed's 'aio' block\); to add a key the job does not have, mark it new: "
                             r"--set \+aio.block_size=1",
@@ -253,7 +255,7 @@ def test_set_needs_a_known_key_or_a_plus():
             set_values(config, [assignment])
         assert config == before
     # +KEY adds a key the job does not have, with the objects on its way
-    out = set_values(config, ["+ds_pfc.backbone.options.checkpoint_blocks=true", "+aio.block_size=1048576"])
+    out = set_values(config, ["ds_pfc.backbone.options.checkpoint_blocks=true", "+aio.block_size=1048576"])
     assert out["ds_pfc"]["backbone"]["options"] == {"checkpoint_blocks": True} and out["aio"] == {"block_size": 1048576}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1060,6 +1060,8 @@ def known_keys(config: dict, path) -> Place:
                      "DeepSpeed 0.19's top-level keys and 'ds_pfc'")
     if path[0] != "ds_pfc":
         return _deepspeed_place(config, path)
+    if path[1:] == ("backbone", "options"):
+        return _backbone_options(config)
     cls = DsPfcConfig
     for depth, part in enumerate(path[1:], start=1):
         types = _field_types(cls)
@@ -1075,6 +1077,22 @@ def known_keys(config: dict, path) -> Place:
             return Place(None, f"{where} is a value, not an object")
         cls = inner[0]
     return Place(frozenset(f.name for f in dataclasses.fields(cls)), f"ds_pfc's {cls.__name__}")
+
+
+def _backbone_options(config: dict) -> Place:
+    """The constructor options of the job's backbone (``ds_pfc.backbone.name``)."""
+    import inspect
+    from ..models import ALIASES, _FEATURE_SPECS, _SPECS
+    block = (config.get("ds_pfc") or {}).get("backbone") if isinstance(config, dict) else None
+    name = block.get("name", BackboneConfig.name) if isinstance(block, dict) else BackboneConfig.name
+    spec = {**_SPECS, **_FEATURE_SPECS}.get(ALIASES.get(name, name)) if isinstance(name, str) else None
+    if spec is None:
+        return Place(None, f"ds_pfc.backbone.options of an unknown backbone {name!r}")
+    cls, fixed, _ = spec
+    taken = set(fixed) | {"self", "embedding_size", "width", "dropout"}
+    keys = frozenset(p.name for p in inspect.signature(cls.__init__).parameters.values()
+                     if p.name not in taken and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return Place(keys, f"the options of backbone {name} ({cls.__name__})")
 
 
 def set_values(config: dict, assignments) -> dict:
