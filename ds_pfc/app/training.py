@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError, DsPfcConfig, ScheduleConfig, split_config
-from .datasets import build_eval_sets, build_train_set
+from .datasets import build_eval_sets, build_train_set, check_eval_decoder
 from ..data.loader import MicroBatchLoader
 from ..data.sampler import DistributedIdentitySampler
 from ..checkpoint import tags
@@ -250,6 +250,7 @@ class Trainer:
         first = (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("OMPI_COMM_WORLD_RANK")
                  or os.environ.get("PMI_RANK") or "0") == "0"
         self.dataset = build_train_set(cfg, log=self._log if first else None)
+        check_eval_decoder(cfg)          # .bin pair sets: a missing decoder fails now, not after the build
         # Rank, world and local rank from the launcher (srun and mpirun set no RANK),
         # checked against the scheduler's task count; then the process group; then
         # cuda:<local rank> before any CUDA work (DeepSpeed binds the device only inside
