@@ -1,6 +1,6 @@
 """Decode rate of the JPEG/PNG decoders ds_pfc can use, on 112x112 face-sized images.
 
-    python benchmarks/decode_rate.py [--images 2000] [--repeats 5] [--out rate.json]
+    python benchmarks/decode_rate.py [--images 2000] [--repeats 9] [--out rate.json]
 
 Each decoder turns encoded bytes into the ``uint8 [3, 112, 112]`` RGB tensor the loader
 needs (the conversion is part of the time). The images are smooth random fields (a face
@@ -9,12 +9,13 @@ Decoders that are not installed are skipped: Pillow (``pillow``), torchvision
 (``torchvision.io.decode_image``), simplejpeg (JPEG only) and OpenCV
 (``opencv-python-headless``). One process, one thread (``torch.set_num_threads(1)``;
 OpenCV's threads set to 1): the rate of one data-loader worker. Prints images per
-second, median of the repeats."""
+second, median of the repeats (the decoders take turns within each repeat)."""
 from __future__ import annotations
 
 import argparse
 import io
 import json
+import os
 import platform
 import statistics
 import time
@@ -86,36 +87,52 @@ def _decoders() -> dict:
     return found
 
 
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def measure(images: int = 2000, repeats: int = 5) -> dict:
     torch.set_num_threads(1)
     pixels = _images(images)
     encoded = {fmt: _encode(pixels, fmt) for fmt in ("JPEG", "PNG")}
-    result = {"machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}",
+    result = {"machine": f"{_cpu()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
               "images": images, "repeats": repeats, "size": "112x112",
               "bytes_per_image": {fmt: statistics.mean(map(len, data)) for fmt, data in encoded.items()},
               "images_per_s": {}}
+    runs = []
     for name, (decode, formats) in _decoders().items():
         for fmt in formats:
-            data = encoded[fmt]
-            first = decode(data[0])
+            first = decode(encoded[fmt][0])
             if first.shape != (3, 112, 112) or first.dtype != torch.uint8:
                 raise RuntimeError(f"{name} decoded {fmt} to {first.dtype} {list(first.shape)}")
             if fmt == "PNG" and not torch.equal(first, pixels[0]):
                 raise RuntimeError(f"{name} decoded a PNG to other pixels")
-            rates = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                for item in data:
-                    decode(item)
-                rates.append(len(data) / (time.perf_counter() - started))
-            result["images_per_s"].setdefault(name, {})[fmt] = round(statistics.median(rates))
+            runs.append((name, fmt, decode, []))
+    # The decoders take turns within each repeat, so that other load on the machine
+    # slows them alike; the median over repeats is reported.
+    for _ in range(repeats):
+        for name, fmt, decode, rates in runs:
+            data = encoded[fmt]
+            started = time.perf_counter()
+            for item in data:
+                decode(item)
+            rates.append(len(data) / (time.perf_counter() - started))
+    for name, fmt, _, rates in runs:
+        result["images_per_s"].setdefault(name, {})[fmt] = round(statistics.median(rates))
     return result
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--images", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out", default=None, help="also write the numbers to this JSON file")
     args = p.parse_args(argv)
     if args.images < 1 or args.repeats < 1:
