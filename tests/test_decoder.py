@@ -16,7 +16,9 @@ import io
 import json
 import os
 import re
+import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,6 +134,41 @@ def test_broken_torchvision_falls_back_to_pillow_with_one_warning(fresh_choice, 
     assert torch.equal(first, x) and torch.equal(second, x)
     assert len([w for w in seen if "torchvision" in str(w.message)]) == 1
     assert default_decoder()[0] == "Pillow"
+
+
+def _fake_torchvision(monkeypatch, decode):
+    """``torchvision.io`` whose ``decode_image(uint8 tensor, mode=)`` is ``decode(bytes)``."""
+    import types
+    io_module = types.ModuleType("torchvision.io")
+    io_module.ImageReadMode = types.SimpleNamespace(RGB="RGB")
+    io_module.decode_image = lambda buf, mode: decode(bytes(buf.tolist()))
+    package = types.ModuleType("torchvision")
+    package.io = io_module
+    monkeypatch.setitem(sys.modules, "torchvision", package)
+    monkeypatch.setitem(sys.modules, "torchvision.io", io_module)
+
+
+def _pillow_pixels(data: bytes) -> torch.Tensor:
+    with PIL.open(io.BytesIO(data)) as image:
+        return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+
+
+def test_a_working_torchvision_is_chosen(fresh_choice, monkeypatch, recwarn):
+    _fake_torchvision(monkeypatch, _pillow_pixels)
+    assert default_decoder()[0] == "torchvision" and check_decoder("a test") == "torchvision"
+    x = _faces(1)[0]
+    assert torch.equal(decode_image(_encode(x, "PNG")), x)
+    assert not [w for w in recwarn if "torchvision" in str(w.message)]
+
+
+def test_a_torchvision_that_imports_but_cannot_decode_is_passed_over(fresh_choice, monkeypatch):
+    def broken(data):
+        raise RuntimeError("image.so: undefined symbol")
+    _fake_torchvision(monkeypatch, broken)
+    with pytest.warns(RuntimeWarning, match="undefined symbol"):
+        assert default_decoder()[0] == "Pillow"
+    x = _faces(1)[0]
+    assert torch.equal(decode_image(_encode(x, "PNG")), x)
 
 
 def test_broken_torchvision_and_no_pillow_names_both(fresh_choice, monkeypatch):
