@@ -278,7 +278,8 @@ class _Dist:
 
 @pytest.mark.parametrize("direct_url, line", [
     ({"url": "https://github.com/example/ds_pfc.git",
-      "vcs_info": {"vcs": "git", "commit_id": "0123456789abcdef0123456789abcdef01234567", "requested_revision": "main"}},
+      "vcs_info": {"vcs": "git", "commit_id": "0123456789abcdef0123456789abcdef01234567",
+                   "requested_revision": "main"}},
      'pip install "ds_pfc @ git+https://github.com/example/ds_pfc.git@0123456789abcdef0123456789abcdef01234567"'),
     ({"url": "https://example.org/wheels/ds_pfc-9.8.7-py3-none-any.whl",
       "archive_info": {"hashes": {"sha256": "ab" * 32}}},

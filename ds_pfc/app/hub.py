@@ -330,9 +330,9 @@ def install_text(distribution: str = "ds_pfc") -> str:
 
 def direct_url(dist) -> str | None:
     """The ``<url>`` of ``pip install "ds_pfc @ <url>"`` from ``dist``'s PEP 610
-    ``direct_url.json``: ``git+<url>@<commit>`` (any VCS) or an http(s) archive URL (with
-    its hash); None for a local directory (editable or not), a local file, no record, or
-    a record that cannot be read."""
+    ``direct_url.json``: ``<vcs>+<url>@<commit>`` or an http(s) archive URL (with its
+    ``#subdirectory=`` if any); None for a local directory (editable or not), a local
+    file or repository, no record, or a record that cannot be read."""
     try:
         text = dist.read_text("direct_url.json")
         data = json.loads(text) if text else None
