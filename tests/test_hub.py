@@ -226,6 +226,10 @@ def test_card_states_what_ran_on_a_cpu_not_the_config(tmp_path):
     again = _card(tmp_path / "hub", tmp_path / "hub2")
     assert _row(again, "precision (as run)") == _row(card, "precision (as run)")
     assert _row(again, "steps") == "2"
+    # and so does the run's own export
+    again = _card(os.path.join(run, "export", "model.safetensors"), tmp_path / "hub3")
+    assert _row(again, "precision (as run)") == _row(card, "precision (as run)")
+    assert _row(again, "device (as run)") == "cpu" and _row(again, "steps") == "2"
 
 
 def test_card_of_a_bf16_run_says_bf16_and_a_resume_in_fp32_says_both(tmp_path):
