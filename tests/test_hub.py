@@ -142,3 +142,183 @@ def test_push_uploads_the_folder_through_the_hub_api(trained, tmp_path):
             raise OSError("connection refused")
     with pytest.raises(RuntimeError, match="uploading .* to someone/tiny-face failed: OSError: connection refused"):
         push_to_hub(str(folder), "someone/tiny-face", api=Offline())
+
+
+# -- what the card says ran, and how to install ds_pfc ---------------------------------------
+def _tiny_run(tmp_path, steps: int = 2, output=None, extra_args=(), **head) -> str:
+    """An in-process run of the tiny app config (head keys replaced by ``head``); its run directory."""
+    from _inprocess import train_here
+    from test_train_app import TINY
+    config = json.loads(json.dumps(TINY))
+    config["ds_pfc"]["head"].update(head)
+    config["ds_pfc"]["evaluation"] = {"synthetic_pairs": 0}
+    path = tmp_path / f"job-{len(os.listdir(tmp_path))}.json"
+    path.write_text(json.dumps(config))
+    out = output or str(tmp_path / "run")
+    train_here(["--deepspeed_config", str(path), "--output_dir", out, "--max_steps", str(steps), *extra_args])
+    return out
+
+
+def _card(source, out) -> str:
+    from ds_pfc.app.hub import export_hub
+    return open(export_hub(str(source), str(out))["card"]).read()
+
+
+def _row(card: str, name: str) -> str:
+    [value] = re.findall(rf"^\| {re.escape(name)} \| (.*) \|$", card, re.M)
+    return value
+
+
+def _product_dtypes(compute_dtype: str) -> set:
+    """The dtypes of the matrix products a head built from the tiny config with
+    ``compute_dtype`` runs on this CPU, seen by a dispatch mode around its forward."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from _dist import one_process_world
+    from ds_pfc.app.config import split_config
+    from test_train_app import TINY
+    config = json.loads(json.dumps(TINY))
+    config["ds_pfc"]["head"]["compute_dtype"] = compute_dtype
+    _, cfg = split_config(config)
+    seen = set()
+    aten = torch.ops.aten
+    products = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul}
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in products:        # any overload (mm.out too): the operands' dtype
+                operands = [a for a in args if isinstance(a, torch.Tensor)][-2:]
+                seen.update(str(a.dtype).removeprefix("torch.") for a in operands)
+            return func(*args, **(kwargs or {}))
+    with one_process_world():
+        dist.init_process_group("gloo")
+        head = cfg.head.build(device=torch.device("cpu"))
+        x = torch.randn(8, cfg.head.embedding_size)
+        with Products():
+            head(x, torch.arange(8) % cfg.head.num_classes)
+        head.close()
+    return seen
+
+
+def test_card_states_what_ran_on_a_cpu_not_the_config(tmp_path):
+    import deepspeed
+
+    from ds_pfc import __version__
+    from ds_pfc.checkpoint.tags import read_marker
+    run = _tiny_run(tmp_path)                      # compute_dtype "auto"
+    card = _card(os.path.join(run, "checkpoints"), tmp_path / "hub")
+    ran = _product_dtypes("auto")
+    assert ran == {"float32"}                     # what a CPU head multiplies in, seen from outside
+    assert _row(card, "precision (as run)") == "backbone float32, head products float32"
+    assert _row(card, "device (as run)") == "cpu" and _row(card, "ranks") == "1"
+    assert "bf16" not in card and "bfloat16" not in card
+    assert f"Trained with ds_pfc {__version__}, torch {torch.__version__}, deepspeed {deepspeed.__version__}." in card
+    marker = read_marker(os.path.join(run, "checkpoints", "step00000002"))
+    assert marker["metadata"]["ran"] == [{"steps": [1, 2], "device": "cpu", "world_size": 1,
+                                          "head_products": "float32", "backbone": "float32",
+                                          "versions": f"ds_pfc {__version__}, torch {torch.__version__}, "
+                                                      f"deepspeed {deepspeed.__version__}"}]
+    # ds_pfc is on no package index: the card never tells people to install it from one
+    assert "pip install ds_pfc`" not in card and "pip install ds_pfc " not in card
+    assert "not on a package index" in card and f"ds_pfc {__version__}" in card
+    # a model folder exported from it carries the record, and a card made from the folder says the same
+    again = _card(tmp_path / "hub", tmp_path / "hub2")
+    assert _row(again, "precision (as run)") == _row(card, "precision (as run)")
+    assert _row(again, "steps") == "2"
+    # and so does the run's own export
+    again = _card(os.path.join(run, "export", "model.safetensors"), tmp_path / "hub3")
+    assert _row(again, "precision (as run)") == _row(card, "precision (as run)")
+    assert _row(again, "device (as run)") == "cpu" and _row(again, "steps") == "2"
+
+
+def test_card_of_a_bf16_run_says_bf16_and_a_resume_in_fp32_says_both(tmp_path):
+    import warnings
+    ran = _product_dtypes("bf16")
+    assert ran == {"bfloat16"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # bf16 products on a CPU without bf16 instructions
+        run = _tiny_run(tmp_path, compute_dtype="bf16")
+    card = _card(os.path.join(run, "checkpoints"), tmp_path / "hub")
+    assert _row(card, "precision (as run)") == "backbone float32, head products bfloat16"
+    _tiny_run(tmp_path, steps=4, output=run, extra_args=("--allow_config_change",), compute_dtype="fp32")
+    card = _card(os.path.join(run, "checkpoints"), tmp_path / "hub2")
+    assert _row(card, "precision (as run)") == ("steps 1-2: backbone float32, head products bfloat16; "
+                                                 "steps 3-4: backbone float32, head products float32")
+    assert _row(card, "device (as run)") == "cpu" and _row(card, "steps") == "4"
+
+
+def test_card_of_a_checkpoint_without_the_record_says_not_recorded(tmp_path):
+    from ds_pfc.checkpoint.tags import COMPLETE_MARKER
+    run = _tiny_run(tmp_path)
+    marker_path = os.path.join(run, "checkpoints", "step00000002", COMPLETE_MARKER)
+    marker = json.load(open(marker_path))
+    del marker["metadata"]["ran"]                  # as a checkpoint of an earlier version is
+    with open(marker_path, "w") as f:
+        json.dump(marker, f)
+    card = _card(os.path.join(run, "checkpoints"), tmp_path / "hub")
+    for row in ("precision (as run)", "device (as run)"):
+        assert _row(card, row).startswith("not recorded"), card
+    assert _row(card, "ranks") == "1 (in the run that wrote the checkpoint)"
+    assert "The versions it was trained with: not recorded" in card
+    assert "float32" not in _row(card, "precision (as run)") and "bf16" not in card
+    # resumed, the old steps stay unrecorded and the new ones are
+    _tiny_run(tmp_path, steps=4, output=run)
+    card = _card(os.path.join(run, "checkpoints"), tmp_path / "hub2")
+    assert re.fullmatch(r"steps 1-2: not recorded \(.*\); steps 3-4: backbone float32, head products float32",
+                        _row(card, "precision (as run)"))
+
+
+class _Dist:
+    """An installed distribution as ``importlib.metadata`` gives it, with a ``direct_url.json``."""
+
+    def __init__(self, direct_url, version="9.8.7"):
+        self.version = version
+        self._text = None if direct_url is None else json.dumps(direct_url)
+
+    def read_text(self, name):
+        return self._text if name == "direct_url.json" else None
+
+
+@pytest.mark.parametrize("direct_url, line", [
+    ({"url": "https://github.com/example/ds_pfc.git",
+      "vcs_info": {"vcs": "git", "commit_id": "0123456789abcdef0123456789abcdef01234567",
+                   "requested_revision": "main"}},
+     'pip install "ds_pfc @ git+https://github.com/example/ds_pfc.git@0123456789abcdef0123456789abcdef01234567"'),
+    ({"url": "https://example.org/wheels/ds_pfc-9.8.7-py3-none-any.whl",
+      "archive_info": {"hashes": {"sha256": "ab" * 32}}},
+     'pip install "ds_pfc @ https://example.org/wheels/ds_pfc-9.8.7-py3-none-any.whl"'),
+    ({"url": "file:///home/someone/ds_pfc", "dir_info": {"editable": True}}, None),
+    ({"url": "file:///home/someone/ds_pfc", "dir_info": {}}, None),
+    ({"url": "file:///tmp/ds_pfc-9.8.7-py3-none-any.whl", "archive_info": {}}, None),
+    (None, None),
+], ids=["git", "wheel-url", "editable-dir", "local-dir", "local-wheel", "no-record"])
+def test_install_line_follows_the_installed_distribution(monkeypatch, tmp_path, trained, direct_url, line):
+    import importlib.metadata
+    real = importlib.metadata.distribution
+
+    def distribution(name):
+        return _Dist(direct_url) if name == "ds_pfc" else real(name)
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+    run, _ = trained
+    card = _card(run / "checkpoints", tmp_path / "hub")
+    assert "pip install ds_pfc`" not in card and "pip install ds_pfc " not in card
+    assert "ds_pfc 9.8.7, which is not on a package index" in card
+    if line is not None:
+        assert f"`{line}`" in card
+    else:
+        assert "pip install \"ds_pfc @" not in card
+        assert "install ds_pfc 9.8.7 from its source or a wheel" in card
+
+
+def test_install_line_without_an_installed_distribution(monkeypatch):
+    import importlib.metadata
+
+    from ds_pfc import __version__
+    from ds_pfc.app.hub import install_text
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    text = install_text()
+    assert f"install ds_pfc {__version__} from its source" in text and "pip install ds_pfc " not in text

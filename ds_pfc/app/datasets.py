@@ -11,7 +11,7 @@ import torch
 from .config import ConfigError, DsPfcConfig, StressConfig
 from .run_outputs import Heartbeat
 
-__all__ = ["build_train_set", "build_eval_sets", "stressed"]
+__all__ = ["build_train_set", "build_eval_sets", "check_eval_decoder", "stressed"]
 
 
 def stressed(stress: StressConfig, dataset):
@@ -50,6 +50,8 @@ def build_train_set(cfg: DsPfcConfig, log=None):
         raise FileNotFoundError(f"ds_pfc.data.path {data.path!r} does not exist")
     if data.source == "recordio":
         from ..data.recordio import InsightFaceRecord
+        from ..data.transforms import check_decoder
+        check_decoder(f"ds_pfc.data.source recordio ({data.path})")     # before the (long) first indexing
         # The index cache (keys, offsets, labels; ~20 bytes a record) goes to DS_PFC_CACHE_DIR
         # when set (shared by runs), else under the run's output directory: never into the data.
         cache_dir = os.environ.get("DS_PFC_CACHE_DIR") or os.path.join(cfg.train.output_dir, "cache")
@@ -71,11 +73,24 @@ def build_train_set(cfg: DsPfcConfig, log=None):
         from ..data.hf import load_image_dataset
         dataset = load_image_dataset(data.path, split=data.split, image_column=data.image_column,
                                      label_column=data.label_column)
+        if len(dataset) and isinstance(dataset[0][0], (bytes, bytearray, memoryview)):
+            from ..data.transforms import check_decoder
+            check_decoder(f"ds_pfc.data.source hf ({data.path}: encoded images)")
     dataset = stressed(data.stress, dataset)
     if dataset.num_classes > cfg.head.num_classes:
         raise ConfigError(f"the data has labels up to {dataset.num_classes - 1} but ds_pfc.head.num_classes is "
                           f"{cfg.head.num_classes}")
     return dataset
+
+
+def check_eval_decoder(cfg: DsPfcConfig) -> None:
+    """Raise :class:`~ds_pfc.data.transforms.ImageDecoderError` now when the verification
+    sets of ``cfg`` (``.bin`` files of encoded images) cannot be decoded, rather than
+    after the model is built."""
+    if cfg.evaluation.bins:
+        from ..data.transforms import check_decoder
+        check_decoder(f"ds_pfc.evaluation.bins ({cfg.evaluation.bins[0]}"
+                      + (f" and {len(cfg.evaluation.bins) - 1} more" if len(cfg.evaluation.bins) > 1 else "") + ")")
 
 
 def build_eval_sets(cfg: DsPfcConfig) -> dict[str, tuple[torch.Tensor, list[bool]]]:

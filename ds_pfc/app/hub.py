@@ -5,8 +5,11 @@ WebFace42M head is ~4 GB next to a 250 MB backbone) and a Hugging Face model fol
   the job config, the format :func:`ds_pfc.app.export.load_backbone` reads) and
   ``<out>/config.json`` (the model's facts and the job config).
 - :func:`export_hub`: the same plus ``README.md``, a model card: what the model is, how it
-  was trained (data, classes, margin, sample rate, batch, steps, precision), its
-  verification and IJB results, the versions, and the code that loads it.
+  was trained (data, classes, margin, sample rate, batch, steps), what ran (ranks,
+  device, the backbone's dtype and the head's product dtype as they ran, the versions:
+  the checkpoint's ``metadata.ran``, "not recorded" for a checkpoint without it), its
+  verification and IJB results, the code that loads it, and how to install the ds_pfc
+  that provides it (:func:`install_text`: ds_pfc is on no package index).
 - :func:`push_to_hub`: uploads such a folder with ``huggingface_hub`` (installed with
   ``datasets``).
 
@@ -34,7 +37,22 @@ def _source(source: str, tag: str | None):
     from .export import backbone_weights
     state, config, marker, tag_dir = backbone_weights(source, tag)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(tag_dir))) if tag_dir else None
+    if marker is None:
+        marker = _export_record(source)
     return state, config, marker, run_dir
+
+
+def _export_record(source: str) -> dict | None:
+    """What a model folder or backbone export written by :func:`export_backbone` carries
+    of its checkpoint's marker (the steps and what ran), as a marker; None when it
+    carries nothing (e.g. the training app's own export)."""
+    from safetensors import safe_open
+    path = os.path.join(source, MODEL_FILE) if is_model_folder(source) else source
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata() or {}
+    if "ran" not in metadata or not metadata.get("global_steps", "").isdigit():
+        return None
+    return {"global_steps": int(metadata["global_steps"]), "metadata": {"ran": json.loads(metadata["ran"])}}
 
 
 def _facts(config: dict, marker: dict | None) -> dict:
@@ -50,6 +68,9 @@ def _facts(config: dict, marker: dict | None) -> dict:
              "num_classes": cfg.head.num_classes}
     if marker is not None:
         facts["global_steps"] = int(marker.get("global_steps", 0))
+    ran = ((marker or {}).get("metadata") or {}).get("ran")
+    if isinstance(ran, list):
+        facts["ran"] = ran
     return facts
 
 
@@ -72,6 +93,8 @@ def _export(source: str, out_dir: str, tag: str | None):
     tensors = {f"backbone.{k}": v.contiguous() for k, v in state.items()}
     metadata = {"format": EXPORT_FORMAT, "heads": "{}", "config": json.dumps(config),
                 "global_steps": str(facts.get("global_steps", ""))}
+    if "ran" in facts:
+        metadata["ran"] = json.dumps(facts["ran"])
     model = ckpt._atomic_save(tensors, os.path.join(out_dir, MODEL_FILE), metadata)
     config_path = os.path.join(out_dir, CONFIG_FILE)
     atomic_write(config_path, (json.dumps({**facts, "job_config": config}, indent=1) + "\n").encode())
@@ -142,8 +165,7 @@ def model_card(name: str, config: dict, facts: dict, marker: dict | None, summar
     margin = head.get("margin", {})
     meta = (marker or {}).get("metadata") or {}
     batch = meta.get("global_batch")
-    precision = "bf16" if (config.get("bf16") or {}).get("enabled") else \
-        "fp16" if (config.get("fp16") or {}).get("enabled") else "fp32"
+    ran = meta.get("ran") if isinstance(meta.get("ran"), list) and meta.get("ran") else None
     source = data.get("source", "synthetic")
     where = data.get("path") or f"built-in {source} data"
     lines = [
@@ -180,7 +202,9 @@ def model_card(name: str, config: dict, facts: dict, marker: dict | None, summar
         f"| optimizer | {(config.get('optimizer') or {}).get('type', 'n/a')} "
         f"{json.dumps((config.get('optimizer') or {}).get('params', {}))} |",
         f"| schedule | {json.dumps(train.get('schedule')) if train.get('schedule') else 'constant or DeepSpeed'} |",
-        f"| precision | {precision} backbone, head GEMMs {head.get('compute_dtype', 'bf16')} |",
+        f"| ranks | {_ranks(ran, meta)} |",
+        f"| precision (as run) | {_as_run(ran, _precision)} |",
+        f"| device (as run) | {_as_run(ran, _device)} |",
         "",
         "The whole job config is `job_config` in `config.json`.",
         "",
@@ -219,12 +243,14 @@ def model_card(name: str, config: dict, facts: dict, marker: dict | None, summar
         "similarity = float(embeddings[0] @ embeddings[1])",
         "```",
         "",
-        "`pip install ds_pfc` provides `load_model`; the weights are a plain safetensors file (`backbone.<name>` "
-        "keys) for any other loader.",
+        f"{install_text()} The weights are a plain safetensors file (`backbone.<name>` keys) for any other "
+        "loader.",
         "",
         "## Versions",
         "",
-        f"Exported with {versions_line()} on {time.strftime('%Y-%m-%d', time.gmtime())}.",
+        (f"Trained with {_as_run(ran, lambda entry: entry['versions'])}." if ran else
+         f"The versions it was trained with: {NOT_RECORDED}.")
+        + f" Exported with {versions_line()} on {time.strftime('%Y-%m-%d', time.gmtime())}.",
         "",
         "## Limitations",
         "",
@@ -234,6 +260,98 @@ def model_card(name: str, config: dict, facts: dict, marker: dict | None, summar
         "",
     ]
     return "\n".join(lines)
+
+
+NOT_RECORDED = "not recorded (the checkpoint predates ds_pfc's record of what ran)"
+
+
+def _precision(entry: dict) -> str:
+    return f"backbone {entry['backbone']}, head products {entry['head_products']}"
+
+
+def _device(entry: dict) -> str:
+    return entry["device"] + (f" ({entry['device_name']})" if entry.get("device_name") else "")
+
+
+def _as_run(ran: list | None, describe) -> str:
+    """``describe(entry)`` of each stretch of steps in ``ran`` (a checkpoint's
+    ``metadata.ran``, see :meth:`ds_pfc.app.training.Trainer.ran_record`), neighbours
+    described alike merged, with their steps when they differ; "not recorded" where
+    the checkpoint holds no record."""
+    if not ran:
+        return NOT_RECORDED
+    groups = []             # [first step, last step, text]
+    for entry in ran:
+        try:
+            text = NOT_RECORDED if entry.get("not_recorded") else describe(entry)
+            first, last = entry["steps"]
+        except (KeyError, TypeError, ValueError):
+            text, first, last = NOT_RECORDED, "?", "?"
+        if groups and groups[-1][2] == text:
+            groups[-1][1] = last
+        else:
+            groups.append([first, last, text])
+    if len(groups) == 1:
+        return groups[0][2]
+    return "; ".join(f"steps {first}-{last}: {text}" for first, last, text in groups)
+
+
+def _ranks(ran: list | None, meta: dict) -> str:
+    if ran:
+        return _as_run(ran, lambda entry: str(entry["world_size"]))
+    if isinstance(meta.get("world_size"), int):
+        return f"{meta['world_size']} (in the run that wrote the checkpoint)"
+    return NOT_RECORDED
+
+
+def install_text(distribution: str = "ds_pfc") -> str:
+    """The card's sentence on getting ``load_model``: ds_pfc is on no package index, so it
+    names the installed distribution's own source when its PEP 610 ``direct_url.json``
+    records one that others can fetch (a VCS URL with its commit, or an http(s) archive),
+    as ``pip install "ds_pfc @ <url>"``; otherwise it says that ds_pfc <version> must be
+    installed from its source or a wheel."""
+    from importlib import metadata
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        dist = None
+    if dist is None:
+        from .._versions import __version__ as version
+    else:
+        version = dist.version
+    url = direct_url(dist) if dist is not None else None
+    if url is not None:
+        return (f"`load_model` comes with ds_pfc {version}, which is not on a package index; the source this model "
+                f"was exported with installs with `pip install \"ds_pfc @ {url}\"`.")
+    return (f"`load_model` comes with ds_pfc {version}, which is not on a package index: install ds_pfc {version} "
+            "from its source or a wheel built from it (`pip install /path/to/ds_pfc-checkout`, or "
+            f"`pip install ./ds_pfc-{version}-py3-none-any.whl`).")
+
+
+def direct_url(dist) -> str | None:
+    """The ``<url>`` of ``pip install "ds_pfc @ <url>"`` from ``dist``'s PEP 610
+    ``direct_url.json``: ``<vcs>+<url>@<commit>`` or an http(s) archive URL (with its
+    ``#subdirectory=`` if any); None for a local directory (editable or not), a local
+    file or repository, no record, or a record that cannot be read."""
+    try:
+        text = dist.read_text("direct_url.json")
+        data = json.loads(text) if text else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("url"), str):
+        return None
+    url = data["url"]
+    subdirectory = f"#subdirectory={data['subdirectory']}" if isinstance(data.get("subdirectory"), str) else ""
+    vcs = data.get("vcs_info")
+    if isinstance(vcs, dict) and isinstance(vcs.get("vcs"), str):
+        if url.startswith("file:"):
+            return None
+        prefix = "" if url.startswith(vcs["vcs"] + "+") else vcs["vcs"] + "+"
+        revision = vcs.get("commit_id") or vcs.get("requested_revision")
+        return f"{prefix}{url}" + (f"@{revision}" if revision else "") + subdirectory
+    if isinstance(data.get("archive_info"), dict) and url.split(":", 1)[0] in ("http", "https"):
+        return url + subdirectory
+    return None
 
 
 def push_to_hub(folder: str, repo_id: str, *, private: bool = False, token: str | None = None, api=None,

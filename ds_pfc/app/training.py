@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError, DsPfcConfig, ScheduleConfig, split_config
-from .datasets import build_eval_sets, build_train_set
+from .datasets import build_eval_sets, build_train_set, check_eval_decoder
 from ..data.loader import MicroBatchLoader
 from ..data.sampler import DistributedIdentitySampler
 from ..checkpoint import tags
@@ -285,6 +285,7 @@ class Trainer:
         first = (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("OMPI_COMM_WORLD_RANK")
                  or os.environ.get("PMI_RANK") or "0") == "0"
         self.dataset = build_train_set(cfg, log=self._log if first else None)
+        check_eval_decoder(cfg)          # .bin pair sets: a missing decoder fails now, not after the build
         # Rank, world and local rank from the launcher (srun and mpirun set no RANK),
         # checked against the scheduler's task count; then the process group; then
         # cuda:<local rank> before any CUDA work (DeepSpeed binds the device only inside
@@ -388,7 +389,8 @@ class Trainer:
         # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its true size.
         params = sum(getattr(p, "ds_numel", p.numel()) for p in backbone.parameters())
         self.log(f"ds_pfc: {self.world_size} rank(s) on {self.device.type}, backbone {cfg.backbone.name} "
-                 f"(width {cfg.backbone.width}, {params / 1e6:.2f} M parameters), {head}")
+                 f"(width {cfg.backbone.width}, {params / 1e6:.2f} M parameters, {_dtype_name(self.engine.dtype)}), "
+                 f"{head}, head products {_dtype_name(head.product_dtype)}")
         if cfg.data.stress.active:
             self.log(f"stress: {self.dataset!r}")
         self.log(f"data: {cfg.data.source}, {len(self.dataset)} images, {self.steps_per_epoch} steps/epoch of "
@@ -496,6 +498,34 @@ class Trainer:
     """The tag this run resumed from (its state is on disk already)."""
     _saved_tag: str | None = None
     """The tag this run saved last."""
+    _ran_before: list = []
+    """What earlier runs of the checkpoint this run resumed ran (its marker's ``ran``)."""
+    _segment_start: int = 1
+    """The first step this run trains."""
+
+    def ran_record(self) -> list[dict]:
+        """What ran to reach the current step, oldest first, one entry per stretch of steps
+        run alike: ``{"steps": [first, last], "device": "cpu"|"cuda"|..., ("device_name":
+        the GPU's name,) "world_size", "head_products": the dtype of the head's matrix
+        products as they ran (``compute_dtype`` resolved on the device), "backbone": the
+        dtype the engine ran the backbone in, "versions": "ds_pfc X, torch Y, deepspeed
+        Z"}``. Steps of an earlier run that recorded none of this are one entry
+        ``{"steps": [1, N], "not_recorded": true}``. Saved in every checkpoint's marker
+        (``metadata.ran``); the model card reads it."""
+        from .run_outputs import versions_line
+        now = {"steps": [self._segment_start, int(self.engine.global_steps)], "device": self.device.type,
+               "world_size": self.world_size, "head_products": _dtype_name(self.head.product_dtype),
+               "backbone": _dtype_name(self.engine.dtype), "versions": versions_line()}
+        if self.device.type == "cuda":
+            now["device_name"] = torch.cuda.get_device_name(self.device)
+        before = [dict(entry) for entry in self._ran_before]
+
+        def alike(entry):
+            return {k: v for k, v in entry.items() if k != "steps"}
+        if before and alike(before[-1]) == alike(now):
+            before[-1]["steps"] = [before[-1]["steps"][0], now["steps"][1]]
+            return before
+        return before + [now]
 
     def resume(self) -> bool:
         """Continue from a checkpoint in ``checkpoint_dir``; every rank calls it at
@@ -525,6 +555,7 @@ class Trainer:
         with the checkpoint."""
         self.history = {"start_step": 0, "losses": [], "evaluations": {}}
         self._resumed_tag = None
+        self._ran_before, self._segment_start = [], 1
         self.config_changes = []
         self._fresh_optimizer = self._optimizer_settings()     # this job's, before any load
         tags.check_shared_directory(self.checkpoint_dir)
@@ -556,6 +587,10 @@ class Trainer:
         elif choice.note:
             tags.on_rank0(lambda: tags.write_latest(self.checkpoint_dir, tag))
         self._resumed_tag = tag
+        earlier = (choice.marker.get("metadata") or {}).get("ran")
+        self._ran_before = (list(earlier) if isinstance(earlier, list) and earlier else
+                            [{"steps": [1, int(self.engine.global_steps)], "not_recorded": True}])
+        self._segment_start = int(self.engine.global_steps) + 1
         self._restore_data_position(loaded["rank_state"]["sampler"], restart, tag)
         self.lr_scale = float(loaded["client_state"].get("ds_pfc_lr_scale", 1.0))     # earlier rollbacks
         self._after_load(loaded)
@@ -767,7 +802,7 @@ class Trainer:
             metadata = {"config": self.raw_config, "overrides": dict(self.overrides), "micro": self.micro,
                         "gradient_accumulation_steps": self.gas, "world_size": self.world_size,
                         "global_batch": self.micro * self.gas * self.world_size,
-                        "sampler": self.sampler.state_dict()}
+                        "sampler": self.sampler.state_dict(), "ran": self.ran_record()}
             # A complete tag of this step that this run did not write belongs to a run
             # rolled back past it: this run's state replaces it.
             with self._heartbeat(f"checkpoint {tag}"):
@@ -1314,6 +1349,11 @@ def _batch_geometry(ds_config: dict) -> tuple[int, int]:
         what = "the batch settings" if "batch" in str(err).lower() else "the config"
         raise ConfigError(f"DeepSpeed rejects {what}: {err}") from None
     return int(resolved.train_micro_batch_size_per_gpu), int(resolved.gradient_accumulation_steps)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _keep_batch_hint(global_batch: int, micro: int, world_size: int) -> str:

@@ -96,7 +96,8 @@ def backbone_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
 def export_checkpoint(tag_dir: str, out_path: str, *, config: dict | None = None) -> str:
     """Write ``out_path`` (safetensors): ``backbone.<name>`` float32 weights and, per
     head, ``heads.<head>.weight [C, d]`` (classes in global id order), with metadata
-    (format, heads, num_classes, embedding size, the job's ds_pfc config if given).
+    (format, heads, num_classes, embedding size, the job's ds_pfc config if given, the
+    marker's record of what ran).
     Atomic. Returns ``out_path``."""
     with open(os.path.join(tag_dir, COMPLETE_MARKER)) as f:
         marker = json.load(f)
@@ -110,6 +111,9 @@ def export_checkpoint(tag_dir: str, out_path: str, *, config: dict | None = None
         metadata[f"heads.{name}.embedding_size"] = str(meta["embedding_size"])
     if config is not None:
         metadata["config"] = json.dumps(config)
+    ran = (marker.get("metadata") or {}).get("ran")
+    if isinstance(ran, list):
+        metadata["ran"] = json.dumps(ran)          # what ran (the model card reads it)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     return ckpt._atomic_save(tensors, out_path, metadata)
 

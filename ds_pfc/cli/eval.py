@@ -9,7 +9,8 @@
 Pair sets: flip test-time augmentation, 10-fold accuracy with threshold selection on
 the other folds, TAR at FAR 1e-4 and 1e-6 (NaN where a set has too few impostor
 pairs). Without ``--bins`` or ``--ijb`` a synthetic-data model is evaluated on its
-held-out identities. Decoding images needs torchvision or Pillow.
+held-out identities. Images are decoded with Pillow (a dependency; torchvision when it is
+installed and works), checked on a tiny test image before any model is loaded.
 
 Models: a ds_pfc export or checkpoint directory; arcface_torch's ``model.pt`` (or a
 ``checkpoint_gpu_*.pt``) with ``--network`` (its arcface_torch name, ``--width`` for
@@ -89,10 +90,12 @@ class _Progress:
 def _ijb(args) -> dict:
     import torch
 
+    from ds_pfc.data.transforms import check_decoder
     from ds_pfc.eval import ijb
     target = args.target.upper()
     try:
         meta = ijb.read_meta(args.ijb, target)
+        check_decoder(f"--ijb {args.ijb}")          # the loose crops: before any model is loaded
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"error: {err}")
     protocol = None
@@ -252,6 +255,9 @@ def run(argv=None) -> dict:
     from ds_pfc.app.config import EvaluationConfig, split_config
     from ds_pfc.app.training import _format_eval, build_eval_sets, evaluate
     try:
+        if args.bins:
+            from ds_pfc.data.transforms import check_decoder
+            check_decoder(f"--bins {args.bins[0]}")    # before the model is loaded
         backbone, config, _ = _load_model(args.model, args)
         if config is not None:
             with warnings.catch_warnings():

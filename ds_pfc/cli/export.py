@@ -62,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_source_arguments(b)
     h = sub.add_parser("hub", help="a Hugging Face model folder (backbone, config, model card); --push uploads it",
                        description="Write a Hugging Face model folder: the backbone (model.safetensors), config.json "
-                                   "and a model card (README.md: the training config, data, results, versions and "
-                                   "the code that loads it); with --push, upload it with huggingface_hub.")
+                                   "and a model card (README.md: the training config, data, results, what ran as the "
+                                   "checkpoint records it (ranks, device, the backbone's and the head products' "
+                                   "dtypes, versions), the code that loads it and how to install ds_pfc); with "
+                                   "--push, upload it with huggingface_hub.")
     _model_source_arguments(h)
     h.add_argument("--name", default=None, help="the model card's title (default: the output folder's name)")
     h.add_argument("--summary", default=None,

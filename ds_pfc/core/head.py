@@ -288,6 +288,16 @@ class PartialFC(nn.Module):
                                  f"{shown!r}; column values {values}); every rank must construct the head "
                                  "with the same value")
 
+    @property
+    def product_dtype(self) -> torch.dtype:
+        """The dtype of the head's matrix products as they run on this rank's device:
+        ``compute_dtype``, or for ``None`` the device's default (bf16 on CUDA from
+        Ampere on, fp16 on Volta/Turing, else the float32 accumulation dtype)."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        acc = torch.float64 if self.dtype == torch.float64 else torch.float32
+        return default_compute_dtype(self.device, acc)
+
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, embedding_size={self.embedding_size}, "
                 f"sample_rate={self.sample_rate}, margin={self.margin}, "

@@ -8,12 +8,12 @@
 - an image folder: one subdirectory per class, class id = index of the sorted
   subdirectory name (torchvision ``ImageFolder`` order, as insightface uses).
 
-Image folders are listed here, not through ``load_dataset("imagefolder")``: that
-builder encodes every file with Pillow and fails without it, and Pillow is not a
-dependency. Items carry the file's encoded bytes.
+Image folders are listed here, not through ``load_dataset("imagefolder")`` (that
+builder encodes every file with Pillow first). Items carry the file's encoded bytes,
+decoded by the data loader's workers.
 
-Image columns of type ``datasets.Image`` are read with ``decode=False`` for the same
-reason (their bytes, or the file at their path); ``binary`` columns are bytes; any
+Image columns of type ``datasets.Image`` are read with ``decode=False`` likewise
+(their bytes, or the file at their path); ``binary`` columns are bytes; any
 other column (nested lists, ``Array3D``) becomes a tensor. Pass ``decode`` to turn
 bytes into tensors (see :mod:`ds_pfc.data.transforms`).
 """

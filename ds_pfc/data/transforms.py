@@ -3,12 +3,14 @@
 
 Images are ``[3, H, W]`` or ``[B, 3, H, W]`` in pixel units (0..255), uint8 or float.
 
-Decoding: no image decoder is installed with this package (no torchvision, no
-Pillow, and torch itself ships none), so :func:`decode_image` calls a pluggable
-decoder: the one passed in, else the one set with :func:`set_image_decoder`, else
-``torchvision.io.decode_image`` if torchvision happens to be importable (that path
-is not exercised by the tests here), else Pillow if importable, else it raises
-``RuntimeError``.
+Decoding: :func:`decode_image` calls the decoder passed in, else the one set with
+:func:`set_image_decoder`, else the default (:func:`default_decoder`, chosen once per
+process): ``torchvision.io.decode_image`` when torchvision imports and decodes a test JPEG
+and PNG, else Pillow (a dependency of ds_pfc). A torchvision that is installed but broken
+(any exception at import or decode, e.g. a build for another torch) is passed over with
+one warning. :func:`check_decoder` decodes a tiny in-memory JPEG and PNG with the decoder
+:func:`decode_image` would use and raises :class:`ImageDecoderError` (a ``ConfigError``:
+one ``error:`` line in the training app) naming the decoder, what failed and the fix.
 
 :func:`decode_jpeg_batch` decodes a batch of JPEGs on an accelerator through
 ``torchvision.io.decode_jpeg`` (nvJPEG on CUDA); the loader uses it when
@@ -16,15 +18,44 @@ is not exercised by the tests here), else Pillow if importable, else it raises
 """
 from __future__ import annotations
 
+import base64
+import io
+import warnings
 from typing import Callable
 
 import torch
 
-__all__ = ["normalize", "random_flip", "decode_image", "set_image_decoder", "decode_jpeg_batch", "is_jpeg",
-           "device_decode_available"]
+from .._checks import ConfigError
+
+__all__ = ["normalize", "random_flip", "decode_image", "set_image_decoder", "default_decoder", "check_decoder",
+           "ImageDecoderError", "decode_jpeg_batch", "is_jpeg", "device_decode_available"]
 
 Decoder = Callable[[bytes], torch.Tensor]
 _decoder: Decoder | None = None
+_default: tuple[str, Decoder] | None = None       # (name, decoder): default_decoder's choice, made once
+_passed_over: str | None = None                   # why a broken torchvision was not chosen
+
+INSTALL_HINT = "pip install pillow"
+
+# The probes: a 4x4 PNG (pixel (y, x) = (60 x + 10, 70 y + 5, 255 - 16 (x + 4 y))) and a
+# 16x16 JPEG of one colour, (200, 100, 50); both written by Pillow.
+_PROBE_PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAQAAAAECAIAAAAmkwkpAAAAG0lEQVR42mPkYv1vw/ABglgY3A4wMHyAINwcAKTqECJEbEw0AAAAAElFTkSuQmCC")
+_PROBE_JPEG = base64.b64decode(
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAMCAgMCAgMDAwMEAwMEBQgFBQQEBQoHBwYIDAoMDAsKCwsNDhIQDQ4RDgsLEBYQERMUFRUVDA8X"
+    "GBYUGBIUFRT/2wBDAQMEBAUEBQkFBQkUDQsNFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBT/wAAR"
+    "CAAQABADASIAAhEBAxEB/8QAHwAAAQUBAQEBAQEAAAAAAAAAAAECAwQFBgcICQoL/8QAtRAAAgEDAwIEAwUFBAQAAAF9AQIDAAQRBRIhMUEG"
+    "E1FhByJxFDKBkaEII0KxwRVS0fAkM2JyggkKFhcYGRolJicoKSo0NTY3ODk6Q0RFRkdISUpTVFVWV1hZWmNkZWZnaGlqc3R1dnd4eXqDhIWG"
+    "h4iJipKTlJWWl5iZmqKjpKWmp6ipqrKztLW2t7i5usLDxMXGx8jJytLT1NXW19jZ2uHi4+Tl5ufo6erx8vP09fb3+Pn6/8QAHwEAAwEBAQEB"
+    "AQEBAQAAAAAAAAECAwQFBgcICQoL/8QAtREAAgECBAQDBAcFBAQAAQJ3AAECAxEEBSExBhJBUQdhcRMiMoEIFEKRobHBCSMzUvAVYnLRChYk"
+    "NOEl8RcYGRomJygpKjU2Nzg5OkNERUZHSElKU1RVVldYWVpjZGVmZ2hpanN0dXZ3eHl6goOEhYaHiImKkpOUlZaXmJmaoqOkpaanqKmqsrO0"
+    "tba3uLm6wsPExcbHyMnK0tPU1dbX2Nna4uPk5ebn6Onq8vP09fb3+Pn6/9oADAMBAAIRAxEAPwCpRRRX4ef0gf/Z")
+_JPEG_TOLERANCE = 8          # pixel levels a JPEG decoder may differ by (IDCT and upsampling variants)
+
+
+class ImageDecoderError(ConfigError):
+    """No working image decoder for data that needs one; the message names the decoder,
+    what failed and the fix."""
 
 
 def _check_image(name: str, x) -> None:
@@ -74,12 +105,7 @@ def decode_image(data: bytes, decoder: Decoder | None = None) -> torch.Tensor:
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
     fn = decoder if decoder is not None else _decoder
     if fn is None:
-        try:
-            from torchvision.io import ImageReadMode, decode_image as tv_decode
-        except ImportError:
-            return _pillow_decode(bytes(data))
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return tv_decode(buf, mode=ImageReadMode.RGB)
+        return default_decoder()[1](bytes(data))
     out = fn(bytes(data))
     if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 3 or out.shape[0] != 3:
         got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
@@ -87,14 +113,97 @@ def decode_image(data: bytes, decoder: Decoder | None = None) -> torch.Tensor:
     return out
 
 
+def default_decoder() -> tuple[str, Decoder]:
+    """``(name, decoder)`` that :func:`decode_image` uses when none is passed or set:
+    ``("torchvision", ...)`` when torchvision imports and decodes the probe images, else
+    ``("Pillow", ...)``. Chosen on the first call and kept for the process; a torchvision
+    that is installed but fails (any exception) is passed over with one warning. The Pillow
+    decoder raises :class:`ImageDecoderError` when Pillow is missing."""
+    global _default
+    if _default is None:
+        _default = _choose_decoder()
+    return _default
+
+
+def _choose_decoder() -> tuple[str, Decoder]:
+    global _passed_over
+    try:
+        from torchvision.io import ImageReadMode, decode_image as tv_decode
+
+        def torchvision_decode(data: bytes) -> torch.Tensor:
+            return tv_decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        _probe(torchvision_decode)
+    except ImportError:
+        pass                              # not installed: Pillow, silently
+    except Exception as err:              # noqa: BLE001 - installed but broken: any error at all
+        _passed_over = f"torchvision is installed but does not work ({type(err).__name__}: {_one_line(err)})"
+        warnings.warn(f"{_passed_over}; decoding images with Pillow instead (install a torchvision built for "
+                      f"torch {torch.__version__}, or uninstall it)", RuntimeWarning, stacklevel=3)
+    else:
+        return "torchvision", torchvision_decode
+    return "Pillow", _pillow_decode
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _probe(decode: Decoder) -> None:
+    """Decode the probe JPEG and PNG with ``decode``; raises (whatever ``decode`` raises,
+    or ``ValueError``) unless both come out right."""
+    png = decode(_PROBE_PNG)
+    x = torch.arange(4).view(1, 4)
+    y = torch.arange(4).view(4, 1)
+    want = torch.stack([(60 * x + 10).expand(4, 4), (70 * y + 5).expand(4, 4), 255 - 16 * (x + 4 * y)])
+    if not (isinstance(png, torch.Tensor) and png.dtype == torch.uint8 and tuple(png.shape) == (3, 4, 4)
+            and torch.equal(png.to(torch.int64), want)):
+        raise ValueError(f"the test PNG decoded to {_describe(png)}, not its 3x4x4 pixels")
+    jpeg = decode(_PROBE_JPEG)
+    if not (isinstance(jpeg, torch.Tensor) and jpeg.dtype == torch.uint8 and tuple(jpeg.shape) == (3, 16, 16)):
+        raise ValueError(f"the test JPEG decoded to {_describe(jpeg)}, not uint8 [3, 16, 16]")
+    error = (jpeg.to(torch.int64) - torch.tensor([200, 100, 50]).view(3, 1, 1)).abs().max().item()
+    if error > _JPEG_TOLERANCE:
+        raise ValueError(f"the test JPEG decoded to pixels {error} levels off its colour")
+
+
+def _describe(out) -> str:
+    return f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+
+
+def check_decoder(what: str, decoder: Decoder | None = None) -> str:
+    """Decode a tiny in-memory JPEG and PNG with the decoder :func:`decode_image` would
+    use (``decoder``, else the one set with :func:`set_image_decoder`, else
+    :func:`default_decoder`'s); returns its name. Raises :class:`ImageDecoderError`
+    naming ``what`` needs decoding (e.g. ``"ds_pfc.data.source recordio"``), the decoder,
+    what failed and the fix."""
+    if not isinstance(what, str) or not what:
+        raise TypeError(f"what must be a non-empty string, got {what!r}")
+    if decoder is not None or _decoder is not None:
+        fn, name = decoder or _decoder, "the decoder passed in" if decoder is not None else \
+            "the decoder set with ds_pfc.data.transforms.set_image_decoder"
+        fix = "fix that decoder, or unset it (set_image_decoder(None)) to use Pillow"
+    else:
+        name, fn = default_decoder()
+        fix = f"install Pillow: {INSTALL_HINT}"
+    note = f" ({_passed_over}, so it is not used)" if _passed_over is not None and fn is _pillow_decode else ""
+    try:
+        _probe(lambda data: decode_image(data, decoder=fn))
+    except ImageDecoderError as err:
+        raise ImageDecoderError(f"{what} needs an image decoder: {err}{note}") from err
+    except Exception as err:          # noqa: BLE001 - whatever the decoder raises is the finding
+        raise ImageDecoderError(f"{what} needs an image decoder, and {name} failed to decode a test image "
+                                f"({type(err).__name__}: {_one_line(err)}); {fix}{note}") from err
+    return name
+
+
 def _pillow_decode(data: bytes) -> torch.Tensor:
     try:
-        import io
-
         from PIL import Image
-    except ImportError:
-        raise RuntimeError("no image decoder: this environment has neither torchvision nor Pillow; install one, "
-                           "pass decoder= or call ds_pfc.data.transforms.set_image_decoder(fn)") from None
+    except ImportError as err:
+        raise ImageDecoderError(f"Pillow, the image decoder, cannot be imported ({type(err).__name__}: "
+                                f"{_one_line(err)}); install it: {INSTALL_HINT} (or pass decoder= or call "
+                                "ds_pfc.data.transforms.set_image_decoder(fn))") from None
     with Image.open(io.BytesIO(data)) as image:
         rgb = image.convert("RGB")
         out = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
@@ -118,6 +227,8 @@ def device_decode_available(device) -> str | None:
         import torchvision.io  # noqa: F401
     except ImportError:
         return "torchvision is not installed"
+    except Exception as err:              # noqa: BLE001 - installed but broken
+        return f"torchvision does not import ({type(err).__name__}: {_one_line(err)})"
     return None
 
 
