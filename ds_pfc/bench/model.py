@@ -37,7 +37,9 @@ from registers, shared memory and warps of the cubin) is reported, and ``fill`` 
 programs per launch / SMs) charges grids that leave SMs idle. torch ops: products run at the
 cuBLAS rate (bf16/fp16; float32 without TF32 at the SGEMM rate) with their bytes at the HBM
 rate, everything else is bytes at the HBM rate. Floor: ``6 N S d`` FLOPs at the GEMM rate plus
-the row optimizer's 20 bytes per element of ``S x d`` (SGD with momentum) at the HBM rate.
+the row optimizer's 20 bytes per element of ``S x d`` (SGD with momentum) at the HBM rate, at
+the assumed rates of :data:`GPUS`; a calibrated prediction also gives it at the measured rates
+(:func:`ds_pfc.bench.calibration.measured_floor`).
 Collectives (world > 1) are not modelled. Constants and their sources: :data:`GPUS`.
 
 Calibrated. The rule above is a roofline: it predicted 18.0 ms for the standard step that took
@@ -729,7 +731,8 @@ def kernel_time(counts: dict, gpu: dict, code: dict | None = None) -> dict:
 
 
 def floor_time(S: int, batch: int, dim: int, gpu: dict) -> float:
-    """``6 N S d`` FLOPs at the GEMM rate plus SGD-with-momentum's 20 B per element at HBM rate."""
+    """``6 N S d`` FLOPs at the GEMM rate plus SGD-with-momentum's 20 B per element at HBM rate
+    (``gpu["gemm"]``, ``gpu["hbm"]``: a :data:`GPUS` entry's assumed rates, or measured ones)."""
     return 6 * batch * S * dim / gpu["gemm"] + 20 * S * dim / gpu["hbm"]
 
 
