@@ -327,7 +327,8 @@ class HeadConfig:
     """Most bytes a training step keeps for backward instead of recomputing: float32 logits
     (torch backend) or cosines (triton: float16 for bf16/fp16 products; the standard rank of
     N = 2048, S = 800k keeps 3.3 GB and its backward runs no recompute product). null:
-    block_bytes when set, else 4 GiB (triton) or 256 MiB (torch); 0: never keep."""
+    block_bytes when set, else half the device memory free at the forward on CUDA (triton; 4 GiB
+    off CUDA) or 256 MiB (torch); 0: never keep."""
     backend: str = "auto"
     """Softmax backend: auto (fused Triton kernels on CUDA when triton imports), torch or triton."""
     sub_centers: int = 1

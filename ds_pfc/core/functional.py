@@ -57,8 +57,9 @@ def margin_cross_entropy(
     ``block_bytes``: bytes of float32 logits computed per class block (None: 256 MiB
     on CUDA, 2 MiB on CPU). When the whole ``N x S`` logits exceed one block, backward
     recomputes them block by block instead of keeping them, up to ``keep_bytes`` (None:
-    ``block_bytes`` when given, else 256 MiB of logits for torch and 4 GiB of cosines for
-    triton, float16 for bf16/fp16 products; 0: never keep). ``backend``: ``"auto"``
+    ``block_bytes`` when given, else 256 MiB of logits for torch and, for triton, half the
+    device memory free at the forward on CUDA (4 GiB elsewhere) of cosines, float16 for
+    bf16/fp16 products; 0: never keep). ``backend``: ``"auto"``
     (the fused Triton kernels on CUDA when triton imports, else ``"torch"``),
     ``"torch"`` or ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``).
 

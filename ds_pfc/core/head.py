@@ -124,9 +124,9 @@ class PartialFC(nn.Module):
             Torch backend: logits larger than one block are recomputed in backward.
         keep_bytes: the most bytes of logits (torch) or cosines (triton; float16 for
             bf16/fp16 products) a training step keeps for backward instead of
-            recomputing them; 0 never keeps (None: ``block_bytes`` when given, else 4 GiB
-            for triton, which keeps the 3.3 GB of an N = 2048, S = 800k rank, and 256 MiB
-            for torch).
+            recomputing them; 0 never keeps (None: ``block_bytes`` when given, else for
+            triton half the device memory free at the forward on CUDA, 4 GiB elsewhere,
+            and 256 MiB for torch).
         backend: softmax backend, ``"auto"`` (the Triton kernels on CUDA for bf16/fp16
             products when triton imports; torch for float32 products and off CUDA),
             ``"torch"`` or ``"triton"``.

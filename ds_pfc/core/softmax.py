@@ -35,7 +35,9 @@ The math is a few stateless steps shared by both backends:
 
 Backends: ``"torch"`` (the blocks above, the readable reference; runs anywhere) and
 ``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`). The triton backend has two paths, chosen
-per training step by the keep budget (``keep_bytes``, :data:`COSINE_KEEP_BYTES` by default):
+per training step by the keep budget (``keep_bytes``; by default half the device memory free at
+the forward on CUDA, :data:`COSINE_KEEP_BYTES` elsewhere; a step that recomputes says why in one
+log line, :func:`say_why_recompute`):
 
 - **kept cosines** (``N S`` float16 for bf16/fp16 products fit the budget; 3.3 GB at N = 2048,
   S = 800k): the forward statistics kernel also stores every cosine; the backward forms ``G``
@@ -57,6 +59,7 @@ products on a GPU.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import NamedTuple
 
@@ -67,7 +70,7 @@ from .margins import Margin
 
 __all__ = ["margin_softmax_cross_entropy", "SoftmaxResult", "default_block_bytes", "check_block_bytes",
            "resolve_backend", "default_compute_dtype", "class_blocks", "CPU_BLOCK_BYTES", "CUDA_BLOCK_BYTES", "KEEP_BYTES",
-           "COSINE_KEEP_BYTES", "default_keep_bytes", "check_keep_bytes", "keeps_cosines", "BACKENDS"]
+           "COSINE_KEEP_BYTES", "COSINE_KEEP_SHARE", "cosine_keep_bytes", "say_why_recompute", "default_keep_bytes", "check_keep_bytes", "keeps_cosines", "BACKENDS"]
 
 _NORM_EPS = 1e-12
 CPU_BLOCK_BYTES = 1 << 21     # ~2 MiB of logits: a block stays in a CPU core's cache
@@ -88,17 +91,63 @@ def default_block_bytes(device) -> int:
 
 
 KEEP_BYTES = CUDA_BLOCK_BYTES   # logits kept for backward by default, on every device (torch backend)
-# Cosines the triton backend keeps for backward by default (float16 for bf16/fp16 products): the
-# standard rank (N = 2048, S = 800k) keeps 3.3 GB, and its backward then runs no recompute product.
+# Cosines the triton backend keeps for backward by default (float16 for bf16/fp16 products), off
+# CUDA: the standard rank (N = 2048, S = 800k) keeps 3.3 GB, and its backward then runs no
+# recompute product. On CUDA the default is COSINE_KEEP_SHARE of the device memory available
+# when the forward runs (:func:`cosine_keep_bytes`): the cosines live from the head's forward to
+# its backward, which also holds dW (S d float32) and what the backbone's backward needs; half
+# leaves the other half for those. N = 4096 at S = 800k (6.6 GB) then keeps on an 80-141 GB GPU.
 COSINE_KEEP_BYTES = 4 << 30
+COSINE_KEEP_SHARE = 0.5
+_log = logging.getLogger(__name__)
+_keep_budgets: dict = {}
 
 
-def default_keep_bytes(backend: str, block_bytes: int | None) -> int:
-    """The keep budget for ``keep_bytes=None``: ``block_bytes`` when given, else
-    :data:`COSINE_KEEP_BYTES` for the triton backend and :data:`KEEP_BYTES` for torch."""
+def cosine_keep_bytes(device) -> int:
+    """The triton backend's default keep budget on ``device``: :data:`COSINE_KEEP_SHARE` of its
+    free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds unused;
+    :data:`COSINE_KEEP_BYTES` off CUDA. While a CUDA graph is being captured, the budget last
+    computed for the device (a graph replays the path it captured)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return COSINE_KEEP_BYTES
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        return _keep_budgets.get(index, COSINE_KEEP_BYTES)
+    free, _ = torch.cuda.mem_get_info(index)
+    cached = max(0, torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index))
+    _keep_budgets[index] = budget = int(COSINE_KEEP_SHARE * (free + cached))
+    return budget
+
+
+def default_keep_bytes(backend: str, block_bytes: int | None, device=None) -> int:
+    """The keep budget for ``keep_bytes=None``: ``block_bytes`` when given, else for the triton
+    backend :func:`cosine_keep_bytes` of ``device`` (None: :data:`COSINE_KEEP_BYTES`) and
+    :data:`KEEP_BYTES` for torch."""
     if block_bytes is not None:
         return block_bytes
-    return COSINE_KEEP_BYTES if backend == "triton" else KEEP_BYTES
+    if backend != "triton":
+        return KEEP_BYTES
+    return COSINE_KEEP_BYTES if device is None else cosine_keep_bytes(device)
+
+
+_said_recompute: set = set()
+
+
+def say_why_recompute(n: int, s: int, compute_dtype: torch.dtype, keep_bytes: int) -> str | None:
+    """Log, once per shape and budget, why a triton training step of ``n`` samples and ``s``
+    active rows recomputes its cosines instead of keeping them (None when it keeps them)."""
+    if keeps_cosines(n, s, compute_dtype, keep_bytes):
+        return None
+    item = 4 if compute_dtype == torch.float32 else 2
+    line = (f"triton backend recomputes its cosines in backward: N x S = {n} x {s} cosines take "
+            f"{n * s * item / 1e9:.2f} GB, over keep_bytes = {keep_bytes / 1e9:.2f} GB"
+            + (" (keep_bytes=0)" if keep_bytes == 0 else " (set keep_bytes, or free device memory, to keep them: "
+               "the backward then runs no recompute product)"))
+    if (n, s, keep_bytes) not in _said_recompute:
+        _said_recompute.add((n, s, keep_bytes))
+        (_log.info if keep_bytes == 0 else _log.warning)(line)
+    return line
 
 
 def check_block_bytes(value, name: str = "block_bytes") -> None:
@@ -528,7 +577,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         if backend == "triton":
             # A training step keeps the cosines (float16 for bf16/fp16 products) when they fit the
             # keep budget: the backward then runs no recompute product (kernels.grad_kept).
-            if want_grad and keeps_cosines(n, w.shape[0], compute, keep_bytes):
+            if want_grad and say_why_recompute(n, w.shape[0], compute, keep_bytes) is None:
                 cos_kept = torch.empty(w.shape[0], n, dtype=kernels.keep_dtype(compute), device=x.device)
             m, l, max_cos = kernels.lse_stats(x_hat, w, w_inv, target_col, scale=scale, threshold=threshold,
                                               compute_dtype=compute, want_max_cos=want_correct, w_hat=w_hat_c,
@@ -687,8 +736,8 @@ def margin_softmax_cross_entropy(
     ``block_bytes``: bytes of logits per class block (None: :func:`default_block_bytes` of
     the device). ``keep_bytes``: the most bytes of logits (torch) or cosines (triton: float16
     for bf16/fp16 products) a training step keeps for backward instead of recomputing them
-    (None: ``block_bytes`` when given, else :data:`COSINE_KEEP_BYTES` for triton and
-    :data:`KEEP_BYTES` for torch). ``backend``: one of :data:`BACKENDS`. ``validate=False``
+    (None: ``block_bytes`` when given, else :func:`cosine_keep_bytes` for triton (half the free
+    device memory on CUDA, :data:`COSINE_KEEP_BYTES` elsewhere) and :data:`KEEP_BYTES` for torch). ``backend``: one of :data:`BACKENDS`. ``validate=False``
     checks label ownership on the device (``torch._assert_async``) instead of with a
     host sync and a readable error. ``guard_nonfinite=True`` makes the gradient of
     ``x`` NaN when that of ``w`` is not finite (for loss-scaled training, whose
@@ -707,7 +756,7 @@ def margin_softmax_cross_entropy(
             raise ValueError("backend='triton' does not implement sub-centers; use backend='torch' or 'auto'")
         backend = "torch"
     backend = resolve_backend(backend, x.device, compute, acc if w.dtype != torch.float64 else torch.float64, margin)
-    keep_bytes = default_keep_bytes(backend, block_bytes) if keep_bytes is None else keep_bytes
+    keep_bytes = default_keep_bytes(backend, block_bytes, x.device) if keep_bytes is None else keep_bytes
     block_bytes = default_block_bytes(x.device) if block_bytes is None else block_bytes
     loss, per_sample, correct = _MarginSoftmaxCE.apply(
         x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct, block_bytes, keep_bytes,

@@ -102,6 +102,9 @@ _INTERPRET_TILES = {"lse": (16, 16, 16, 1, 1), "lse_max": (16, 16, 16, 1, 1), "g
 # count of the interpreter (small, so that CPU tests still exercise several splits).
 _WAVES = 4
 _INTERPRET_SMS = 2
+# Resident CTAs per SM of the forward kernel (_lse_kernel, "lse" tiles): its sm_90 cubin holds
+# 246 registers x 256 threads, one CTA per SM (ds_pfc.bench.model.machine_code reads it).
+_LSE_CTAS_PER_SM = 1
 # Samples per split of the backward kernels (G and dW): above it they also split the samples
 # over programs, so that a large batch with few active classes per rank (e.g. N = 24,576 at a
 # few thousand classes per class block) still fills the GPU. A function of N alone, so results
@@ -159,16 +162,30 @@ def _device_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _split(held_tiles: int, stream_tiles: int, device: torch.device) -> tuple[int, int]:
+def _split(held_tiles: int, stream_tiles: int, device: torch.device,
+           ctas_per_sm: int = 1) -> tuple[int, int]:
     """``(splits, tiles_per_split)`` over the streamed class tiles for ``held_tiles`` sample tiles.
 
-    Aim for ``_WAVES`` programs per SM in total, but never more splits than class tiles, and
-    no empty split (each split gets ``tiles_per_split`` tiles, the last possibly fewer).
+    Aim for ``_WAVES`` programs per SM in total, in whole waves: a wave is the SMs times the
+    kernel's resident CTAs per SM (``ctas_per_sm``), and a grid of ``held_tiles x splits``
+    programs takes ``ceil(programs / wave)`` waves of ``tiles_per_split`` tiles each. Of the
+    split counts up to twice the aim, take the one with the fewest such tile-waves (the time of
+    the grid), the closest to the aim on a tie: N = 4096 (32 sample tiles) on 132 SMs takes 33
+    splits (1056 programs, 8 whole waves), not 17 (544 programs, 5 waves of which the last is
+    0.1 full). Never more splits than class tiles, and no empty split (each split gets
+    ``tiles_per_split`` tiles, the last possibly fewer).
     """
-    want = triton.cdiv(_WAVES * _num_sms(device), max(1, held_tiles))
-    splits = max(1, min(stream_tiles, want))
-    per = triton.cdiv(stream_tiles, splits)
-    return triton.cdiv(stream_tiles, per), per
+    held = max(1, held_tiles)
+    wave = _num_sms(device) * max(1, ctas_per_sm)
+    want = max(1, min(stream_tiles, triton.cdiv(_WAVES * wave, held)))
+    best = None
+    for splits in range(1, max(1, min(stream_tiles, 2 * want)) + 1):
+        per = triton.cdiv(stream_tiles, splits)
+        real = triton.cdiv(stream_tiles, per)
+        cost = (triton.cdiv(held * real, wave) * per, abs(real - want))
+        if best is None or cost < best[0]:
+            best = (cost, real, per)
+    return best[1], best[2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,7 +697,7 @@ def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
     block_n, block_s, block_k, warps, stages = tile_config("lse_max" if track_max else "lse", compute_dtype)
     n_tiles = triton.cdiv(n, block_n)
     # The split hands out QUADS of class tiles (the kernel's unit), so no split ends mid-quad.
-    splits, per = _split(n_tiles, triton.cdiv(s, 4 * block_s), dev)
+    splits, per = _split(n_tiles, triton.cdiv(s, 4 * block_s), dev, _LSE_CTAS_PER_SM)
     m_k = torch.empty(splits, n, dtype=torch.float32, device=dev)
     l_k = torch.empty_like(m_k)
     max_z_k = torch.empty_like(m_k) if track_max else m_k   # dummy pointer when unused

@@ -1,0 +1,145 @@
+"""Launch grids and memory budgets of the triton backend, checked on a CPU: the forward's class
+splits in whole waves of a GPU (a mocked SM count), the default keep budget as a share of the
+free device memory (a mocked ``torch.cuda``), and every shipped config's choice of the kept path
+at its GPU count."""
+import glob
+import json
+import logging
+import math
+import os
+import re
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ds_pfc.core import softmax  # noqa: E402
+from ds_pfc.kernels import _target  # noqa: E402
+
+ts = pytest.importorskip("ds_pfc.kernels.triton_softmax")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = torch.device("cpu")
+
+
+def _tile_waves(held, splits, per, wave):
+    """The grid's time in tiles: whole waves of programs, each wave as long as a split."""
+    return math.ceil(held * splits / wave) * per
+
+
+@pytest.mark.parametrize("sms", [132, 108, 114])
+def test_forward_splits_fill_whole_waves(sms):
+    """Brute force over every split count: the chosen one takes no more tile-waves than any
+    split count up to twice the aim, and within 5% of the ideal (every SM busy all along) once
+    there are many waves of work. 132 SMs: H100/H200; 108: A100; 114: H100 PCIe."""
+    with _target.gpu_tiles(sms=sms):
+        for n in (512, 1024, 2048, 4096, 8192, 24_576):
+            held = math.ceil(n / 128)
+            for s in (9_656, 100_000, 800_000, 1_600_000):
+                stream = math.ceil(s / 512)
+                splits, per = ts._split(held, stream, CPU)
+                assert 1 <= splits <= stream and (splits - 1) * per < stream <= splits * per
+                got = _tile_waves(held, splits, per, sms)
+                aim = min(stream, math.ceil(4 * sms / held))
+                for other in range(1, min(stream, 2 * aim) + 1):
+                    p = math.ceil(stream / other)
+                    assert got <= _tile_waves(held, math.ceil(stream / p), p, sms), (n, s, other)
+                if held * stream >= 64 * sms:
+                    assert got <= 1.05 * held * stream / sms, (n, s, splits, per)
+
+
+def test_n4096_at_s800k_runs_whole_waves_on_132_sms():
+    """32 sample tiles x 17 splits = 544 programs is 4.12 waves of 132: five waves, the last
+    0.1 full. The split now gives a whole number of waves."""
+    with _target.gpu_tiles(sms=132):
+        splits, per = ts._split(32, math.ceil(800_000 / 512), CPU)
+        assert (32 * splits) % 132 == 0 and splits != 17
+        # N = 2048 was already 16 x 33 = 528 = 4 waves: unchanged.
+        assert ts._split(16, math.ceil(800_000 / 512), CPU) == (33, 48)
+        # Two CTAs per SM: a wave is 264 programs.
+        splits, _ = ts._split(32, math.ceil(800_000 / 512), CPU, ctas_per_sm=2)
+        assert (32 * splits) % 264 == 0
+
+
+class _FakeCuda:
+    """The part of ``torch.cuda`` the keep budget reads."""
+
+    def __init__(self, free, reserved=0, allocated=0, capturing=False):
+        self.free, self.reserved, self.allocated, self.capturing = free, reserved, allocated, capturing
+        self.calls = 0
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", self._info)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(softmax, "_keep_budgets", {})
+        return self
+
+    def _info(self, device=None):
+        self.calls += 1
+        return self.free, 80 << 30
+
+
+def test_keep_budget_is_half_the_free_device_memory(monkeypatch):
+    assert softmax.cosine_keep_bytes("cpu") == 4 << 30
+    assert softmax.default_keep_bytes("triton", None) == 4 << 30
+    fake = _FakeCuda(free=20 << 30, reserved=6 << 30, allocated=4 << 30).install(monkeypatch)
+    # free + (reserved - allocated): what the caching allocator holds unused is free to torch.
+    want = (20 + 6 - 4) * (1 << 30) // 2
+    assert softmax.cosine_keep_bytes("cuda") == want
+    assert softmax.default_keep_bytes("triton", None, "cuda:0") == want
+    assert softmax.default_keep_bytes("triton", 123, "cuda") == 123          # block_bytes given
+    assert softmax.default_keep_bytes("torch", None, "cuda") == softmax.KEEP_BYTES
+    # N = 4096 at S = 800k (6.55 GB of float16 cosines) now keeps where 4 GiB did not.
+    assert not softmax.keeps_cosines(4096, 800_000, torch.bfloat16, 4 << 30)
+    assert softmax.keeps_cosines(4096, 800_000, torch.bfloat16, want)
+    # While a CUDA graph is captured: the last budget, without asking the device.
+    fake.capturing, fake.free, calls = True, 1 << 30, fake.calls
+    assert softmax.cosine_keep_bytes("cuda") == want and fake.calls == calls
+
+
+def test_a_step_that_recomputes_says_why_once(caplog):
+    caplog.set_level(logging.INFO, logger="ds_pfc.core.softmax")
+    n, s = 4096, 800_000
+    assert softmax.say_why_recompute(n, s, torch.bfloat16, n * s * 2) is None
+    assert not caplog.records
+    for _ in range(3):
+        line = softmax.say_why_recompute(n, s, torch.bfloat16, (4 << 30) + 7)
+    assert [r.getMessage() for r in caplog.records] == [line]
+    assert "4096 x 800000" in line and "6.55 GB" in line and "4.29 GB" in line
+
+
+def _configs():
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.json"))):
+        name = os.path.basename(path)
+        match = re.search(r"_(\d+)gpu", name)
+        yield name, json.load(open(path)), int(match.group(1)) if match else 1
+
+
+# The free device memory assumed at the head's forward for every shipped config: 16 GiB of an
+# 80 GB GPU (the backbone's activations, its optimizer state and the head's bank hold the rest).
+ASSUMED_FREE = 16 << 30
+
+
+@pytest.mark.parametrize("name,config,gpus", list(_configs()), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_shipped_config_keeps_its_cosines_at_its_gpu_count(monkeypatch, caplog, name, config, gpus):
+    """Each config's triton step on CUDA (bf16 products, ``compute_dtype`` auto or bf16): the
+    gathered batch (micro batch x GPUs) times its rank's active classes, in float16, within the
+    default budget, so it stays on the kept path and logs nothing."""
+    head = config["ds_pfc"]["head"]
+    assert head.get("compute_dtype") in (None, "auto", "bf16")
+    n = config["train_micro_batch_size_per_gpu"] * gpus
+    s = max(math.floor(head.get("sample_rate", 1.0) * math.ceil(head["num_classes"] / gpus) + 1e-9), 1)
+    _FakeCuda(free=ASSUMED_FREE).install(monkeypatch)
+    budget = head.get("keep_bytes")
+    if budget is None:
+        budget = softmax.default_keep_bytes("triton", head.get("block_bytes"), "cuda")
+    assert budget == (ASSUMED_FREE // 2 if head.get("block_bytes") is None else head["block_bytes"])
+    caplog.set_level(logging.INFO, logger="ds_pfc.core.softmax")
+    assert n * s * 2 <= ASSUMED_FREE // 2, f"{name}: {n} x {s} cosines do not fit"
+    assert softmax.say_why_recompute(n, s, torch.bfloat16, budget) is None
+    assert not caplog.records
