@@ -143,3 +143,88 @@ def test_every_shipped_config_keeps_its_cosines_at_its_gpu_count(monkeypatch, ca
     assert n * s * 2 <= ASSUMED_FREE // 2, f"{name}: {n} x {s} cosines do not fit"
     assert softmax.say_why_recompute(n, s, torch.bfloat16, budget) is None
     assert not caplog.records
+
+
+# Every specialisation of the forward kernel that lse_stats launches, compiled for Ampere and Ada
+# (sm_90 is compiled, with every other kernel, by tests/test_triton_softmax.py): bf16 products.
+_COMPILE_LSE = r"""
+import json, os, re, subprocess, sys, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ds_pfc.kernels import triton_softmax as K
+
+arch = int(sys.argv[1])
+try:
+    cuobjdump = triton.knobs.nvidia.cuobjdump.path
+except (AttributeError, RuntimeError) as e:
+    print("UNUSABLE:", repr(e))
+    sys.exit(3)
+dtype = torch.bfloat16
+for tiles, flags in (("lse", dict(HAS_THRESHOLD=False, WANT_MAX_COS=False, STORE_COS=False)),
+                     ("lse", dict(HAS_THRESHOLD=True, WANT_MAX_COS=False, STORE_COS=False)),
+                     ("lse", dict(HAS_THRESHOLD=False, WANT_MAX_COS=False, STORE_COS=True)),
+                     ("lse", dict(HAS_THRESHOLD=True, WANT_MAX_COS=False, STORE_COS=True)),
+                     ("lse_max", dict(HAS_THRESHOLD=True, WANT_MAX_COS=True, STORE_COS=False)),
+                     ("lse_max", dict(HAS_THRESHOLD=True, WANT_MAX_COS=True, STORE_COS=True))):
+    kernel = K._lse_kernel
+    n, s, k, warps, stages = K.tile_config(tiles, dtype, interpret=False)
+    values = dict(flags, UPCAST=False, PRECISION="ieee", COMPUTE=K._TL_DTYPES[dtype],
+                  KEEP=K._TL_DTYPES[K.keep_dtype(dtype)], BLOCK_N=n, BLOCK_S=s, BLOCK_K=k)
+    constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
+    signature, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+            continue
+        if arg.endswith("_ptr"):
+            signature[arg] = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tgt_ptr": "*i64", "cos_ptr": "*fp16"}.get(arg, "*fp32")
+        else:
+            signature[arg] = "fp32" if arg in ("scale", "threshold") else "i32"
+        if arg.endswith("_ptr") or arg in ("d", "N"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    cubin = compiled.asm.get("cubin") or b""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        open(path, "wb").write(cubin)
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    field = lambda key: int(re.search(key + r":(\d+)", usage).group(1))
+    print(json.dumps(dict(tiles=tiles, flags=flags, cubin=len(cubin), shared=compiled.metadata.shared,
+                          regs=field("REG"), spills=(field("STACK") + field("LOCAL")) // 4,
+                          hgmma=sass.count("HGMMA"), hmma=sass.count("HMMA"))), flush=True)
+"""
+# Dynamic shared memory per block (opt-in maximum): A100 163 KiB; sm_86 and sm_89 99 KiB.
+_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024}
+# Spilled 32-bit words allowed: on mma.sync the forward's 128 x 4 x 64 accumulators and its
+# epilogue exceed 255 registers (sm_90's wgmma does not spill, tests/test_triton_softmax.py).
+_SPILL_BUDGET = 64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels compile for the GPU at hand")
+@pytest.mark.parametrize("arch", [80, 86, 89])
+def test_every_forward_specialisation_compiles_for_ampere_and_ada(arch):
+    import subprocess
+    import sys
+    pytest.importorskip("triton.compiler", reason="needs Triton's compiler API")
+    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION=os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_LSE, str(arch)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+    if proc.returncode == 3 and proc.stdout.startswith("UNUSABLE:"):
+        pytest.skip(f"Triton's bundled CUDA tools are not usable here: {proc.stdout.strip()}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 6
+    for r in rows:
+        what = f"sm_{arch} {r['tiles']} {r['flags']}"
+        assert r["cubin"] > 0, what
+        assert r["shared"] <= _SHARED[arch], (what, r["shared"])
+        assert r["regs"] <= 255, (what, r["regs"])
+        assert r["spills"] <= _SPILL_BUDGET, (what, r["spills"])
+        assert r["hmma"] > 0 and r["hgmma"] == 0, what          # tensor cores, mma.sync before Hopper
