@@ -16,10 +16,13 @@ def test_gpu_plan_times_every_width_with_validate_off_and_as_a_graph(monkeypatch
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * 2**30, 80 * 2**30))
     what = timing.plan(torch.device("cuda", 0))
     modes = {(m["dim"], m["validate"], m["graph"], m.get("cosines")) for m in what["modes"]}
-    expected = {(512, True, False, None)} | {(d, False, g, None) for d in (512, 256, 128) for g in (False, True)}
-    if what["backend"] == "triton":     # and the recompute path of the validate=False eager step
-        expected |= {(d, False, False, "recompute") for d in (512, 256, 128)}
-    assert modes == expected
+    expected = {(d, v, False, None) for d in (512, 256, 128) for v in (True, False)} \
+        | {(d, False, True, None) for d in (512, 256, 128)}
+    if what["backend"] == "triton":     # and the recompute path, eager, validate on and off
+        expected |= {(d, v, False, "recompute") for d in (512, 256, 128) for v in (True, False)}
+        assert what["forward_batches"] == [2048, 4096]
+    assert modes == expected and len(what["modes"]) == len(expected)
+    assert what["products"] == [512, 256, 128] and what["budget_s"] <= 330
     case = what["case"]
     assert case["batch"] == 2048 and case["sample_rate"] == 0.1 and case["compute"] == "bf16"
     assert round(case["classes"] * case["sample_rate"]) == 800_000      # the standard rank fits 60 GiB free
@@ -37,12 +40,34 @@ def test_cpu_run_writes_every_part(tmp_path, capsys):
     assert min(s["topk_s"], s["sort_s"], s["sample_active_s"]) > 0
     assert doc["model"] == {"skipped": "--no-model"} and doc["machine"] and doc["versions"]
     assert f"wrote {out}" in capsys.readouterr().out
+    # cuBLAS's shapes: S x N x d FLOPs twice, at the rate recorded.
+    p = doc["products"]
+    assert (p["S"], p["N"]) == (2_000, 64)
+    for name in ("forward_fp16", "dx", "dw"):
+        r = p["d64"][name]
+        assert r["seconds"] > 0 and r["tflops"] * 1e12 * r["seconds"] == pytest.approx(2 * 64 * 2_000 * 64)
+    # The forward kernel (Triton's interpreter here), with and without its store, and its grid.
+    f = doc["forward"]
+    assert set(f) == {"S", "dim", "sms", "n16", "n32"}
+    for n in (16, 32):
+        assert f[f"n{n}"]["seconds"] > 0 and f[f"n{n}"]["seconds_keep"] > 0
+        assert f[f"n{n}"]["waves"] == pytest.approx(f[f"n{n}"]["programs"] / f["sms"])
+
+
+def test_parts_past_the_budget_are_skipped_and_the_file_still_written(tmp_path):
+    path = timing.run_timing(torch.device("cpu"), results_dir=str(tmp_path), stamp="x", gpu="cpu", model=False,
+                             log=lambda *a: None, budget_s=-1.0)
+    doc = json.loads(open(path).read())
+    for part in (*doc["steps"].values(), doc["products"], doc["forward"], doc["sampler"]):
+        assert part == {"skipped": "not started within the -1 s budget"}
 
 
 def test_dry_lists_and_measures_nothing(tmp_path, capsys):
     assert cli.main(["--timing", "--dry"]) == 0
     text = capsys.readouterr().out
     assert "step d=64 validate=True graph=False" in text and "the model check" in text
+    assert "cuBLAS at the kept step's shapes" in text and "the forward kernel at N = 16, 32" in text
+    assert "within 330 s" in text
     with pytest.raises(SystemExit, match="go with --timing"):
         cli.main(["--dry"])
 

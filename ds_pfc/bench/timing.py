@@ -9,8 +9,14 @@ A few minutes on one GPU, one JSON (``benchmarks/results/timing-<gpu>-<date>.jso
   ``validate=False`` step (no launch or host cost at all); milliseconds per step. The gaps
   between the three are the host sync's and the launches' cost. These steps keep their
   cosines for backward (the default budget holds them at every width); the triton backend's
-  recompute path (``keep_bytes=0``) is timed too, eager with ``validate=False``
+  recompute path (``keep_bytes=0``) is timed too, eager with ``validate=True`` and ``False``
   (``..._recompute``): the step before and after the kept-cosine design, kernel by kernel.
+* ``products``: cuBLAS at the kept step's shapes, per ``d``: the cosines as an fp16 product
+  ``[S, d] x [d, N]`` with fp16 output (a cuBLAS forward), ``dX`` (``[N, S] x [S, d]``) and
+  ``dW`` (``[S, N] x [N, d]``), both bf16 with float32 output as the backward runs them;
+  seconds and TF/s.
+* ``forward``: the forward kernel (``lse_stats``) at ``d`` = 512 for N = 2048 and 4096, with
+  and without storing the cosines, and its grid (programs and waves of the GPU's SMs).
 * ``kernels``: the profiler's device time per kernel group of the ``validate=False`` step
   (the groups the model predicts: each Triton kernel, the torch products, other torch ops),
   per ``d``.
@@ -20,7 +26,8 @@ A few minutes on one GPU, one JSON (``benchmarks/results/timing-<gpu>-<date>.jso
   prediction (:func:`ds_pfc.bench.selfcheck.check_model`).
 
 Each measurement that fails records its error and the others go on, so one call always
-returns a file. Without CUDA it runs the same parts at toy sizes on the CPU (wall clock,
+returns a file. The parts run in that order within :data:`BUDGET_S` seconds: one not started
+by then is recorded as skipped (a run on an H200 is planned at well under it). Without CUDA it runs the same parts at toy sizes on the CPU (wall clock,
 no graphs) to check the harness; those numbers mean nothing.
 """
 from __future__ import annotations
@@ -34,10 +41,16 @@ import traceback
 
 import torch
 
-__all__ = ["DIMS", "run_timing", "time_step", "time_sampler"]
+__all__ = ["DIMS", "BUDGET_S", "FORWARD_BATCHES", "run_timing", "time_step", "time_sampler", "time_products",
+           "time_forward"]
 
 DIMS = (512, 256, 128)
+FORWARD_BATCHES = (2048, 4096)
+# Seconds a --timing run may take before the parts not yet started are skipped (6 minutes with
+# the JSON's writing and the process's start inside them).
+BUDGET_S = 330.0
 _TOY = dict(classes=20_000, sample_rate=0.1, batch=64, dim=64, compute="fp32", world=1)
+_TOY_FORWARD_BATCHES = (16, 32)
 
 
 class _Clock:
@@ -165,6 +178,75 @@ def time_sampler(case: dict, device, repeats: int) -> dict:
                                                              rank=0), repeats)}
 
 
+def _rows(case: dict) -> int:
+    return max(math.floor(case["sample_rate"] * math.ceil(case["classes"] / case.get("world", 1)) + 1e-9), 1)
+
+
+def time_products(case: dict, device, dims, repeats: int) -> dict:
+    """Seconds and TF/s of cuBLAS at the kept step's shapes for each ``d`` in ``dims``
+    (``S`` the case's active rows, ``N`` its batch): ``forward_fp16`` ``[S, d] x [d, N]`` with
+    fp16 operands and output, ``dx`` ``[N, S] x [S, d]`` and ``dw`` ``[S, N] x [N, d]`` in bf16
+    with float32 output (the backward's own calls). On a CPU: float32, toy sizes."""
+    from ..kernels.triton_softmax import _gemm_f32
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    half, low = (torch.float16, torch.bfloat16) if cuda else (torch.float32, torch.float32)
+    S, N = _rows(case), case["batch"]
+    gen = torch.Generator(device=device).manual_seed(3)
+    clock = _Clock(device)
+    out = {"S": S, "N": N, "operands": {"forward_fp16": str(half), "dx": str(low), "dw": str(low)}}
+    for d in dims:
+        w = torch.randn(S, d, device=device, generator=gen).to(half)
+        x = torch.randn(N, d, device=device, generator=gen).to(half)
+        g = torch.randn(S, N, device=device, generator=gen).to(low)
+        wb, xb = w.to(low), x.to(low)
+        flops = 2 * N * S * d
+        res = {}
+        for name, fn in (("forward_fp16", lambda i: torch.mm(w, x.t())), ("dx", lambda i: _gemm_f32(g.t(), wb)),
+                         ("dw", lambda i: _gemm_f32(g, xb))):
+            fn(0)
+            sec = clock(fn, repeats)
+            res[name] = {"seconds": sec, "tflops": flops / sec / 1e12}
+        out[f"d{d}"] = res
+        del w, x, g, wb, xb
+    return out
+
+
+def time_forward(case: dict, device, batches, repeats: int) -> dict:
+    """The forward kernel (:func:`~ds_pfc.kernels.triton_softmax.lse_stats`, no threshold) at
+    the case's ``S`` and ``d`` for each batch ``N`` in ``batches``: seconds without and with
+    the kept cosines' store, and its grid (sample tiles x class splits, programs per SM)."""
+    from ..kernels import triton_softmax as K
+    device = torch.device(device)
+    compute = torch.bfloat16
+    S, d = _rows(case), case["dim"]
+    gen = torch.Generator(device=device).manual_seed(5)
+    w = torch.randn(S, d, device=device, generator=gen)
+    w_hat, w_inv = K.prepare(w, compute)
+    block_n, block_s = K.tile_config("lse", compute)[:2]
+    sms = K._num_sms(device)
+    clock = _Clock(device)
+    out = {"S": S, "dim": d, "sms": sms}
+    for n in batches:
+        x_hat = torch.nn.functional.normalize(torch.randn(n, d, device=device, generator=gen), dim=1)
+        target = torch.randint(0, S, (n,), device=device, generator=gen)
+        keep = torch.empty(S, n, dtype=K.keep_dtype(compute), device=device)
+
+        def fwd(i, keep=None, x_hat=x_hat, target=target):
+            K.lse_stats(x_hat, w, w_inv, target, scale=64.0, threshold=None, compute_dtype=compute,
+                        want_max_cos=False, w_hat=w_hat, keep=keep)
+
+        held = math.ceil(n / block_n)
+        splits, _ = K._split(held, math.ceil(S / (4 * block_s)), device, K._LSE_CTAS_PER_SM)
+        if device.type == "cuda":        # compiles the two specialisations before timing them
+            fwd(0)
+            fwd(0, keep)
+        out[f"n{n}"] = {"seconds": clock(fwd, repeats), "seconds_keep": clock(lambda i: fwd(i, keep), repeats),
+                        "programs": held * splits, "waves": held * splits / (sms * K._LSE_CTAS_PER_SM)}
+        del keep
+    return out
+
+
 def _attempt(out: dict, key: str, fn) -> None:
     try:
         out[key] = fn()
@@ -187,19 +269,29 @@ def plan(device) -> dict:
         dims = DIMS
     else:
         case, dims = dict(_TOY), (_TOY["dim"],)
-    modes = [(d, True, False) for d in dims[:1]] + [(d, False, g) for d in dims for g in ((False, True) if cuda
-                                                                                              else (False,))]
-    modes = [{"dim": d, "validate": v, "graph": g} for d, v, g in modes]
-    if _backend(device) == "triton":
-        # The default step keeps its cosines when they fit (4 GiB: all three widths here);
-        # the recompute path of the same step, eager, for the before/after per kernel.
-        modes += [{"dim": d, "validate": False, "graph": False, "cosines": "recompute"} for d in dims]
-    return {"case": case, "dims": list(dims), "backend": _backend(device), "modes": modes}
+    modes = []
+    for d in dims:
+        modes += [{"dim": d, "validate": True, "graph": False}, {"dim": d, "validate": False, "graph": False}]
+        if cuda:
+            modes.append({"dim": d, "validate": False, "graph": True})
+        if _backend(device) == "triton":
+            # The default step keeps its cosines when they fit (the default budget: all three
+            # widths here); the recompute path of the same step, eager, for the before/after.
+            modes += [{"dim": d, "validate": v, "graph": False, "cosines": "recompute"} for v in (True, False)]
+    if cuda and _backend(device) == "triton":
+        forward = list(FORWARD_BATCHES)
+    elif not cuda:
+        forward = list(_TOY_FORWARD_BATCHES)       # the interpreter, at toy sizes
+    else:
+        forward = []
+    return {"case": case, "dims": list(dims), "backend": _backend(device), "modes": modes,
+            "products": list(dims), "forward_batches": forward, "budget_s": BUDGET_S}
 
 
 def run_timing(device, *, results_dir: str, stamp: str, gpu: str, model: bool = True, steps: int | None = None,
-               log=print) -> str:
-    """Every part, one JSON; returns its path."""
+               log=print, budget_s: float | None = None) -> str:
+    """Every part, one JSON; returns its path. ``budget_s`` (default :data:`BUDGET_S`): parts
+    not started within it are recorded as skipped."""
     from . import machine_info, versions
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -208,22 +300,40 @@ def run_timing(device, *, results_dir: str, stamp: str, gpu: str, model: bool = 
     case = what["case"]
     doc = {"benchmark": "timing", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "machine": machine_info(), "versions": versions(), "gpu": gpu, **what, "steps": {}, "sampler": {}}
+    budget = BUDGET_S if budget_s is None else budget_s
+    start = time.monotonic()
+
+    def attempt(out, key, fn):
+        if time.monotonic() - start > budget:
+            out[key] = {"skipped": f"not started within the {budget:.0f} s budget"}
+            log(f"  {key}: skipped (budget)")
+            return
+        _attempt(out, key, fn)
+
     for m in what["modes"]:
         key = f"d{m['dim']}_validate{int(m['validate'])}_graph{int(m['graph'])}"
         if m.get("cosines"):
             key += f"_{m['cosines']}"
         log(f"  step {key} ...")
         mode_case = dict(case, cosines=m["cosines"]) if m.get("cosines") else case
-        _attempt(doc["steps"], key, lambda m=m, c=mode_case: time_step(c, m["dim"], device, validate=m["validate"],
+        attempt(doc["steps"], key, lambda m=m, c=mode_case: time_step(c, m["dim"], device, validate=m["validate"],
                                                                          graph=m["graph"], steps=steps))
         res = doc["steps"][key]
         if "seconds" in res:
             log(f"  step {key}: {res['seconds'] * 1e3:.3f} ms")
+    log("  products ...")
+    attempt(doc, "products", lambda: time_products(case, device, what["products"], repeats=10 if cuda else 1))
+    if what["forward_batches"]:
+        log("  forward ...")
+        fcase = case if cuda else dict(case, classes=2_560)    # the interpreter: S = 256
+        attempt(doc, "forward", lambda: time_forward(fcase, device, what["forward_batches"], repeats=10 if cuda else 1))
+    else:
+        doc["forward"] = {"skipped": "needs the triton backend"}
     log("  sampler ...")
-    _attempt(doc, "sampler", lambda: time_sampler(case, device, repeats=5 if cuda else 1))
+    attempt(doc, "sampler", lambda: time_sampler(case, device, repeats=5 if cuda else 1))
     if model and cuda:
         from .selfcheck import check_model
-        _attempt(doc, "model", lambda: {"detail": check_model(device, results_dir, stamp, gpu)})
+        attempt(doc, "model", lambda: {"detail": check_model(device, results_dir, stamp, gpu)})
     else:
         doc["model"] = {"skipped": "needs a CUDA device" if model else "--no-model"}
     path = os.path.join(results_dir, f"timing-{gpu}-{stamp}.json")

@@ -25,9 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(saves the minutes of counting on this machine's CPU)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>-<date>.json)")
     p.add_argument("--timing", action="store_true",
-                   help="only the timing work, a few minutes on a GPU: step times at d = 512/256/128 with "
-                        "validate on and off and as a CUDA graph, kernel times, topk and the sampler, the model "
-                        "check; one JSON, benchmarks/results/timing-<gpu>-<date>.json")
+                   help="only the timing work, under 6 minutes on a GPU: step times at d = 512/256/128 with "
+                        "validate on and off, kept and recomputed cosines, and as a CUDA graph, kernel times, "
+                        "cuBLAS at the kept step's shapes, the forward kernel at N = 2048 and 4096, topk and the "
+                        "sampler, the model check; one JSON, benchmarks/results/timing-<gpu>-<date>.json")
     p.add_argument("--no-model", action="store_true", help="with --timing: skip the model check")
     p.add_argument("--dry", action="store_true", help="with --timing: print what would be measured and stop")
     return p
@@ -87,7 +88,11 @@ def _timing(args, device, gpu, stamp) -> int:
     for m in what["modes"]:
         print(f"  step d={m['dim']} validate={m['validate']} graph={m['graph']}"
               + (f" cosines={m['cosines']}" if m.get("cosines") else ""))
+    print(f"  cuBLAS at the kept step's shapes (fp16 cosines, dX, dW) at d = {', '.join(map(str, what['products']))}")
+    if what["forward_batches"]:
+        print(f"  the forward kernel at N = {', '.join(map(str, what['forward_batches']))}, with and without its store")
     print("  topk, sort and the sampler at the case's C_q" + ("" if args.no_model else "; the model check"))
+    print(f"  within {what['budget_s']:.0f} s: parts not started by then are skipped")
     if args.dry:
         return 0
     results = os.path.dirname(os.path.abspath(args.out)) if args.out else os.path.join(ROOT, "benchmarks", "results")
