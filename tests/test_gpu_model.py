@@ -756,4 +756,7 @@ def test_every_calibrated_prediction_carries_its_out_of_sample_error(calibrated)
                    and r["classes"] == c["classes"] and r["sample_rate"] == c["sample_rate"])
         assert step["measured_s"] == row["step"]["median"]
         assert step["error"] == pytest.approx(step["predicted_s"] / row["step"]["median"] - 1)
+        assert step["roofline_error"] == pytest.approx(step["roofline_s"] / row["step"]["median"] - 1)
+        assert step["roofline_error"] < step["error"] < 0
     assert out["max_error"] == pytest.approx(-0.04, abs=0.01) and out["min_error"] == pytest.approx(-0.27, abs=0.01)
+    assert out["roofline_min_error"] == pytest.approx(-0.63, abs=0.01)

@@ -443,9 +443,10 @@ _OUT_OF_SAMPLE_CACHE: dict = {}
 
 def out_of_sample(cal: Calibration) -> dict | None:
     """This calibration's error on the steps it was not fitted to (:data:`OUT_OF_SAMPLE`, on
-    the calibration's own GPU): ``{source, steps: [{case, measured_s, predicted_s, error}],
-    min_error, max_error}``, error = predicted / measured - 1; None when those files are absent
-    or of another GPU."""
+    the calibration's own GPU): ``{source, steps: [{case, measured_s, predicted_s, error,
+    roofline_s, roofline_error}], min_error, max_error, roofline_min_error,
+    roofline_max_error}``, error = predicted / measured - 1 (the roofline's: the uncalibrated
+    model's); None when those files are absent."""
     from . import model
     key = (cal.source, cal.date, cal.gemm_rate, cal.copy_rate, tuple(sorted(cal.matrix.items())))
     if key in _OUT_OF_SAMPLE_CACHE:
@@ -468,14 +469,18 @@ def out_of_sample(cal: Calibration) -> dict | None:
             if not counts:
                 continue
             fitted = model.fit_case(case, counts)
+            roofline = model.predict_case(case, cal.gpu, counts=counts, compile_code=False)["step_s"]
             seconds = cal.idle_s + sum(kernel_seconds(k, c, cal, cal.gpu, backend, "bf16", dim=case["dim"])[0]
                                        for k, c in fitted.items())
             measured = row["step"]["median"]
             steps.append({"case": case, "S": model.case_rows(case), "measured_s": measured, "predicted_s": seconds,
-                          "error": seconds / measured - 1})
+                          "error": seconds / measured - 1, "roofline_s": roofline,
+                          "roofline_error": roofline / measured - 1})
         if steps:
             errors = [s["error"] for s in steps]
-            out = {"source": _rel(path), "steps": steps, "min_error": min(errors), "max_error": max(errors)}
+            roof = [s["roofline_error"] for s in steps]
+            out = {"source": _rel(path), "steps": steps, "min_error": min(errors), "max_error": max(errors),
+                   "roofline_min_error": min(roof), "roofline_max_error": max(roof)}
     _OUT_OF_SAMPLE_CACHE[key] = out
     return out
 
@@ -487,7 +492,8 @@ def out_of_sample_line(cpred: dict) -> str:
         return "out-of-sample error: unknown (no step measured apart from the calibration's own)"
     return (f"out-of-sample error of this calibration: {o['max_error']:+.0%} to {o['min_error']:+.0%} "
             f"({len(o['steps'])} head steps it was not fitted to, {o['source']}; negative: predicted faster "
-            f"than measured). It reproduces its own run by construction, which validates nothing.")
+            f"than measured; the roofline: {o['roofline_max_error']:+.0%} to {o['roofline_min_error']:+.0%}). It "
+            f"reproduces its own run by construction, which validates nothing.")
 
 
 def groups(prediction: dict) -> dict:
