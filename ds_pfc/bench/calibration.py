@@ -87,8 +87,8 @@ _KEY_BYTES = 8              # the sampler's keys are int64: keys = bytes the op 
 # ops), "launch", "topk" (topk and sort) and "idle".
 TERMS = ("cublas", "aten", "launch", "topk", "idle")
 
-# The forward kernel (``_lse_kernel``) is priced as three terms, each from the measured run or a
-# stated assumption (``forward_rule``):
+# The forward kernel (``_lse_kernel``, :data:`_FORWARD`) is priced as three terms, each from the
+# measured run or a stated assumption:
 # * its products, ``2 N S d`` FLOPs at an MMA efficiency;
 # * a fixed cost per logit (``N S``), the epilogue (exp, masks, the running max and sum, about 11
 #   issue slots and one MUFU op per logit) and the refill of the operand pipeline per tile, which
@@ -104,10 +104,10 @@ STORE_EFFICIENCY = 1.0
 # measured step: it runs at DW_CUBLAS_SHARE of the efficiency measured at the dX shape (90%: the
 # pessimistic end of 90-95%, as the calibrated model under-predicts every step it was not fitted to).
 DW_CUBLAS_SHARE = 0.90
-# Steps the calibration was not fitted to: the head benchmark at N = 512 on the same H200 (each
-# of forward, backward and update timed between device syncs) and the op counts of each case.
 # Kernels priced by the forward rule (products + fixed per logit + store).
 _FORWARD = ("triton:_lse_kernel",)
+# Steps the calibration was not fitted to: the head benchmark at N = 512 on the same H200 (each
+# of forward, backward and update timed between device syncs) and the op counts of each case.
 OUT_OF_SAMPLE = "benchmarks/results/head-h200-n512-20261126.json"
 OUT_OF_SAMPLE_COUNTS = (
     ("benchmarks/results/predict-h200-n512-d512-s1600k-k1.json", "triton", 16_000_000, 0.1),
@@ -313,7 +313,6 @@ def load_calibration(path: str = DEFAULT, counts: str = DEFAULT_COUNTS, timing: 
                        launch_s=launch_s, idle_s=tri["idle"], topk_per_key_s=topk_per_key,
                        sort_per_key_s=sort_per_key, select_source=select_source, measured=measured,
                        triton_cosines=triton_cosines, mma=mma, per_logit_s=per_logit)
-
 
 
 def _fill(c: dict, gpu: dict) -> float:

@@ -70,7 +70,8 @@ from .margins import Margin
 
 __all__ = ["margin_softmax_cross_entropy", "SoftmaxResult", "default_block_bytes", "check_block_bytes",
            "resolve_backend", "default_compute_dtype", "class_blocks", "CPU_BLOCK_BYTES", "CUDA_BLOCK_BYTES", "KEEP_BYTES",
-           "COSINE_KEEP_BYTES", "COSINE_KEEP_SHARE", "cosine_keep_bytes", "say_why_recompute", "default_keep_bytes", "check_keep_bytes", "keeps_cosines", "BACKENDS"]
+           "COSINE_KEEP_BYTES", "default_keep_bytes", "check_keep_bytes", "keeps_cosines", "BACKENDS",
+           "COSINE_KEEP_SHARE", "cosine_keep_bytes", "say_why_recompute"]
 
 _NORM_EPS = 1e-12
 CPU_BLOCK_BYTES = 1 << 21     # ~2 MiB of logits: a block stays in a CPU core's cache
