@@ -75,3 +75,22 @@ def test_dry_lists_and_measures_nothing(tmp_path, capsys):
 def test_a_graph_needs_cuda():
     with pytest.raises(ValueError, match="graph=True needs a CUDA device"):
         timing.time_step(dict(timing._TOY), 64, "cpu", validate=False, graph=True, steps=1)
+
+
+def test_the_model_check_of_a_timing_run_finds_the_standard_counts(tmp_path):
+    """Both triton paths and the torch backend of the standard rank, on 132 SMs, without
+    counting (what the self-check's model check asks of the GPU it runs on)."""
+    from ds_pfc.bench import model
+    from ds_pfc.bench.selfcheck import fitting_case
+    path = timing.standard_counts(str(tmp_path / "counts.json"))
+    base = fitting_case(120 * 2**30)          # an H200's free memory: the whole standard rank
+    assert model.case_rows(base) == 800_000
+    for backend in ("torch", "triton"):
+        case = dict(base, backend=backend)
+        cosines = model.cosines_path(backend, case["batch"], model.case_rows(case), case["compute"], None)
+        if cosines:
+            case["cosines"] = cosines
+        assert model.saved_counts(path, case, 132), case
+        if backend == "triton":
+            assert cosines == "kept"
+            assert model.saved_counts(path, dict(case, cosines="recompute"), 132)

@@ -248,11 +248,12 @@ def _time_step(device, case: dict, backend: str, steps: int = 3):
 
 
 def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 2.0,
-                counts_from: str | None = None) -> str:
+                counts_from: str | None = None, count: bool = True) -> str:
     """Each Triton kernel, the torch products, the other torch ops and the whole step of the
     standard case (scaled to fit this GPU) measured against ds_pfc.bench.model's prediction;
     fails where they differ by more than ``factor``. Counting a case takes minutes on the
-    CPU; ``counts_from`` (a ``bench.py head --predict`` JSON of the same case) skips it."""
+    CPU; ``counts_from`` (a ``bench.py head --predict`` JSON of the same case) skips it, and
+    ``count=False`` refuses to count (a RuntimeError when ``counts_from`` lacks the case)."""
     from . import model
     kind = model.gpu_model_key(torch.cuda.get_device_name(device))
     if kind is None:
@@ -266,7 +267,11 @@ def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 
         if path is not None:
             case["cosines"] = path          # what the head's default keep budget makes the step do
         sms = model.GPUS[kind]["sms"]
-        counts = model.saved_counts(counts_from, case, sms) or model._count_in_subprocess(case, sms)
+        counts = model.saved_counts(counts_from, case, sms)
+        if counts is None and not count:
+            raise RuntimeError(f"no saved op counts of {case} for {sms} SMs in {counts_from} (counting takes "
+                               "minutes: python -m ds_pfc.selfcheck --counts <a --predict JSON of this case>)")
+        counts = counts or model._count_in_subprocess(case, sms)
         pred = model.predict_case(case, kind, counts=counts)
         seconds, events = _time_step(device, case, backend)
         predicted = dict(model.group_predicted(pred), step=pred["step_s"])

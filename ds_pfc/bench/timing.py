@@ -23,7 +23,9 @@ A few minutes on one GPU, one JSON (``benchmarks/results/timing-<gpu>-<date>.jso
 * ``sampler``: ``torch.topk`` of ``|S_q|`` among ``C_q`` keys and the sort of the result,
   and the whole sampler (:func:`~ds_pfc.core.sampling.sample_active`).
 * ``model`` (unless ``--no-model``): the standard case's kernels against the GPU model's
-  prediction (:func:`ds_pfc.bench.selfcheck.check_model`).
+  prediction (:func:`ds_pfc.bench.selfcheck.check_model`), with the committed op counts of the
+  standard rank (:func:`standard_counts`; a GPU too small for it records an error instead of
+  counting for minutes).
 
 Each measurement that fails records its error and the others go on, so one call always
 returns a file. The parts run in that order within :data:`BUDGET_S` seconds: one not started
@@ -247,6 +249,31 @@ def time_forward(case: dict, device, batches, repeats: int) -> dict:
     return out
 
 
+# The committed op counts of the standard rank (132 SMs): torch and triton recomputing, and the
+# triton step keeping its cosines.
+_STANDARD_COUNTS = ("benchmarks/results/predict-h200-d512-s800k-k1.json",
+                    "benchmarks/results/predict-h200-d512-s800k-k1-kept.json")
+
+
+def standard_counts(path: str) -> str | None:
+    """One ``--predict`` JSON at ``path`` holding every committed count of the standard rank
+    (:data:`_STANDARD_COUNTS`), for the model check of a --timing run, which does not count
+    (minutes on the CPU); None outside a checkout."""
+    from .selfcheck import ROOT
+    docs = []
+    for name in _STANDARD_COUNTS:
+        full = os.path.join(ROOT, name)
+        if not os.path.exists(full):
+            return None
+        with open(full) as f:
+            docs.append(json.load(f))
+    merged = dict(docs[0], results=[r for d in docs for r in d["results"]])
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(merged, f)
+    return path
+
+
 def _attempt(out: dict, key: str, fn) -> None:
     try:
         out[key] = fn()
@@ -333,7 +360,11 @@ def run_timing(device, *, results_dir: str, stamp: str, gpu: str, model: bool = 
     attempt(doc, "sampler", lambda: time_sampler(case, device, repeats=5 if cuda else 1))
     if model and cuda:
         from .selfcheck import check_model
-        attempt(doc, "model", lambda: {"detail": check_model(device, results_dir, stamp, gpu)})
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            counts = standard_counts(os.path.join(tmp, "counts.json"))
+            attempt(doc, "model", lambda: {"detail": check_model(device, results_dir, stamp, gpu,
+                                                                 counts_from=counts, count=False)})
     else:
         doc["model"] = {"skipped": "needs a CUDA device" if model else "--no-model"}
     path = os.path.join(results_dir, f"timing-{gpu}-{stamp}.json")
