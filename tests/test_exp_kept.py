@@ -200,3 +200,22 @@ def test_a_full_exp_kept_step_never_waits_for_the_device():
     assert launches.get("triton:_lse_exp_kernel") == 1 and launches.get("triton:_project_kernel") == 1, launches
     assert not any(k in launches for k in ("triton:_lse_kernel", "triton:_g_pass_kernel", "triton:_g_kernel",
                                            "triton:_dw_kernel")), launches
+
+
+def test_the_step_model_counts_the_exp_kept_step():
+    """The step model's count of a bf16 triton step that keeps (``keep="exp"``: what the rule
+    picks at s = 64) has the forward storing E and two bf16 products of 2 N S d FLOPs each, and
+    no G pass, and the forward's products are the kept path's; ``keep="kept"`` counts the kept-cosine step (its G pass) for the same case."""
+    from ds_pfc.bench import model
+    n, d, S = 64, 16, 256
+    exp = model.count_step(S, batch=n, dim=d, sample_rate=1.0, compute="bf16", keep="exp")["kernels"]
+    kept = model.count_step(S, batch=n, dim=d, sample_rate=1.0, compute="bf16", keep="kept")["kernels"]
+    assert "triton:_lse_exp_kernel" in exp and "triton:_g_pass_kernel" not in exp and "triton:_lse_kernel" not in exp
+    assert "triton:_g_pass_kernel" in kept and "triton:_lse_exp_kernel" not in kept
+    assert exp["aten:mm[bf16]"]["flops"] == pytest.approx(4 * n * S * d, rel=0.05)
+    # The forward's products on the GPU's tiles (padded at this small shape): the kept forward's.
+    assert exp["triton:_lse_exp_kernel"]["flops"] == kept["triton:_lse_kernel"]["flops"]
+    assert model.cosines_path("triton", 2048, 800_000, "bf16", None) == "exp"
+    assert model.cosines_path("triton", 2048, 800_000, "fp16", None) == "kept"
+    assert model.case_keeps({"backend": "triton", "cosines": "exp"}) == "exp"
+    assert model.case_keeps({"backend": "triton"}) is False      # named no path: counted as recompute

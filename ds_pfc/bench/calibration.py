@@ -394,6 +394,7 @@ def floor_parts(pred: dict) -> dict:
 
 _LABELS = {"triton:_lse_kernel": "forward (lse)", "triton:_g_kernel": "G", "triton:_dw_kernel": "dW",
            "triton:_g_pass_kernel": "G pass (kept cosines)", "triton:_project_kernel": "projection",
+           "triton:_lse_exp_kernel": "forward (lse, storing exp)",
            "torch GEMMs": "torch GEMMs (cuBLAS)", "triton:_prep_kernel": "prepare",
            "triton:_sgd_rows_kernel": "SGD rows", "triton:_keys_kernel": "sampler keys",
            "torch other ops": "torch other ops", "idle": "idle (host sync)"}
