@@ -219,3 +219,29 @@ def test_the_step_model_counts_the_exp_kept_step():
     assert model.cosines_path("triton", 2048, 800_000, "fp16", None) == "kept"
     assert model.case_keeps({"backend": "triton", "cosines": "exp"}) == "exp"
     assert model.case_keeps({"backend": "triton"}) is False      # named no path: counted as recompute
+
+
+def test_the_exp_kept_prediction_prices_no_g_pass():
+    """The committed prediction of the standard rank's exp-kept step: its products are the
+    forward's (2 N S d) and cuBLAS's dX and dW (4 N S d), no G pass; calibrated, the forward
+    takes the statistics kernel's measured efficiency, and the step is below the kept step's."""
+    import json
+    from ds_pfc.bench import calibration, model
+    results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+    res = json.load(open(os.path.join(results, "predict-h200-d512-s800k-k1-exp.json")))["results"][0]
+    assert res["case"]["cosines"] == "exp"
+    pred = model.predict_case(res["case"], "h200", counts=res["counts"], compile_code=False)
+    flops = {r["kernel"]: r["flops"] for r in pred["kernels"] if r["flops"]}
+    n, s, d = 2048, 800_000, 512
+    assert set(flops) == {"triton:_lse_exp_kernel", "aten:mm[bf16]"}
+    assert flops["triton:_lse_exp_kernel"] == pytest.approx(2 * n * s * d, rel=1e-3)
+    assert flops["aten:mm[bf16]"] == pytest.approx(4 * n * s * d, rel=1e-3)
+    assert not any("_g_pass" in r["kernel"] or "_g_kernel" in r["kernel"] for r in pred["kernels"])
+    cal = calibration.load_calibration()
+    out = calibration.calibrated_prediction(pred, cal)
+    rules = {r["kernel"]: r["rule"] for r in out["kernels"]}
+    assert rules["triton:_lse_exp_kernel"].endswith("as _lse_kernel")
+    kept = json.load(open(os.path.join(results, "predict-h200-d512-s800k-k1-kept.json")))["results"][0]
+    kept_out = calibration.calibrated_prediction(
+        model.predict_case(kept["case"], "h200", counts=kept["counts"], compile_code=False), cal)
+    assert out["step_s"] < kept_out["step_s"] - 2e-3         # the G pass (2.29 ms) is gone
