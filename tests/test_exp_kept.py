@@ -2,7 +2,8 @@
 ``E = exp(scale cos - scale / 2)``, the backward is two products over E with per-sample
 factors, no G pass) through ``margin_cross_entropy``, against float64 references:
 
-- every margin the fused backend takes (ArcFace, CosFace, AdaFace, MagFace, ElasticFace),
+- every margin the fused backend takes (ArcFace, CosFace, combined, AdaFace, MagFace,
+  ElasticFace; CurricularFace and sub-centers run on the torch backend only),
   one rank, against the float64 transcriptions of the official code
   (``_margin_references.py``), within a small multiple of the reference's own error when
   its inputs are rounded to bf16;
@@ -55,8 +56,19 @@ def _elastic(fn, plus, factory):
     return ref
 
 
+def _combined(e, w, y, m1=1.2, m2=0.2, m3=0.1, scale=64.0):
+    """``scale (cos(m1 theta + m2) - m3)`` on the target, plain float64 (the data keeps every
+    target angle below (pi - m2) / m1, where no continuation convention applies)."""
+    cos = torch.nn.functional.normalize(e, dim=1) @ torch.nn.functional.normalize(w, dim=1).T
+    theta = torch.acos(cos.gather(1, y[:, None]).clamp(-1.0, 1.0))
+    assert bool((m1 * theta + m2 < torch.pi).all())
+    logits = cos.scatter(1, y[:, None], torch.cos(m1 * theta + m2) - m3) * scale
+    return torch.nn.functional.cross_entropy(logits, y)
+
+
 # name -> (library margin, float64 reference loss(emb, weight, labels), norm range)
 MARGINS = {
+    "combined": (lambda: ds_pfc.CombinedMargin(64.0, 1.2, 0.2, 0.1), _combined, (0.5, 4.0)),
     "arcface": (lambda: ds_pfc.ArcFace(), lambda e, w, y: R.subcenter_arcface_loss(e, w, y, k=1, threshold=False),
                 (0.5, 4.0)),
     "cosface": (lambda: ds_pfc.CosFace(), lambda e, w, y: R.cosface_loss(e, w, y), (0.5, 4.0)),
