@@ -748,8 +748,8 @@ def margin_softmax_cross_entropy(
     ``return_correct=True``; it is all zeros otherwise.
 
     ``block_bytes``: bytes of logits per class block (None: :func:`default_block_bytes` of
-    the device). ``keep_bytes``: the most bytes of logits (torch) or cosines (triton: float16
-    for bf16/fp16 products) a training step keeps for backward instead of recomputing them
+    the device). ``keep_bytes``: the most bytes of logits (torch) or of bf16 exponentials or
+    cosines (triton, :func:`cosine_path`) a training step keeps for backward instead of recomputing them
     (None: ``block_bytes`` when given, else :data:`COSINE_KEEP_BYTES` for triton and
     :data:`KEEP_BYTES` for torch). ``backend``: one of :data:`BACKENDS`. ``validate=False``
     checks label ownership on the device (``torch._assert_async``) instead of with a
