@@ -129,10 +129,27 @@ def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, targ
     kw = dict(scale=scale, threshold=threshold, compute_dtype=compute_dtype)
     ref = _reference(x_hat, w, w_inv_norm, tgt, **kw)
 
-    kept = torch.full((s, n), float("nan"), dtype=ts.keep_dtype(compute_dtype), device=DEVICE) if keep else None
-    m, l, max_cos = ts.lse_stats(x_hat, w, w_inv_norm, tgt, want_max_cos=want_max_cos, keep=kept, **kw)
+    exp = keep == "exp"
+    if exp:
+        kept = torch.full((s, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        m, l, max_cos = ts.exp_stats(x_hat, w, w_inv_norm, tgt, want_max_cos=want_max_cos, keep=kept, **kw)
+    else:
+        kept = torch.full((s, n), float("nan"), dtype=ts.keep_dtype(compute_dtype), device=DEVICE) if keep else None
+        m, l, max_cos = ts.lse_stats(x_hat, w, w_inv_norm, tgt, want_max_cos=want_max_cos, keep=kept, **kw)
     assert m.dtype == l.dtype == torch.float32 and m.shape == l.shape == (n,)
-    if keep:
+    if exp:
+        # E = exp(z - scale / 2) rounded once to bf16 (0 where excluded), the shift fixed: the
+        # statistics are then m = scale / 2 and l = sum E (float32), the same log-sum-exp.
+        e_ref = torch.exp(ref["z"] - scale / 2).T
+        # Below 2**-126 (z < scale / 2 - 87.3) entries are subnormal or flush to 0 (exp_scale_bound).
+        torch.testing.assert_close(kept.cpu().double(), e_ref, rtol=_RTOL + 2.0 ** -8, atol=2.0 ** -126)
+        assert bool((kept.cpu()[ref["excluded"].T] == 0).all())
+        lse_ref = ref["m"] + torch.log(ref["l"])
+        lse = m.cpu().double() + torch.log(l.cpu().double())
+        assert bool((torch.isinf(lse) == torch.isinf(lse_ref)).all())
+        fin = torch.isfinite(lse_ref)
+        torch.testing.assert_close(lse[fin], lse_ref[fin], rtol=0, atol=_RTOL * 2)
+    elif keep:
         # Every cosine, class-major, rounded once to the kept dtype from the float32 accumulation.
         cos64 = ref["x_c"] @ ref["w_c"].T
         if threshold is not None:     # filtered negatives are stored as +inf (the targets never are)
@@ -141,8 +158,9 @@ def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, targ
                                    atol=2.0 ** -11 if kept.dtype == torch.float16 else 1e-6)
     # Forward statistics see only rounded operands (identical to the reference's) and float32
     # accumulation, so the fp32 tolerance applies to every compute dtype.
-    torch.testing.assert_close(m.cpu().double(), ref["m"], rtol=_RTOL, atol=_RTOL * scale * 0.1)
-    torch.testing.assert_close(l.cpu().double(), ref["l"], rtol=_RTOL * 2, atol=1e-6)
+    if not exp:
+        torch.testing.assert_close(m.cpu().double(), ref["m"], rtol=_RTOL, atol=_RTOL * scale * 0.1)
+        torch.testing.assert_close(l.cpu().double(), ref["l"], rtol=_RTOL * 2, atol=1e-6)
     if want_max_cos:
         torch.testing.assert_close(max_cos.cpu().double(), ref["max_cos"], rtol=0, atol=1e-5)
     else:
@@ -152,7 +170,9 @@ def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, targ
     g_gen = torch.Generator().manual_seed(seed + 1)
     base = torch.where(torch.isinf(ref["m"]), torch.full_like(ref["m"], scale * 0.5), ref["m"])
     row_max = (base + torch.rand(n, generator=g_gen, dtype=torch.float64)).float().to(DEVICE)
-    if keep:
+    if exp:
+        dx_hat, dw = ts.grad_exp(kept, x_hat, w, w_inv_norm, coef, row_max, scale=scale, compute_dtype=compute_dtype)
+    elif keep:
         dx_hat, dw = ts.grad_kept(kept, x_hat, w, w_inv_norm, tgt, coef, row_max, **kw)
     else:
         dx_hat, dw = ts.grad(x_hat, w, w_inv_norm, tgt, coef, row_max, block_bytes=block_bytes, **kw)
@@ -163,14 +183,16 @@ def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, targ
     # Elementwise error bounds: each output is a sum of G entries times operand entries; G
     # carries ~_RTOL from the recomputed exp plus the rounding of G to the compute dtype
     # (relative _ROUNDOFF, or absolute _UNDERFLOW for float16 subnormals) before the second dot.
-    half_ulp = 2.0 ** -12 if keep and compute_dtype != torch.float32 else 0.0
+    half_ulp = 2.0 ** -12 if keep is True and compute_dtype != torch.float32 else 0.0
     u = _RTOL + _ROUNDOFF[compute_dtype] + math.expm1(scale * half_ulp)
     under = _UNDERFLOW[compute_dtype] * coef.abs().max().item()
     abs_w, abs_x = ref["w_c"].abs(), ref["x_c"].abs()
     dx_bound = u * (g.abs() @ abs_w) + under * abs_w.sum(0) + 1e-7 * coef_scale
     _assert_bounded(dx_hat, dx_ref, dx_bound, "dx_hat")
     # dw = P(dw_hat) / ||w|| with P = I - w_hat w_hat^T: |P e|_i <= |e_i| + |w_hat_i| * ||e||_2.
-    e = u * (g.abs().T @ abs_x) + under * abs_x.sum(0) + 1e-7
+    # exp-kept: the bf16 operand is x_hat * a / c rounded once (not x_hat rounded, then scaled):
+    # one more bf16 rounding against the reference's x_c; rho is exact for that dw_hat.
+    e = (u + (2.0 ** -8 if exp else 0.0)) * (g.abs().T @ abs_x) + under * abs_x.sum(0) + 1e-7
     w_hat = w.cpu().double() * w_inv_norm.cpu().double()[:, None]
     # rho from kept cosines: each G entry times a cosine off by up to half an ulp.
     rho_err = (half_ulp * g.abs().sum(0))[:, None]
@@ -209,6 +231,51 @@ def test_kept_cosines_match_float64_reference(n, s, d, scale, threshold, compute
     rounding of the kept cosines."""
     _check(n, s, d, scale=scale, threshold=threshold, compute_dtype=compute_dtype, want_max_cos=want_max_cos,
            seed=n * 1000 + s * 10 + d + 1, keep=True)
+
+
+EXP_CASES = [c for c in CASES if c[5] == torch.bfloat16] + [
+    (37, 129, 64, 64.0, 0.2, torch.bfloat16, False),
+    (70, 50, 24, 30.0, None, torch.bfloat16, True),
+    (37, 129, 40, 140.0, None, torch.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("n,s,d,scale,threshold,compute_dtype,want_max_cos", EXP_CASES)
+def test_exp_kept_matches_float64_reference(n, s, d, scale, threshold, compute_dtype, want_max_cos):
+    """The exp-kept path: the forward stores bf16 E = exp(scale cos - scale / 2) with a fixed
+    shift and sums it without a running max; the backward is two products over E with the
+    per-sample factors folded in and the tangent projection from dw_hat itself (no G pass).
+    Bounds: the recompute path's plus one bf16 rounding of the dW operand."""
+    _check(n, s, d, scale=scale, threshold=threshold, compute_dtype=compute_dtype, want_max_cos=want_max_cos,
+           seed=n * 1000 + s * 10 + d + 2, keep="exp")
+
+
+def test_exp_kept_splits_and_nothing_kept():
+    if not ts._INTERPRET:
+        pytest.skip("the interpreter's small tiles and splits")
+    # Several class splits and sample tiles with ragged edges; sample 0 owns the only class
+    # column of a one-class shard: nothing kept (lse = -inf, G = 0), sample 1 keeps it.
+    _check(200, 72, 40, scale=64.0, threshold=0.2, compute_dtype=torch.bfloat16, want_max_cos=False, seed=33,
+           keep="exp")
+    _check(2, 1, 24, scale=64.0, threshold=None, compute_dtype=torch.bfloat16, want_max_cos=True, seed=7,
+           target=[0, -1], keep="exp")
+
+
+def test_exp_kept_validation():
+    x_hat, w, w_inv_norm, tgt, coef = _data(5, 7, 16, seed=2)
+    e = torch.zeros(7, 5, dtype=torch.bfloat16, device=DEVICE)
+    kw = dict(threshold=None, want_max_cos=False)
+    assert 140 < ts.exp_scale_bound(800_000) < 150 and ts.exp_scale_bound(2 ** 31) > 128
+    with pytest.raises(ValueError, match="scale: the exp-kept path is exact for"):
+        ts.exp_stats(x_hat, w, w_inv_norm, tgt, scale=200.0, compute_dtype=torch.bfloat16, keep=e, **kw)
+    with pytest.raises(ValueError, match="compute_dtype: the exp-kept path needs bf16"):
+        ts.exp_stats(x_hat, w, w_inv_norm, tgt, scale=64.0, compute_dtype=torch.float16,
+                     keep=e.half(), **kw)
+    with pytest.raises(TypeError, match="keep: expected dtype torch.bfloat16"):
+        ts.exp_stats(x_hat, w, w_inv_norm, tgt, scale=64.0, compute_dtype=torch.bfloat16, keep=e.half(), **kw)
+    with pytest.raises(ValueError, match="keep: expected a contiguous"):
+        ts.grad_exp(torch.zeros(5, 7, dtype=torch.bfloat16, device=DEVICE).t(), x_hat, w, w_inv_norm, coef, coef,
+                    scale=64.0, compute_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("d,compute_dtype", [(64, torch.bfloat16), (1024, torch.float16), (100, torch.float32)])
@@ -474,14 +541,18 @@ _COMPILE_SM90 = textwrap.dedent("""
               "dw": ("BLOCK_S", "BLOCK_D", "BLOCK_K"), "prep": ("ROWS", "BLOCK_D", None),
               "gpass": ("BLOCK_S", "BLOCK_N", None), "proj": ("ROWS", "BLOCK_D", None)}
     KERNELS = {"lse": K._lse_kernel, "lse_max": K._lse_kernel, "g": K._g_kernel, "dw": K._dw_kernel, "prep": K._prep_kernel,
-               "gpass": K._g_pass_kernel, "proj": K._project_kernel}
+               "gpass": K._g_pass_kernel, "proj": K._project_kernel,
+               "exp": K._lse_exp_kernel, "exp_max": K._lse_exp_kernel}
+    # The exp-kept forward runs on the forward's tiles (with max_cos: the narrower ones).
+    TILE = {"exp": "lse", "exp_max": "lse_max"}
+    BLOCKS.update(exp=BLOCKS["lse"], exp_max=BLOCKS["lse"])
     # Pointers in the compute dtype (the rest float32; targets int64; centers read by dw/prep as float32).
     COMPUTE_PTRS = {"x_ptr", "g_ptr", "wc_ptr"}
     KEEP_PTR = {"float32": "*fp32", "bfloat16": "*fp16", "float16": "*fp16"}    # the kept cosines
 
     def compile_sm90(name, dtype, **flags):
         kernel = KERNELS[name]
-        a, b, k, num_warps, num_stages = K.tile_config(name, DTYPES[dtype], interpret=False)
+        a, b, k, num_warps, num_stages = K.tile_config(TILE.get(name, name), DTYPES[dtype], interpret=False)
         values = dict(flags, UPCAST=False, PRECISION="ieee", COMPUTE=K._TL_DTYPES[DTYPES[dtype]],
                       SPLIT_N=K.samples_per_split(DTYPES[dtype], interpret=False),
                       KEEP=K._TL_DTYPES[K.keep_dtype(DTYPES[dtype])])
@@ -497,11 +568,11 @@ _COMPILE_SM90 = textwrap.dedent("""
                 signature[arg] = "constexpr"
                 continue
             if arg.endswith("_ptr"):
-                compute = arg in COMPUTE_PTRS or (arg == "w_ptr" and name in ("lse", "lse_max", "g"))
+                compute = arg in COMPUTE_PTRS or (arg == "w_ptr" and name in ("lse", "lse_max", "g", "exp", "exp_max"))
                 signature[arg] = ("*i64" if arg == "tgt_ptr" else KEEP_PTR[dtype] if arg == "cos_ptr"
-                                  else PTR[dtype] if compute else "*fp32")
+                                  else "*bf16" if arg == "e_ptr" else PTR[dtype] if compute else "*fp32")
             else:
-                signature[arg] = "fp32" if arg in ("scale", "threshold", "eps") else "i32"
+                signature[arg] = "fp32" if arg in ("scale", "shift", "threshold", "eps") else "i32"
             # As Triton specialises a launch at the standard shape: 16-byte aligned pointers and
             # d, N and the row stride multiples of 16 (S and block sizes need not be).
             if arg.endswith("_ptr") or arg in ("d", "N", "stride_r"):
@@ -543,7 +614,12 @@ _COMPILE_SM90 = textwrap.dedent("""
             jobs.append(("lse", dtype, dict(HAS_THRESHOLD=False, WANT_MAX_COS=False, STORE_COS=True)))
             jobs.append(("lse_max", dtype, dict(HAS_THRESHOLD=True, WANT_MAX_COS=True, STORE_COS=True)))
             jobs.append(("gpass", dtype, dict(HAS_THRESHOLD=False)))
-            jobs.append(("proj", dtype, {}))      # no compute-dtype operand: one build covers all
+            jobs.append(("proj", dtype, dict(RHO_FROM_DW=False)))   # no compute-dtype operand: one build covers all
+            # The exp-kept path (bf16 only): the forward storing E, and rho summed by the projection.
+            jobs.append(("exp", dtype, dict(HAS_THRESHOLD=True, WANT_MAX_COS=False)))
+            jobs.append(("exp", dtype, dict(HAS_THRESHOLD=False, WANT_MAX_COS=False)))
+            jobs.append(("exp_max", dtype, dict(HAS_THRESHOLD=True, WANT_MAX_COS=True)))
+            jobs.append(("proj", dtype, dict(RHO_FROM_DW=True)))
     shard, shards = int(sys.argv[1]), int(sys.argv[2])
     for name, dtype, flags in jobs[shard::shards]:
         print(json.dumps(compile_sm90(name, dtype, **flags)), flush=True)
@@ -587,7 +663,7 @@ def test_kernels_compile_for_sm90():
         assert proc.returncode == 0, err[-3000:]
         results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
-    assert len(results) == 3 * (1 + 2 + 2 + 1 + 1 + 2) + 4
+    assert len(results) == 3 * (1 + 2 + 2 + 1 + 1 + 2) + 4 + 4
     problems = []
     for r in results:
         what = f"{r['kernel']} {r['dtype']} {r['flags']} row={r['config']}"
@@ -695,12 +771,14 @@ def test_float16_products_keep_tiny_gradients_end_to_end(backend):
         assert err.item() < 2e-2, f"relative error {err.item():.3g}"
 
 
-@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
-def test_softmax_keeps_cosines_within_the_budget(monkeypatch, compute_dtype):
-    """Through the autograd function: a training step within keep_bytes runs grad_kept (no
-    recompute), one over the budget or with keep_bytes=0 runs grad; both match a CosFace
-    loss in float64 by autograd; a second backward (retain_graph) finds the cosines spent and
-    recomputes."""
+@pytest.mark.parametrize("compute_dtype,kept", [(torch.float32, "grad_kept"), (torch.bfloat16, "grad_exp"),
+                                                (torch.bfloat16, "grad_kept")])
+def test_softmax_keeps_cosines_within_the_budget(monkeypatch, compute_dtype, kept):
+    """Through the autograd function: a training step within keep_bytes runs grad_exp (bf16
+    products within the exp-kept scale bound) or grad_kept (otherwise; here bf16 with the bound
+    lowered below the scale), one over the budget or with keep_bytes=0 runs grad; all match a
+    CosFace loss in float64 by autograd; a second backward (retain_graph) finds the kept tensor
+    spent and recomputes."""
     from ds_pfc.core.margins import CosFace
     from ds_pfc.core.softmax import margin_softmax_cross_entropy
     n, s, d = 29, 53, 40
@@ -709,7 +787,9 @@ def test_softmax_keeps_cosines_within_the_budget(monkeypatch, compute_dtype):
     # float32: roundoff only; bf16 products and float16 kept cosines: G within ~2% per entry
     tol = 1e-4 if compute_dtype == torch.float32 else 5e-2
     calls = []
-    for name in ("grad", "grad_kept"):
+    if compute_dtype == torch.bfloat16 and kept == "grad_kept":
+        monkeypatch.setattr(ts, "exp_scale_bound", lambda s: 63.0)
+    for name in ("grad", "grad_kept", "grad_exp"):
         original = getattr(ts, name)
         monkeypatch.setattr(ts, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
 
@@ -729,7 +809,7 @@ def test_softmax_keeps_cosines_within_the_budget(monkeypatch, compute_dtype):
 
     item = 4 if compute_dtype == torch.float32 else 2
     loss_k, (gx_k, gw_k) = run(n * s * item, backward_twice=True)
-    assert calls == ["grad_kept", "grad"]
+    assert calls == [kept, "grad"]
     calls.clear()
     loss_r, (gx_r, gw_r) = run(n * s * item - 1)
     assert calls == ["grad"]

@@ -325,7 +325,8 @@ class HeadConfig:
     chunk (null: 256 MiB on CUDA, 2 MiB on CPU); larger logits are recomputed in backward."""
     keep_bytes: int | None = None
     """Most bytes a training step keeps for backward instead of recomputing: float32 logits
-    (torch backend) or cosines (triton: float16 for bf16/fp16 products; the standard rank of
+    (torch backend), or bf16 exponentials (triton, bf16 products: the exp-kept path) or
+    float16 cosines (triton, fp16 products; the standard rank of
     N = 2048, S = 800k keeps 3.3 GB and its backward runs no recompute product). null:
     block_bytes when set, else half the device memory free at the forward on CUDA (triton; 4 GiB
     off CUDA) or 256 MiB (torch); 0: never keep."""

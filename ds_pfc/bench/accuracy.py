@@ -178,8 +178,9 @@ def with_storage(config: dict, storage: str) -> dict:
 
 #: How the head's softmax runs (``--head-path``): the config as it is (the torch backend and
 #: float32 products on a CPU), or the GPU's default path: the Triton kernels with bf16 products
-#: and the forward's cosines kept in float16 for backward, run by Triton's interpreter on the
-#: CPU (``TRITON_INTERPRET=1``; about 2 minutes per guard run instead of 20 s).
+#: and what the forward keeps for backward (with bf16 products and the guard's scale: the bf16
+#: exponentials of the exp-kept path), run by Triton's interpreter on the CPU
+#: (``TRITON_INTERPRET=1``; about 2 minutes per guard run instead of 20 s).
 HEAD_PATHS = ("default", "triton-kept")
 
 
@@ -295,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bf16-int8m (bf16 weight, 8-bit first moment); recorded with the engine's runs")
     p.add_argument("--head-path", "--head_path", dest="head_path", choices=HEAD_PATHS, default="default",
                    help="how the head's softmax runs: default (the config as it is) or triton-kept (the GPU's "
-                        "default path, bf16 products and float16 kept cosines, in Triton's interpreter; slow)")
+                        "default path, bf16 products and the exp-kept backward, in Triton's interpreter; slow)")
     p.add_argument("--out", default=None, help="JSON results file; runs are added under --label")
     p.add_argument("--guard", action="store_true",
                    help=f"instead: the regression guard (seeds {GUARD_SEEDS[0]}-{GUARD_SEEDS[-1]} of the guard config, "

@@ -322,6 +322,13 @@ def _fill(c: dict, gpu: dict) -> float:
     return min(1.0, per_launch / gpu["sms"]) if per_launch else 1.0
 
 
+# Product kernels the calibration did not see, priced at the measured efficiency of the kernel
+# whose products and tiles they share: the exp-kept forward is the statistics kernel with an
+# exp and a bf16 store in its epilogue (not priced by this rule, as the kept-cosine forward's
+# store is not).
+_CALIBRATED_AS = {"triton:_lse_exp_kernel": "triton:_lse_kernel"}
+
+
 def kernel_seconds(key: str, c: dict, cal: Calibration, gpu_name: str, backend: str, compute: str = "bf16",
                    without=(), *, dim: int | None = None, dw_flops: float = 0.0) -> tuple[float, str]:
     """``(seconds, rule)`` of one kernel's fitted counts ``c`` of a ``backend`` step with
@@ -369,6 +376,12 @@ def kernel_seconds(key: str, c: dict, cal: Calibration, gpu_name: str, backend: 
                 eff = measured[worst]
                 return (unique / (eff * copy) / fill + c["launches"] * launch,
                         f"not calibrated: {eff:.1%} of {copy / 1e12:.2f} TB/s, as {worst.split(':', 1)[1]}")
+        same = _CALIBRATED_AS.get(key)
+        if same in cal.matrix and c["flops"]:
+            eff = cal.matrix[same]
+            body = max(c["flops"] / (eff * gemm), unique / copy)
+            return (body / fill + c["launches"] * launch,
+                    f"not calibrated: {eff:.1%} of {gemm / 1e12:.0f} TF/s, as {same.split(':', 1)[1]}")
         # A kernel the calibration did not see: the roofline at the calibrated reference rates.
         body = max(c["flops"] / gemm, unique / copy)
         return body / fill + c["launches"] * launch, "not calibrated: roofline at the measured rates"
@@ -538,6 +551,7 @@ def floor_parts(pred: dict, rates: dict | None = None) -> dict:
 
 _LABELS = {"triton:_lse_kernel": "forward (lse)", "triton:_g_kernel": "G", "triton:_dw_kernel": "dW",
            "triton:_g_pass_kernel": "G pass (kept cosines)", "triton:_project_kernel": "projection",
+           "triton:_lse_exp_kernel": "forward (lse, storing exp)",
            "torch GEMMs": "torch GEMMs (cuBLAS)", "triton:_prep_kernel": "prepare",
            "triton:_sgd_rows_kernel": "SGD rows", "triton:_keys_kernel": "sampler keys",
            "torch other ops": "torch other ops", "idle": "idle (host sync)"}

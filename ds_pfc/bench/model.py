@@ -457,14 +457,17 @@ def _constexpr_json(value):
 # --------------------------------------------------------------------- one counted step
 def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str = "bf16",
                embeddings: str = "fp32", backend: str = "triton", block_rows: int | None = None,
-               world: int = 1, sms: int = 132, seed: int = 0, grids_only: bool = False, keep: bool = False) -> dict:
+               world: int = 1, sms: int = 132, seed: int = 0, grids_only: bool = False, keep: bool | str = False) -> dict:
     """Counts of one head step (forward, backward, fused row SGD) with ``S`` active rows.
 
     ``grids_only``: launch no Triton kernel, only record each launch's grid (in seconds:
     what follows a launch computes on uninitialised outputs); returns ``{name: [grids]}``.
 
-    ``keep``: the triton backend keeps its cosines for backward (``keep_bytes`` unbounded),
-    else it recomputes them (``keep_bytes=0``); the torch backend ignores it.
+    ``keep``: the triton backend keeps for backward (``keep_bytes`` unbounded) what
+    :func:`ds_pfc.core.softmax.cosine_path` picks (True or ``"exp"``: the bf16 exponentials for
+    bf16 products, else the cosines; ``"kept"``: the cosines, by a margin scale beyond the
+    exp-kept bound -- the counts do not depend on the scale), else it recomputes them
+    (``keep_bytes=0``); the torch backend ignores it.
 
     ``block_rows``: class rows per block of the torch backend (None: a 256 MiB block). Runs on
     CPU tensors; Triton kernels need ``TRITON_INTERPRET=1`` set before triton was imported.
@@ -482,7 +485,8 @@ def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str
     item = 4 if backend == "torch" else torch.empty((), dtype=compute_dtype).element_size()
     rows = block_rows or (256 << 20) // (item * batch)
     block_bytes = rows * batch * item
-    head = PartialFC(num_classes, dim, sample_rate=sample_rate, margin=ArcFace(), device="cpu",
+    margin = ArcFace(scale=_KEPT_COUNT_SCALE) if keep == "kept" else ArcFace()
+    head = PartialFC(num_classes, dim, sample_rate=sample_rate, margin=margin, device="cpu",
                      compute_dtype=None if compute_dtype == torch.float32 else compute_dtype, optimizer="sgd",
                      momentum=0.9, weight_decay=5e-4, data_parallel_grad=False, block_bytes=block_bytes,
                      backend=backend, seed=seed, fused=True,
@@ -804,19 +808,31 @@ def with_cosines_path(case):
     return case
 
 
-def case_keeps(case: dict) -> bool:
-    """Whether the case's triton step keeps its cosines for backward (:func:`with_cosines_path`)."""
-    return case.get("backend") == "triton" and with_cosines_path(case)["cosines"] == "kept"
+# A scale beyond the exp-kept bound at every counted S, so that a count of a "kept" case takes
+# the kept-cosine path whatever its compute dtype (ds_pfc.core.softmax.cosine_path).
+_KEPT_COUNT_SCALE = 200.0
 
 
-def cosines_path(backend: str, batch: int, S: int, compute: str, keep_bytes: int | None) -> str | None:
-    """``"kept"`` or ``"recompute"``: what a triton step of ``batch`` samples and ``S`` active
-    rows does under ``keep_bytes`` (None: the default budget); None for the torch backend."""
-    from ..core.softmax import COSINE_KEEP_BYTES, keeps_cosines
+def case_keeps(case: dict) -> bool | str:
+    """What the case's triton step keeps for backward, as :func:`count_step`'s ``keep``:
+    ``"exp"`` (bf16 exponentials), ``"kept"`` (cosines) or False (recompute;
+    :func:`with_cosines_path`)."""
+    if case.get("backend") != "triton":
+        return False
+    path = with_cosines_path(case)["cosines"]
+    return path if path in ("exp", "kept") else False
+
+
+def cosines_path(backend: str, batch: int, S: int, compute: str, keep_bytes: int | None,
+                 scale: float = 64.0) -> str | None:
+    """``"exp"``, ``"kept"`` or ``"recompute"``: what a triton step of ``batch`` samples and
+    ``S`` active rows does under ``keep_bytes`` (None: the default budget) at the margin's
+    ``scale`` (:func:`ds_pfc.core.softmax.cosine_path`); None for the torch backend."""
+    from ..core.softmax import COSINE_KEEP_BYTES, cosine_path
     if backend != "triton":
         return None
     budget = COSINE_KEEP_BYTES if keep_bytes is None else keep_bytes
-    return "kept" if keeps_cosines(batch, S, _DTYPES[compute], budget) else "recompute"
+    return cosine_path(batch, S, _DTYPES[compute], budget, scale)
 
 
 def case_rows(case: dict) -> int:

@@ -38,8 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the head's block_bytes: bytes of float32 logits per class block of the softmax "
                         "(default: 256 MiB, as on CUDA)")
     p.add_argument("--keep-bytes", type=int, default=None,
-                   help="the head's keep_bytes: the triton step keeps its float16 cosines for backward when they "
-                        "fit (default: 4 GiB); 0 recomputes them")
+                   help="the head's keep_bytes: the triton step keeps its bf16 exponentials (bf16 products) or "
+                        "float16 cosines for backward when they fit (default: 4 GiB); 0 recomputes them")
+    p.add_argument("--cosines", choices=("exp", "kept", "recompute"), default=None,
+                   help="the triton step's path, instead of the one the head's rule picks for --keep-bytes at "
+                        "scale 64 (exp-kept for bf16 products within the budget)")
     p.add_argument("--no-compile", action="store_true", help="skip reading the kernels' machine code")
     p.add_argument("--counts", default=None,
                    help="a --predict JSON whose op counts to reuse when it holds the same case counted for the "
@@ -87,6 +90,8 @@ def main(argv=None) -> int:
                     dim=args.dim, compute=args.compute, embeddings=args.embeddings, backend=backend,
                     block_bytes=args.block_bytes)
         path = cosines_path(backend, args.batch, case_rows(case), args.compute, args.keep_bytes)
+        if path is not None and args.cosines is not None:
+            path = args.cosines
         if path is not None:
             case["cosines"] = path
         counts = saved_counts(args.counts, case, sms) if args.counts else None

@@ -122,11 +122,11 @@ class PartialFC(nn.Module):
         block_bytes: bytes of float32 logits per class block of the softmax, and of
             rows per chunk of the row optimizer (None: 256 MiB on CUDA, 2 MiB on CPU).
             Torch backend: logits larger than one block are recomputed in backward.
-        keep_bytes: the most bytes of logits (torch) or cosines (triton; float16 for
-            bf16/fp16 products) a training step keeps for backward instead of
-            recomputing them; 0 never keeps (None: ``block_bytes`` when given, else for
-            triton half the device memory free at the forward on CUDA, 4 GiB elsewhere,
-            and 256 MiB for torch).
+        keep_bytes: the most bytes of logits (torch) or, triton, of bf16 exponentials
+            (bf16 products, exp-kept) or cosines (float16 for fp16 products) a training
+            step keeps for backward instead of recomputing them; 0 never keeps (None:
+            ``block_bytes`` when given, else for triton half the device memory free at the
+            forward on CUDA, 4 GiB elsewhere, and 256 MiB for torch).
         backend: softmax backend, ``"auto"`` (the Triton kernels on CUDA for bf16/fp16
             products when triton imports; torch for float32 products and off CUDA),
             ``"torch"`` or ``"triton"``.

@@ -34,12 +34,18 @@ The math is a few stateless steps shared by both backends:
   normalised centers, ``S x d`` each, are then held during the forward).
 
 Backends: ``"torch"`` (the blocks above, the readable reference; runs anywhere) and
-``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`). The triton backend has two paths, chosen
-per training step by the keep budget (``keep_bytes``; by default half the device memory free at
-the forward on CUDA, :data:`COSINE_KEEP_BYTES` elsewhere; a step that recomputes says why in one
-log line, :func:`say_why_recompute`):
+``"triton"`` (:mod:`ds_pfc.kernels.triton_softmax`). The triton backend has three paths, chosen
+per training step by :func:`cosine_path` from the keep budget (``keep_bytes``; by default half
+the device memory free at the forward on CUDA, :data:`COSINE_KEEP_BYTES` elsewhere; a step that
+recomputes says why in one log line, :func:`say_why_recompute`), the compute dtype and the scale:
 
-- **kept cosines** (``N S`` float16 for bf16/fp16 products fit the budget; 3.3 GB at N = 2048,
+- **exp-kept** (bf16 products, ``N S`` bf16 values fit the budget, ``scale`` within
+  ``kernels.exp_scale_bound(S)``, about 145 at S = 800k): the forward statistics kernel also
+  stores every ``E = exp(scale cos - scale / 2)`` in bf16 (fixed shift, no running max); the
+  backward is two cuBLAS products over E with the per-sample factors folded into an operand
+  and a row scale, and a projection pass. No G pass. ``6 N S d`` matrix FLOPs per step.
+- **kept cosines** (otherwise within the budget: fp16 products on GPUs without bf16, float32
+  products, a larger scale; float16 cosines for bf16/fp16 products, 3.3 GB at N = 2048,
   S = 800k): the forward statistics kernel also stores every cosine; the backward forms ``G``
   over them in place in one streaming pass, then two cuBLAS products (``dX``, ``dW``) and a
   projection pass. ``6 N S d`` matrix FLOPs per step, two of the three products on cuBLAS.
@@ -70,8 +76,10 @@ from .margins import Margin
 
 __all__ = ["margin_softmax_cross_entropy", "SoftmaxResult", "default_block_bytes", "check_block_bytes",
            "resolve_backend", "default_compute_dtype", "class_blocks", "CPU_BLOCK_BYTES", "CUDA_BLOCK_BYTES", "KEEP_BYTES",
-           "COSINE_KEEP_BYTES", "default_keep_bytes", "check_keep_bytes", "keeps_cosines", "BACKENDS",
-           "COSINE_KEEP_SHARE", "cosine_keep_bytes", "say_why_recompute"]
+           "COSINE_KEEP_BYTES", "default_keep_bytes", "check_keep_bytes", "keeps_cosines", "cosine_path",
+           "COSINE_PATHS", "BACKENDS", "COSINE_KEEP_SHARE", "cosine_keep_bytes", "say_why_recompute"]
+
+_log = logging.getLogger(__name__)
 
 _NORM_EPS = 1e-12
 CPU_BLOCK_BYTES = 1 << 21     # ~2 MiB of logits: a block stays in a CPU core's cache
@@ -188,6 +196,46 @@ def keeps_cosines(n: int, s: int, compute_dtype: torch.dtype, keep_bytes: int) -
     bf16/fp16 products, float32 otherwise) within ``keep_bytes``."""
     item = 4 if compute_dtype == torch.float32 else 2
     return n * s * item <= keep_bytes
+
+
+COSINE_PATHS = ("exp", "kept", "recompute")
+
+
+def cosine_path(n: int, s: int, compute_dtype: torch.dtype, keep_bytes: int, scale: float) -> str:
+    """What a triton training step of ``n`` samples over ``s`` active classes keeps for its
+    backward; the one place the choice is made (each choice is logged once per process):
+
+    - ``"exp"``: bf16 products, the ``[S, N]`` bf16 exponentials ``E = exp(scale cos - scale / 2)``
+      fit ``keep_bytes`` (:func:`keeps_cosines`), and ``scale <= exp_scale_bound(s)`` (about 145
+      at ``s = 800k``: the float32 range of ``sum E``). The backward is two cuBLAS products over E,
+      no G pass.
+    - ``"kept"``: otherwise when the cosines fit ``keep_bytes`` -- fp16 products (GPUs of compute
+      capability 7.x, without bf16), float32 products, or a scale beyond the exp bound: float16
+      (float32) cosines, a G pass over them, then the two products.
+    - ``"recompute"``: over the budget; nothing of size ``N x S`` survives the forward.
+    """
+    if not keeps_cosines(n, s, compute_dtype, keep_bytes):
+        path, why = "recompute", f"{n} x {s} cosines exceed keep_bytes={keep_bytes}"
+    elif compute_dtype != torch.bfloat16:
+        path, why = "kept", f"{compute_dtype} products (exp-kept needs bf16)"
+    else:
+        from ..kernels import triton_softmax as kernels
+        bound = kernels.exp_scale_bound(s)
+        if scale <= bound:
+            path, why = "exp", f"bf16 products, scale {scale:g} <= {bound:.1f}"
+        else:
+            path, why = "kept", f"scale {scale:g} beyond the exp-kept bound {bound:.1f} at {s} classes"
+    _log_path(path, why)
+    return path
+
+
+_LOGGED_PATHS: set = set()
+
+
+def _log_path(path: str, why: str) -> None:
+    if path not in _LOGGED_PATHS:
+        _LOGGED_PATHS.add(path)
+        _log.info("triton softmax: %s cosine path (%s)", path, why)
 
 
 def class_blocks(backend: str, n: int, s: int, compute_dtype: torch.dtype, block_bytes: int) -> int:
@@ -574,15 +622,25 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         t_logit = torch.where(owned, plan.target, torch.full_like(cos_t, float("-inf")))
 
         kept, blocks, pre = None, None, None
-        cos_kept = None
+        cos_kept, path = None, None
         if backend == "triton":
-            # A training step keeps the cosines (float16 for bf16/fp16 products) when they fit the
-            # keep budget: the backward then runs no recompute product (kernels.grad_kept).
-            if want_grad and say_why_recompute(n, w.shape[0], compute, keep_bytes) is None:
-                cos_kept = torch.empty(w.shape[0], n, dtype=kernels.keep_dtype(compute), device=x.device)
-            m, l, max_cos = kernels.lse_stats(x_hat, w, w_inv, target_col, scale=scale, threshold=threshold,
-                                              compute_dtype=compute, want_max_cos=want_correct, w_hat=w_hat_c,
-                                              keep=cos_kept)
+            # A training step keeps its bf16 exponentials (kernels.grad_exp) or its cosines (float16
+            # for fp16 products: kernels.grad_kept) when they fit the keep budget: the backward then
+            # runs no recompute product. cosine_path is the rule; a step that recomputes says why.
+            path = cosine_path(n, w.shape[0], compute, keep_bytes, scale) if want_grad else "recompute"
+            if want_grad and path == "recompute":
+                say_why_recompute(n, w.shape[0], compute, keep_bytes)
+            if path == "exp":
+                cos_kept = torch.empty(w.shape[0], n, dtype=torch.bfloat16, device=x.device)
+                m, l, max_cos = kernels.exp_stats(x_hat, w, w_inv, target_col, scale=scale, threshold=threshold,
+                                                  compute_dtype=compute, want_max_cos=want_correct, w_hat=w_hat_c,
+                                                  keep=cos_kept)
+            else:
+                if path == "kept":
+                    cos_kept = torch.empty(w.shape[0], n, dtype=kernels.keep_dtype(compute), device=x.device)
+                m, l, max_cos = kernels.lse_stats(x_hat, w, w_inv, target_col, scale=scale, threshold=threshold,
+                                                  compute_dtype=compute, want_max_cos=want_correct, w_hat=w_hat_c,
+                                                  keep=cos_kept)
             lse = m + torch.log(l)
         else:
             blocks = _Blocks(x_hat, w, w_inv, target_col, threshold, scale, compute, acc, block_bytes, keep_bytes,
@@ -641,7 +699,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         ctx.pre = pre
         # The kept cosines (triton): an attribute, not a saved tensor, so that the backward can
         # free them once G has been formed over them (a second backward recomputes).
-        ctx.cos_kept = cos_kept
+        ctx.cos_kept, ctx.path = cos_kept, path
         ctx.set_materialize_grads(False)     # an unused output's gradient arrives as None, not zeros
         correct = stats[3].clone() if want_correct else torch.zeros(n, dtype=acc, device=x.device)
         ctx.mark_non_differentiable(correct)
@@ -668,7 +726,11 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         elif ctx.backend == "triton":
             from ..kernels import triton_softmax as kernels
             cos_kept, ctx.cos_kept = ctx.cos_kept, None
-            if cos_kept is not None:     # G is formed over the kept cosines, in place: they are spent
+            if cos_kept is not None and ctx.path == "exp":   # E is only read, but freed with the step
+                dx_hat, dw = kernels.grad_exp(cos_kept, x_hat, w, w_inv, coef, row_max, scale=margin.scale,
+                                              compute_dtype=compute, w_hat=w_hat_c)
+                del cos_kept
+            elif cos_kept is not None:     # G is formed over the kept cosines, in place: they are spent
                 dx_hat, dw = kernels.grad_kept(cos_kept, x_hat, w, w_inv, target_col, coef, row_max,
                                                scale=margin.scale, threshold=ctx.threshold, compute_dtype=compute,
                                                w_hat=w_hat_c)
@@ -735,8 +797,8 @@ def margin_softmax_cross_entropy(
     ``return_correct=True``; it is all zeros otherwise.
 
     ``block_bytes``: bytes of logits per class block (None: :func:`default_block_bytes` of
-    the device). ``keep_bytes``: the most bytes of logits (torch) or cosines (triton: float16
-    for bf16/fp16 products) a training step keeps for backward instead of recomputing them
+    the device). ``keep_bytes``: the most bytes of logits (torch) or of bf16 exponentials or
+    cosines (triton, :func:`cosine_path`) a training step keeps for backward instead of recomputing them
     (None: ``block_bytes`` when given, else :func:`cosine_keep_bytes` for triton (half the free
     device memory on CUDA, :data:`COSINE_KEEP_BYTES` elsewhere) and :data:`KEEP_BYTES` for torch). ``backend``: one of :data:`BACKENDS`. ``validate=False``
     checks label ownership on the device (``torch._assert_async``) instead of with a

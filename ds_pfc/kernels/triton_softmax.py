@@ -27,6 +27,12 @@ every one of them on the tensor cores at a high arithmetic intensity:
    classes), below float16's smallest subnormal; relative to the largest row coefficient every
    entry that matters is representable, and ``c`` is applied in float32 afterwards.
 
+With bf16 products and a scale within :func:`exp_scale_bound`, a training step can keep the
+exponentials instead (:func:`exp_stats`, :func:`grad_exp`): the forward stores bf16
+``E = exp(scale cos - scale / 2)`` (a fixed shift: no running max), and the backward is two
+cuBLAS products over E with the per-sample factors folded in, then the projection pass, with
+no G kernel or G pass. :func:`grad_kept` (kept float16 cosines) serves fp16 products.
+
 The target entry of each sample (the caller applies the margin to it) and, with a ``threshold``,
 negatives whose cosine exceeds it (PFC's noise filter) are excluded from the statistics and from G.
 
@@ -36,6 +42,7 @@ run the kernels on CPU tensors with Triton's interpreter (this is how the tests 
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -46,7 +53,7 @@ from . import _target
 from ._device import on_device
 
 __all__ = ["available", "check_device", "prepare", "lse_stats", "grad", "grad_kept", "keep_dtype", "tile_config",
-           "TILES", "on_device"]
+           "TILES", "on_device", "exp_stats", "grad_exp", "exp_scale_bound", "EXP_SHIFT"]
 
 # Triton decides at decoration time whether ``@triton.jit`` yields an interpreted function, so
 # what counts is the environment when this module was imported, not later. The kernels also call
@@ -384,6 +391,65 @@ def _lse_kernel(x_ptr, w_ptr, tgt_ptr, m_ptr, l_ptr, max_z_ptr, cos_ptr,
 
 
 @triton.jit
+def _exp_part(cos, rows, row_ok, cols, col_ok, tgt, l, max_z, e_ptr, N, scale, shift, threshold,
+              HAS_THRESHOLD: tl.constexpr, WANT_MAX_COS: tl.constexpr, UPCAST: tl.constexpr):
+    """Epilogue of one ``[samples, classes]`` cosine tile of the exp-kept forward: store
+    ``E = exp(z - shift)`` (bf16, class-major ``e_ptr[col * N + row]``; 0 on the target, on
+    filtered negatives and on padding, the filter decided on this float32 cosine), add the
+    float32 exponentials to ``l`` (a fixed shift: no running max, no rescale), and with
+    ``WANT_MAX_COS`` track the largest ``scale * cos`` over every class but the target."""
+    if WANT_MAX_COS:
+        other = col_ok[None, :] & (cols[None, :] != tgt[:, None])
+        max_z = tl.maximum(max_z, tl.max(tl.where(other, cos * scale, float("-inf")), axis=1))
+    z, keep = _negative_logits(cos, cols[None, :], tgt[:, None], col_ok[None, :], scale, threshold, HAS_THRESHOLD)
+    e = tl.where(keep, tl.exp(z - shift), 0.0)
+    l += tl.sum(e, axis=1)
+    offs = cols.to(tl.int64)[None, :] * N + rows[:, None]
+    tl.store(e_ptr + offs, _round(e, tl.bfloat16, UPCAST), mask=row_ok[:, None] & col_ok[None, :])
+    return l, max_z
+
+
+@triton.jit
+def _lse_exp_kernel(x_ptr, w_ptr, tgt_ptr, l_ptr, max_z_ptr, e_ptr,
+                    N, S, d, tiles_per_split, scale, shift, threshold,
+                    HAS_THRESHOLD: tl.constexpr, WANT_MAX_COS: tl.constexpr, UPCAST: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (sample tiles, splits): the exp-kept forward. The products of :func:`_lse_kernel`
+    (four class tiles per loaded sample K-slice); the epilogue (:func:`_exp_part`) stores every
+    ``E = exp(scale * cos - shift)`` in bf16, class-major ``[S, N]`` at ``e_ptr``, and sums the
+    partial ``l = sum E`` of the split (and the largest non-target logit with
+    ``WANT_MAX_COS``)."""
+    pid_k = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    l = tl.zeros([BLOCK_N], tl.float32)
+    max_z = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    first = pid_k * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(S, BLOCK_S))
+    end = tl.minimum(last * BLOCK_S, S)
+    for t in range(first, last, 4):
+        c0, c1, c2, c3 = _cos_tile4(x_ptr, w_ptr, rows, row_ok, t * BLOCK_S, end, d,
+                                    BLOCK_N, BLOCK_S, BLOCK_K, UPCAST, PRECISION)
+        cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
+        l, max_z = _exp_part(c0, rows, row_ok, cols, cols < end, tgt, l, max_z, e_ptr, N, scale, shift, threshold,
+                             HAS_THRESHOLD, WANT_MAX_COS, UPCAST)
+        cols += BLOCK_S
+        l, max_z = _exp_part(c1, rows, row_ok, cols, cols < end, tgt, l, max_z, e_ptr, N, scale, shift, threshold,
+                             HAS_THRESHOLD, WANT_MAX_COS, UPCAST)
+        cols += BLOCK_S
+        l, max_z = _exp_part(c2, rows, row_ok, cols, cols < end, tgt, l, max_z, e_ptr, N, scale, shift, threshold,
+                             HAS_THRESHOLD, WANT_MAX_COS, UPCAST)
+        cols += BLOCK_S
+        l, max_z = _exp_part(c3, rows, row_ok, cols, cols < end, tgt, l, max_z, e_ptr, N, scale, shift, threshold,
+                             HAS_THRESHOLD, WANT_MAX_COS, UPCAST)
+    out = pid_k * N + rows
+    tl.store(l_ptr + out, l, mask=row_ok)
+    if WANT_MAX_COS:
+        tl.store(max_z_ptr + out, max_z, mask=row_ok)
+
+
+@triton.jit
 def _cos_tile4(a_ptr, b_ptr, a_rows, a_ok, b0, S_end, d,
                BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -564,14 +630,27 @@ def _g_pass_kernel(cos_ptr, g_ptr, tgt_ptr, coef_ptr, row_max_ptr, rho_ptr, N, S
 
 @triton.jit
 def _project_kernel(dw_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr, S, d,
-                    ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+                    RHO_FROM_DW: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (row tiles,): in place, ``dw = c * w_inv * (dw_hat - w_hat rho)`` for a float32
     ``dw_hat = G^T x_hat`` (relative to ``c``) at ``dw_ptr``, with the float32 ``w_hat = w * w_inv``
-    (the epilogue of :func:`_dw_kernel` as a pass of its own, after a cuBLAS dW)."""
+    (the epilogue of :func:`_dw_kernel` as a pass of its own, after a cuBLAS dW).
+    ``RHO_FROM_DW``: ``rho_ptr`` is not read; ``rho = <dw_hat_j, w_hat_j>`` is summed in float32
+    by a first sweep over the row (the exact tangent projection; the exp-kept path)."""
     cols = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     col_ok = cols < S
     inv = tl.load(inv_ptr + cols, mask=col_ok, other=0.0)
-    rho = tl.load(rho_ptr + cols, mask=col_ok, other=0.0)
+    if RHO_FROM_DW:
+        rho = tl.zeros([ROWS], tl.float32)
+        for k0 in range(0, d, BLOCK_D):
+            dims = k0 + tl.arange(0, BLOCK_D)
+            ok = col_ok[:, None] & (dims < d)[None, :]
+            acc = tl.load(dw_ptr + cols.to(tl.int64)[:, None] * d + dims[None, :], mask=ok, other=0.0)
+            w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_r + dims[None, :].to(tl.int64) * stride_c,
+                        mask=ok, other=0.0).to(tl.float32)
+            rho += tl.sum(acc * w, axis=1)
+        rho = rho * inv
+    else:
+        rho = tl.load(rho_ptr + cols, mask=col_ok, other=0.0)
     c = tl.load(c_ptr)
     for k0 in range(0, d, BLOCK_D):
         dims = k0 + tl.arange(0, BLOCK_D)
@@ -612,7 +691,8 @@ def _validate(x_hat, w, w_inv_norm, target_col, compute_dtype, **per_sample):
     _check_tensor("w", w, (s, d), tuple(_TL_DTYPES), x_hat.device)
     if w_inv_norm is not None:
         _check_tensor("w_inv_norm", w_inv_norm, (s,), (torch.float32,), x_hat.device)
-    _check_tensor("target_col", target_col, (n,), (torch.int64,), x_hat.device)
+    if target_col is not None:
+        _check_tensor("target_col", target_col, (n,), (torch.int64,), x_hat.device)
     for name, t in per_sample.items():
         _check_tensor(name, t, (n,), (torch.float32,), x_hat.device)
     if compute_dtype not in _TL_DTYPES:
@@ -858,5 +938,127 @@ def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, t
         block_d = min(block_d, max(16, triton.next_power_of_2(d)))
         _project_kernel[(triton.cdiv(s, rows),)](
             dw, w, w.stride(0), w.stride(1), w_inv_norm, rho, c, s, d,
-            ROWS=rows, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+            RHO_FROM_DW=False, ROWS=rows, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+    return dx_hat, dw
+
+
+# ---------------------------------------------------------------------------------------------
+# The exp-kept path (bf16 products): the forward stores E = exp(scale * cos - scale * EXP_SHIFT)
+# in bf16, and the backward is two cuBLAS products over E with per-sample factors; no G pass.
+
+EXP_SHIFT = 0.5                 # the fixed shift, as a fraction of the scale
+# Range. A cosine of bf16-rounded unit vectors is at most about 1 + 2**-8 (1.01 below, with room),
+# so an entry is at most exp(0.51 scale) and a rank's l = sum E at most S exp(0.51 scale); float32
+# and bf16 share their largest finite value, e**88.72, and ``_LOG_MAX`` leaves headroom below it.
+# No overflow therefore needs 0.51 scale + ln S <= 88: scale <= 145 at S = 800k, 141 at 8M, 130 at
+# 2**31 (about s <= 150 for any practical rank). At the other end, an entry with
+# z < scale / 2 - 87.3 flushes to 0 (below float32's and bf16's smallest normal, 2**-126): that is
+# below float32's resolution of the softmax (e**-16.6) whenever some logit of the sample's row,
+# the target's included, exceeds scale / 2 - 70 (s = 64: a cosine above -0.6; s = 128: above
+# -0.05), which every trained or randomly initialised head satisfies by far.
+_LOG_MAX = 88.0
+_COS_MAX = 1.01
+
+
+def exp_scale_bound(s: int) -> float:
+    """The largest logit scale the exp-kept path (:func:`exp_stats`, :func:`grad_exp`) is exact
+    for on a rank of ``s`` active classes: ``l = sum E`` cannot overflow float32 (see
+    ``_LOG_MAX`` above); about 145 at ``s = 800k``."""
+    return (_LOG_MAX - math.log(max(1, int(s)))) / (_COS_MAX - EXP_SHIFT)
+
+
+def _check_exp_scale(scale, s: int) -> None:
+    bound = exp_scale_bound(s)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= bound:
+        raise ValueError(f"scale: the exp-kept path is exact for 0 < scale <= {bound:.1f} at {s} active classes "
+                         f"(float32 range of sum exp(scale * cos - scale / 2)), got {scale!r}; use lse_stats "
+                         "with keep= (grad_kept) or grad")
+
+
+def _check_exp(e, s, n, compute_dtype, dev):
+    if compute_dtype != torch.bfloat16:
+        raise ValueError(f"compute_dtype: the exp-kept path needs bf16 products (E is bf16), got {compute_dtype}")
+    _check_tensor("keep", e, (s, n), (torch.bfloat16,), dev)
+    if not e.is_contiguous():
+        raise ValueError("keep: expected a contiguous [S, N] tensor")
+
+
+def exp_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dtype, want_max_cos: bool, keep,
+              w_hat=None):
+    """:func:`lse_stats` that also stores, for the exp-kept backward (:func:`grad_exp`), every
+    ``E = exp(scale * cos - scale * EXP_SHIFT)`` in bf16 into ``keep`` (a contiguous class-major
+    ``[S, N]`` bf16 tensor): 0 on the target and on filtered negatives (``cos > threshold``,
+    decided on the float32 cosine). bf16 products only (``compute_dtype`` bf16), and
+    ``0 < scale <= exp_scale_bound(S)``.
+
+    The shift is fixed, so the epilogue keeps no running max: ``l`` is the float32 sum of the
+    exponentials and ``m`` is the shift itself (``lse = m + log(l)`` as with :func:`lse_stats`;
+    -inf where nothing is kept). The largest non-target cosine is tracked only with
+    ``want_max_cos``. Returns ``(m, l, max_cos)``, float32 ``[N]`` (``max_cos`` None unless asked).
+    """
+    _validate(x_hat, w, w_inv_norm, target_col, compute_dtype)
+    n, d = x_hat.shape
+    s = w.shape[0]
+    dev = x_hat.device
+    _check_exp(keep, s, n, compute_dtype, dev)
+    _check_exp_scale(scale, s)
+    shift = float(scale) * EXP_SHIFT
+    m = torch.full((n,), shift if s else float("-inf"), dtype=torch.float32, device=dev)
+    l = torch.zeros(n, dtype=torch.float32, device=dev)
+    max_cos = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev) if want_max_cos else None
+    if n == 0 or s == 0:
+        return m, l, max_cos
+    if w_hat is None:
+        w_hat, _ = prepare(w, compute_dtype)
+    xc = x_hat.to(compute_dtype).contiguous()
+    block_n, block_s, block_k, warps, stages = tile_config("lse_max" if want_max_cos else "lse", compute_dtype)
+    n_tiles = triton.cdiv(n, block_n)
+    splits, per = _split(n_tiles, triton.cdiv(s, 4 * block_s), dev)
+    l_k = torch.empty(splits, n, dtype=torch.float32, device=dev)
+    max_z_k = torch.empty_like(l_k) if want_max_cos else l_k   # dummy pointer when unused
+    with on_device(dev):
+        _lse_exp_kernel[(n_tiles, splits)](
+            xc, w_hat, target_col, l_k, max_z_k, keep,
+            n, s, d, 4 * per, float(scale), shift, float(threshold if threshold is not None else 0.0),
+            HAS_THRESHOLD=threshold is not None, WANT_MAX_COS=bool(want_max_cos),
+            BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_K=block_k, **_consts(compute_dtype),
+            num_warps=warps, num_stages=stages)
+    l = l_k.sum(dim=0)
+    if want_max_cos:
+        max_cos = max_z_k.amax(dim=0) / scale
+    return m, l, max_cos
+
+
+def grad_exp(e, x_hat, w, w_inv_norm, coef, row_max, *, scale, compute_dtype, w_hat=None):
+    """The backward of the non-target logits from :func:`exp_stats`' ``E`` (``e [S, N]`` bf16):
+    ``G[n, j] = coef[n] exp(z - row_max[n]) = a[n] E[j, n]`` with the per-sample factor
+    ``a = coef * exp(scale * EXP_SHIFT - row_max)``, folded into the products instead of
+    forming G: ``dx_hat = a * (E^T w_hat)`` (a float32 row scale after a cuBLAS product) and
+    ``dw_hat = c (E (x_hat a / c))`` with ``c = max |a|`` (a device scalar: no host sync), so
+    that the bf16 operand lies in [-1, 1] (bf16 has float32's exponent range: no sample's factor
+    flushes). ``dw`` is ``dw_hat`` taken through the normalisation by the projection pass, with
+    ``rho = <dw_hat_j, w_hat_j>`` summed there in float32. No G pass; ``e`` is only read.
+    Cost: ``4 N S d`` FLOPs on cuBLAS, E read once by each product. Returns ``(dx_hat, dw)``,
+    float32."""
+    _validate(x_hat, w, w_inv_norm, None, compute_dtype, coef=coef, row_max=row_max)
+    n, d = x_hat.shape
+    s = w.shape[0]
+    dev = x_hat.device
+    _check_exp(e, s, n, compute_dtype, dev)
+    _check_exp_scale(scale, s)
+    if n == 0 or s == 0:
+        return _zero_grads(n, s, d, dev)
+    if w_hat is None or w_inv_norm is None:
+        w_hat, w_inv_norm = prepare(w, compute_dtype)
+    a = coef * torch.exp(float(scale) * EXP_SHIFT - row_max)
+    c = a.abs().amax().clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    xa = (x_hat * (a / c)[:, None]).to(compute_dtype)
+    rows, block_d, _, warps, stages = tile_config("proj", compute_dtype)
+    block_d = min(block_d, max(16, triton.next_power_of_2(d)))
+    with on_device(dev):
+        dx_hat = _gemm_f32(e.t(), w_hat).mul_(a[:, None])
+        dw = _gemm_f32(e, xa)
+        _project_kernel[(triton.cdiv(s, rows),)](
+            dw, w, w.stride(0), w.stride(1), w_inv_norm, c, c, s, d,
+            RHO_FROM_DW=True, ROWS=rows, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     return dx_hat, dw
