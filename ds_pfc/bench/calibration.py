@@ -322,10 +322,9 @@ def _fill(c: dict, gpu: dict) -> float:
     return min(1.0, per_launch / gpu["sms"]) if per_launch else 1.0
 
 
-# Product kernels the calibration did not see, priced at the measured efficiency of the kernel
-# whose products and tiles they share: the exp-kept forward is the statistics kernel with an
-# exp and a bf16 store in its epilogue (not priced by this rule, as the kept-cosine forward's
-# store is not).
+# Product kernels the calibration did not see, priced by the rule of the kernel whose products
+# and tiles they share: the exp-kept forward is the statistics kernel with an exp and a bf16
+# store of E in its epilogue (products + fixed per logit + its store, as the kept forward).
 _CALIBRATED_AS = {"triton:_lse_exp_kernel": "triton:_lse_kernel"}
 
 
@@ -351,15 +350,17 @@ def kernel_seconds(key: str, c: dict, cal: Calibration, gpu_name: str, backend: 
             return roofline, "roofline"
         if c["flops"] and compute != cal.case.get("compute"):
             return roofline, f"roofline ({compute} products; calibrated: {cal.case.get('compute')})"
-        if key in cal.mma and key in cal.per_logit_s and c["flops"]:
-            eff = cal.mma[key]
+        ruled = _CALIBRATED_AS.get(key, key)
+        if ruled in cal.mma and ruled in cal.per_logit_s and c["flops"]:
+            eff = cal.mma[ruled]
             logits = c["flops"] / (2 * (dim or cal.case["dim"]))
-            fixed = logits * cal.per_logit_s[key] * cal.gemm_rate / gemm     # issue-bound: scales with the SMs' rate
+            fixed = logits * cal.per_logit_s[ruled] * cal.gemm_rate / gemm   # issue-bound: scales with the SMs' rate
             store = c["unique_written"] / (STORE_EFFICIENCY * copy)
             body = max(c["flops"] / (eff * gemm), c["unique_read"] / copy) + fixed + store
             return (body / fill + c["launches"] * launch,
-                    f"{eff:.1%} of {gemm / 1e12:.0f} TF/s + {cal.per_logit_s[key] * 1e15:.0f} fs per logit "
-                    f"+ store at {STORE_EFFICIENCY:.0%} of {copy / 1e12:.2f} TB/s")
+                    f"{eff:.1%} of {gemm / 1e12:.0f} TF/s + {cal.per_logit_s[ruled] * 1e15:.0f} fs per logit "
+                    f"+ store at {STORE_EFFICIENCY:.0%} of {copy / 1e12:.2f} TB/s"
+                    + ("" if ruled == key else f", as {ruled.split(':', 1)[1]}"))
         if key in cal.matrix and c["flops"]:
             eff = cal.matrix[key]
             body = max(c["flops"] / (eff * gemm), unique / copy)
@@ -541,8 +542,9 @@ def floor_parts(pred: dict, rates: dict | None = None) -> dict:
     gpu, case, S = rates or GPUS[pred["gpu"]], pred["case"], pred["S"]
     gemm_pass = 2 * case["batch"] * S * case["dim"] / gpu["gemm"]
     sgd = 20 * S * case["dim"] / gpu["hbm"]
-    if case["backend"] == "triton" and case.get("cosines") == "kept":     # dX and dW both on cuBLAS
-        return {"triton:_lse_kernel": gemm_pass, "torch GEMMs": 2 * gemm_pass, "triton:_sgd_rows_kernel": sgd}
+    if case["backend"] == "triton" and case.get("cosines") in ("kept", "exp"):     # dX and dW both on cuBLAS
+        forward = "triton:_lse_exp_kernel" if case["cosines"] == "exp" else "triton:_lse_kernel"
+        return {forward: gemm_pass, "torch GEMMs": 2 * gemm_pass, "triton:_sgd_rows_kernel": sgd}
     if case["backend"] == "triton":
         return {"triton:_lse_kernel": gemm_pass, "torch GEMMs": gemm_pass, "triton:_dw_kernel": gemm_pass,
                 "triton:_sgd_rows_kernel": sgd}
