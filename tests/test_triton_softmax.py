@@ -534,7 +534,7 @@ _COMPILE_SM90 = textwrap.dedent("""
         for threshold in (True, False):
             jobs.append(("lse", dtype, dict(HAS_THRESHOLD=threshold, WANT_MAX_COS=False, STORE_COS=False)))
             jobs.append(("g", dtype, dict(HAS_THRESHOLD=threshold)))
-        jobs.append(("dw", dtype, {}))
+        jobs.append(("dw", dtype, dict(PROJECT=True)))
         jobs.append(("prep", dtype, {}))
         # The kept-cosine path: the forward with its side store, the in-place G pass.
         jobs.append(("lse", dtype, dict(HAS_THRESHOLD=True, WANT_MAX_COS=False, STORE_COS=True)))

@@ -451,19 +451,24 @@ def _g_kernel(x_ptr, w_ptr, tgt_ptr, coef_ptr, row_max_ptr, g_ptr, rho_ptr,
 
 
 @triton.jit
-def _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d):
-    """Epilogue of one ``[classes, dims]`` tile of ``G^T x_hat``: project and store ``dw``."""
+def _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, PROJECT: tl.constexpr):
+    """Epilogue of one ``[classes, dims]`` tile of ``G^T x_hat``: project (unless not PROJECT:
+    then ``c dw_hat``, for a caller that projects) and store ``dw``."""
     ok = col_ok[:, None] & (dims < d)[None, :]
-    w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_r + dims[None, :].to(tl.int64) * stride_c,
-                mask=ok, other=0.0).to(tl.float32)
-    dw = (acc - (w * inv[:, None]) * rho[:, None]) * (inv * c)[:, None]
+    if PROJECT:
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_r + dims[None, :].to(tl.int64) * stride_c,
+                    mask=ok, other=0.0).to(tl.float32)
+        dw = (acc - (w * inv[:, None]) * rho[:, None]) * (inv * c)[:, None]
+    else:
+        dw = acc * c
     tl.store(dw_ptr + cols.to(tl.int64)[:, None] * d + dims[None, :], dw, mask=ok)
 
 
 @triton.jit
 def _dw_kernel(g_ptr, x_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr, dw_ptr,
                N, S, d, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_N: tl.constexpr):
+               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_N: tl.constexpr,
+               PROJECT: tl.constexpr):
     """Grid (class tiles, quads of dim tiles, sample splits): ``dw = c * w_inv * (G^T x_hat -
     w_hat rho)``, each sample split's part into its own ``[S, d]`` of ``dw_ptr`` (the first
     split carries the ``w_hat rho`` term; the parts sum to ``dw``).
@@ -503,10 +508,10 @@ def _dw_kernel(g_ptr, x_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr,
     rho = tl.load(rho_ptr + cols, mask=col_ok, other=0.0) * (split == 0).to(tl.float32)
     c = tl.load(c_ptr)
     dw_ptr += split.to(tl.int64) * S * d
-    _dw_part(acc0, cols, col_ok, d0, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
-    _dw_part(acc1, cols, col_ok, d0 + BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
-    _dw_part(acc2, cols, col_ok, d0 + 2 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
-    _dw_part(acc3, cols, col_ok, d0 + 3 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
+    _dw_part(acc0, cols, col_ok, d0, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, PROJECT)
+    _dw_part(acc1, cols, col_ok, d0 + BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, PROJECT)
+    _dw_part(acc2, cols, col_ok, d0 + 2 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, PROJECT)
+    _dw_part(acc3, cols, col_ok, d0 + 3 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, PROJECT)
 
 
 @triton.jit
@@ -560,7 +565,7 @@ def _project_kernel(dw_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr, 
         dims = k0 + tl.arange(0, BLOCK_D)
         ok = col_ok[:, None] & (dims < d)[None, :]
         acc = tl.load(dw_ptr + cols.to(tl.int64)[:, None] * d + dims[None, :], mask=ok, other=0.0)
-        _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
+        _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -745,7 +750,7 @@ def _backward_operands(x_hat, w, w_inv_norm, w_hat, coef, compute_dtype):
 
 
 def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, compute_dtype,
-         w_hat=None, block_bytes: int | None = None):
+         w_hat=None, block_bytes: int | None = None, project: bool = True):
     """Backward of the non-target logits: ``(dx_hat [N, d], dw [S, d])``, float32.
 
     With ``G[n, j] = coef[n] * exp(z[n, j] - row_max[n])`` on kept entries (0 on the target and
@@ -754,6 +759,8 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
     kept it. ``block_bytes`` bounds the G buffer (``[classes, N]`` in the compute dtype; None:
     one block). Cost: ``6 N S d`` FLOPs (recompute, two products) and ``N S`` G elements written
     and read twice; memory beyond the outputs: G of one block and ``4 S`` bytes of ``rho``.
+    ``project=False``: ``dw`` is ``dw_hat`` itself (the gradient of ``w_hat``), for a caller that
+    projects it (the row optimizers, ``project=True`` there).
     """
     _validate(x_hat, w, w_inv_norm, target_col, compute_dtype, coef=coef, row_max=row_max)
     n, d = x_hat.shape
@@ -796,14 +803,15 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
             _dw_kernel[(triton.cdiv(b, tw[0]), triton.cdiv(d, 4 * tw[1]), splits)](
                 g, xc, w_blk, w_blk.stride(0), w_blk.stride(1), w_inv_norm[j:k], rho[j:k], c, dw_out,
                 n, b, d, **consts,
-                BLOCK_S=tw[0], BLOCK_D=tw[1], BLOCK_K=tw[2], SPLIT_N=per_split, num_warps=tw[3],
-                num_stages=tw[4])
+                BLOCK_S=tw[0], BLOCK_D=tw[1], BLOCK_K=tw[2], SPLIT_N=per_split, PROJECT=bool(project),
+                num_warps=tw[3], num_stages=tw[4])
             if splits > 1:
                 torch.sum(dw_out, 0, out=dw[j:k])
     return dx_hat.mul_(c), dw
 
 
-def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, compute_dtype, w_hat=None):
+def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, compute_dtype, w_hat=None,
+              project: bool = True):
     """:func:`grad` from the cosines the forward kept (:func:`lse_stats` with ``keep``): no
     recomputed product. ``kept [S, N]`` (class-major, :func:`keep_dtype`) is overwritten with
     ``G / c`` in the compute dtype by one pass that also sums ``rho``; then ``dx_hat = c G^T
@@ -811,7 +819,9 @@ def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, t
     ``dw_hat`` taken through the normalisation in place by one streaming pass. Cost: ``4 N S d``
     FLOPs, the kept elements read and written once and read by each product; memory beyond the
     outputs: ``4 S`` bytes of ``rho`` (per sample split). Returns ``(dx_hat, dw)``, float32; the
-    kept cosines are gone afterwards."""
+    kept cosines are gone afterwards. ``project=False``: no projection pass, ``dw = c dw_hat``
+    (the gradient of ``w_hat``) for a caller that projects it (the row optimizers do, in
+    their own pass over the rows)."""
     _validate(x_hat, w, w_inv_norm, target_col, compute_dtype, coef=coef, row_max=row_max)
     n, d = x_hat.shape
     s = w.shape[0]
@@ -837,6 +847,8 @@ def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, t
         rho = rho_parts[0] if splits == 1 else rho_parts.sum(0)
         dx_hat = _gemm_f32(g.t(), w_hat).mul_(c)
         dw = _gemm_f32(g, xc)
+        if not project:
+            return dx_hat, dw.mul_(c)
         rows, block_d, _, warps, stages = tile_config("proj", compute_dtype)
         block_d = min(block_d, max(16, triton.next_power_of_2(d)))
         _project_kernel[(triton.cdiv(s, rows),)](
