@@ -66,7 +66,9 @@ _NORM_EPS = 1e-12
 #   "g":   A = classes, B = samples, K over d. Grid (class tiles of the block,); each program
 #          walks every sample tile, so it owns complete sums rho of its classes.
 #   "dw":  A = classes, B = dims,    K over samples. Grid (class tiles, pairs of dim tiles).
-#   "prep": A = rows, B = dims per chunk (K unused).
+#   "prep": A = rows, B = dims per chunk (K unused): A x B elements per program. A row of up to
+#          A x B elements (next_pow2(d)) is read once, whole, by programs of A x B / next_pow2(d)
+#          rows; a wider one in B-column chunks, twice (the norm first, then the scaled copy).
 # Each kernel computes several B tiles per loaded A slice (lse and dw four, g two), so its
 # operand traffic is that of one A x (parts * B) tile while only one part's epilogue is live in
 # registers. "lowp" (bf16/fp16), 8 warps (two warpgroups, as Hopper's wgmma wants), K step 64:
@@ -255,26 +257,41 @@ def _negative_logits(cos, col, tgt, valid, scale, threshold, HAS_THRESHOLD: tl.c
 
 
 @triton.jit
-def _prep_kernel(w_ptr, stride_r, stride_c, wc_ptr, inv_ptr, S, d, eps,
-                 COMPUTE: tl.constexpr, UPCAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (row tiles,): ``inv = 1 / max(||w_j||, eps)`` and ``wc_j = w_j * inv`` in COMPUTE."""
+def _prep_kernel(w_ptr, stride_r, stride_c, idx_ptr, wc_ptr, inv_ptr, S, d, eps,
+                 COMPUTE: tl.constexpr, UPCAST: tl.constexpr, HAS_IDX: tl.constexpr, ONE_PASS: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (row tiles,): ``inv = 1 / max(||w_j||, eps)`` and ``wc_j = w_j * inv`` in COMPUTE, where
+    ``w_j`` is row ``j`` of ``w`` or, with HAS_IDX, row ``idx[j]`` of it (the bank's table read by
+    index: no gathered copy). ONE_PASS (BLOCK_D >= d): each row is loaded once."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < S
-    src = rows.to(tl.int64)[:, None] * stride_r
+    if HAS_IDX:
+        src_rows = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src_rows = rows.to(tl.int64)
+    src = src_rows[:, None] * stride_r
     dst = rows.to(tl.int64)[:, None] * d
-    sq = tl.zeros([ROWS], tl.float32)
-    for k0 in range(0, d, BLOCK_D):
-        dims = k0 + tl.arange(0, BLOCK_D)
+    if ONE_PASS:
+        dims = tl.arange(0, BLOCK_D)
         ok = row_ok[:, None] & (dims < d)[None, :]
         v = tl.load(w_ptr + src + dims[None, :].to(tl.int64) * stride_c, mask=ok, other=0.0).to(tl.float32)
-        sq += tl.sum(v * v, axis=1)
-    inv = 1.0 / tl.maximum(tl.sqrt(sq), eps)
-    tl.store(inv_ptr + rows, inv, mask=row_ok)
-    for k0 in range(0, d, BLOCK_D):
-        dims = k0 + tl.arange(0, BLOCK_D)
-        ok = row_ok[:, None] & (dims < d)[None, :]
-        v = tl.load(w_ptr + src + dims[None, :].to(tl.int64) * stride_c, mask=ok, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(v * v, axis=1)), eps)
+        tl.store(inv_ptr + rows, inv, mask=row_ok)
         tl.store(wc_ptr + dst + dims[None, :], _round(v * inv[:, None], COMPUTE, UPCAST), mask=ok)
+    else:
+        sq = tl.zeros([ROWS], tl.float32)
+        for k0 in range(0, d, BLOCK_D):
+            dims = k0 + tl.arange(0, BLOCK_D)
+            ok = row_ok[:, None] & (dims < d)[None, :]
+            v = tl.load(w_ptr + src + dims[None, :].to(tl.int64) * stride_c, mask=ok, other=0.0).to(tl.float32)
+            sq += tl.sum(v * v, axis=1)
+        inv = 1.0 / tl.maximum(tl.sqrt(sq), eps)
+        tl.store(inv_ptr + rows, inv, mask=row_ok)
+        for k0 in range(0, d, BLOCK_D):
+            dims = k0 + tl.arange(0, BLOCK_D)
+            ok = row_ok[:, None] & (dims < d)[None, :]
+            v = tl.load(w_ptr + src + dims[None, :].to(tl.int64) * stride_c, mask=ok, other=0.0).to(tl.float32)
+            tl.store(wc_ptr + dst + dims[None, :], _round(v * inv[:, None], COMPUTE, UPCAST), mask=ok)
 
 
 @triton.jit
@@ -613,9 +630,24 @@ def _consts(compute_dtype):
     return dict(UPCAST=_INTERPRET and lowp, PRECISION="ieee")
 
 
-def prepare(w: torch.Tensor, compute_dtype: torch.dtype):
+def prep_shape(d: int, compute_dtype: torch.dtype, interpret: bool | None = None):
+    """``(ROWS, BLOCK_D, ONE_PASS)`` of :func:`prepare` for rows of ``d`` columns (the "prep" row of
+    the tile table: whole rows read once while ``next_pow2(d)`` fits a program's elements)."""
+    rows, block_d, _, _, _ = tile_config("prep", compute_dtype, interpret)
+    whole = max(16, triton.next_power_of_2(d))
+    if whole <= rows * block_d:
+        return max(1, rows * block_d // whole), whole, True
+    return rows, block_d, False
+
+
+def prepare(w: torch.Tensor, compute_dtype: torch.dtype, rows: torch.Tensor | None = None):
     """``(w_hat [S, d] in compute_dtype, contiguous; w_inv_norm [S] float32)`` of centers ``w``
-    (float32, bf16 or fp16, any strides): one read of ``w``, no normalised float32 copy."""
+    (float32, bf16 or fp16, any strides): one read of ``w``, no normalised float32 copy.
+
+    ``rows``: ``[S]`` int64 row ids into ``w`` (a bank's ``[C, d]`` table): the centers are
+    ``w[rows]``, read in place by index (no gathered ``[S, d]`` copy); ids must lie in
+    ``[0, C)`` (not checked: that would cost a host sync). Rows of up to a program's
+    elements (2048 on a GPU) are read once, whole; wider ones twice."""
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise ValueError(f"w: expected a [S, d] tensor, got {getattr(w, 'shape', type(w).__name__)}")
     if w.dtype not in _TL_DTYPES:
@@ -623,18 +655,25 @@ def prepare(w: torch.Tensor, compute_dtype: torch.dtype):
     if compute_dtype not in _TL_DTYPES:
         raise TypeError(f"compute_dtype: expected one of {list(_TL_DTYPES)}, got {compute_dtype}")
     check_device(w)
-    s, d = w.shape
+    if rows is not None:
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
+            raise ValueError(f"rows: expected a 1-d int64 tensor, got "
+                             f"{getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+        if rows.device != w.device:
+            raise ValueError(f"rows: on {rows.device}, but w is on {w.device}")
+        rows = rows.contiguous()
+    s, d = (w.shape[0] if rows is None else rows.shape[0]), w.shape[1]
     wc = torch.empty(s, d, dtype=compute_dtype, device=w.device)
     inv = torch.empty(s, dtype=torch.float32, device=w.device)
     if s == 0 or d == 0:
         return wc, inv.fill_(1.0 / _NORM_EPS)
-    rows, block_d, _, warps, stages = tile_config("prep", compute_dtype)
-    block_d = min(block_d, max(16, triton.next_power_of_2(d)))
+    _, _, _, warps, stages = tile_config("prep", compute_dtype)
+    block_r, block_d, one_pass = prep_shape(d, compute_dtype)
     with on_device(w.device):
-        _prep_kernel[(triton.cdiv(s, rows),)](
-            w, w.stride(0), w.stride(1), wc, inv, s, d, _NORM_EPS,
-            COMPUTE=_TL_DTYPES[compute_dtype], UPCAST=_consts(compute_dtype)["UPCAST"], ROWS=rows, BLOCK_D=block_d,
-            num_warps=warps, num_stages=stages)
+        _prep_kernel[(triton.cdiv(s, block_r),)](
+            w, w.stride(0), w.stride(1), rows if rows is not None else inv, wc, inv, s, d, _NORM_EPS,
+            COMPUTE=_TL_DTYPES[compute_dtype], UPCAST=_consts(compute_dtype)["UPCAST"], HAS_IDX=rows is not None,
+            ONE_PASS=one_pass, ROWS=block_r, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     return wc, inv
 
 
