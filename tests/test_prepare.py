@@ -89,3 +89,66 @@ def test_prepare_checks_rows():
         ts.prepare(w, torch.float32, rows=torch.zeros(2, 2, dtype=torch.int64, device=DEVICE))
     w_hat, inv = ts.prepare(w, torch.float32, rows=torch.zeros(0, dtype=torch.int64, device=DEVICE))
     assert w_hat.shape == (0, 24) and inv.shape == (0,)
+
+
+# ------------------------------------------------------------------ the head's indexed read
+def _head_run(monkeypatch, indexed, *, sample_rate, optimizer="sgd", compute=torch.float32):
+    import ds_pfc
+    if not indexed:     # today's path: the head gathers an [S, d] copy of the sampled centers
+        monkeypatch.setattr(ds_pfc.PartialFC, "_indexed_centers", lambda self, *a: None)
+    else:
+        monkeypatch.undo()
+    torch.manual_seed(0)
+    head = ds_pfc.PartialFC(50, 24, sample_rate=sample_rate, data_parallel_grad=False, backend="triton",
+                            fused=True, compute_dtype=compute, optimizer=optimizer, device=DEVICE, seed=4)
+    gen = torch.Generator().manual_seed(2)
+    losses, shapes = [], []
+    for _ in range(2):
+        for _ in range(2):
+            x = torch.randn(12, 24, generator=gen).to(DEVICE).requires_grad_(True)
+            y = torch.randint(0, 50, (12,), generator=gen).to(DEVICE)
+            loss = head(x, y)
+            shapes.append(head._pending[-1][1].stride())
+            loss.backward()
+            losses.append((loss.detach(), x.grad))
+        head.step(0.3)
+    head.eval()
+    with torch.no_grad():
+        x = torch.randn(12, 24, generator=gen).to(DEVICE)
+        y = torch.randint(0, 50, (12,), generator=gen).to(DEVICE)
+        losses.append((head(x, y), None))
+    return losses, head.centers(), shapes
+
+
+@pytest.mark.parametrize("sample_rate,optimizer,compute", [(0.4, "sgd", torch.float32), (1.0, "adamw", torch.float32),
+                                                           (0.4, "sgd", torch.bfloat16)])
+def test_head_reading_the_bank_by_index_equals_the_gathered_copy(monkeypatch, sample_rate, optimizer, compute):
+    """The triton head with the projection in the step reads its sampled centers from the
+    bank's table by index: the staged centers are a shape only (stride 0, no [S, d] copy), and
+    losses, embedding gradients and the trained centers equal those of the gathered copy,
+    bitwise (the same kernels see the same values), in training and in eval."""
+    ref_losses, ref_centers, ref_shapes = _head_run(monkeypatch, False, sample_rate=sample_rate, optimizer=optimizer,
+                                                    compute=compute)
+    losses, centers, shapes = _head_run(monkeypatch, True, sample_rate=sample_rate, optimizer=optimizer,
+                                        compute=compute)
+    assert all(s == (0, 0) for s in shapes) and all(s != (0, 0) for s in ref_shapes)
+    for (a, ga), (b, gb) in zip(losses, ref_losses):
+        assert torch.equal(a, b)
+        assert ga is None or torch.equal(ga, gb)
+    assert torch.equal(centers, ref_centers)
+
+
+def test_w_source_is_refused_where_the_centers_values_would_be_read():
+    import ds_pfc
+    from ds_pfc.core.softmax import margin_softmax_cross_entropy
+    table = torch.randn(9, 24, device=DEVICE)
+    rows = torch.tensor([1, 4, 6], device=DEVICE)
+    x = torch.randn(5, 24, device=DEVICE)
+    y = torch.tensor([0, 2, 1, 0, 2], device=DEVICE)
+    shape = torch.empty((), device=DEVICE).expand(3, 24).requires_grad_(True)
+    for kw in (dict(backend="torch", project_w_grad=False), dict(backend="triton", project_w_grad=True)):
+        with pytest.raises(ValueError, match="w_source"):
+            margin_softmax_cross_entropy(x, shape, y, ds_pfc.ArcFace(), w_source=(table, rows), **kw)
+    with pytest.raises(ValueError, match="w_source"):
+        margin_softmax_cross_entropy(x, shape, y, ds_pfc.ArcFace(), backend="triton", project_w_grad=False,
+                                     w_source=(table, rows[:2]))

@@ -382,8 +382,20 @@ class PartialFC(nn.Module):
         target_col = local if active is None else remap_labels(local, active)
         slot = None
         bank_rows = active if active is None or self.sub_centers == 1 else self._rows(active)
+        unprojected, hook = False, None
+        if training:
+            # Asked once per training forward: the hook (or None) for the centers' gradient.
+            hook = self.center_grad_hook() if self.center_grad_hook is not None else None
+            unprojected = self._projects_in_step(hook)
+        source = None
         if self._stager is None:
-            centers = self.bank.read("weight", bank_rows).detach()
+            source = self._indexed_centers(bank_rows, x.dtype, training, unprojected)
+            if source is not None:
+                # Shape only: the softmax reads the rows from the bank's table by index.
+                count = self.num_rows if bank_rows is None else bank_rows.shape[0]
+                centers = torch.empty((), dtype=self.dtype, device=self.device).expand(count, self.embedding_size)
+            else:
+                centers = self.bank.read("weight", bank_rows).detach()
         else:
             rows = self._rows(active) if rows is None else rows     # the prefetched slot's own rows
             live = [p[2] for p in self._pending]
@@ -391,13 +403,10 @@ class PartialFC(nn.Module):
                 slot = self._stager.take(rows, self.sample_step, live)
             slot = slot or self._stager.stage(rows, pooled=training)
             centers = slot.states["weight"].detach()
-        unprojected = False
         if training:
             centers.requires_grad_(True)
-            hook = self.center_grad_hook() if self.center_grad_hook is not None else None
             if hook is not None:
                 centers.register_hook(hook)
-            unprojected = self._projects_in_step(hook)
         # With validate=True every rank's labels were checked to lie in [0, C), so each
         # has exactly one owner: the softmax's ownership check stays on the device.
         result = margin_softmax_cross_entropy(
@@ -405,7 +414,7 @@ class PartialFC(nn.Module):
             group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details,
             block_bytes=self.block_bytes, backend=self.backend, validate=False,
             guard_nonfinite=training and self.guard_nonfinite, update_state=training, sub_centers=self.sub_centers,
-            keep_bytes=self.keep_bytes, project_w_grad=not unprojected)
+            keep_bytes=self.keep_bytes, project_w_grad=not unprojected, w_source=source)
         if training:
             self._unprojected = unprojected
             self._fold_finished()
@@ -530,6 +539,23 @@ class PartialFC(nn.Module):
         # never gets unprojected gradients: see _projects_in_step).
         return {"project": True} if self._unprojected else {}
 
+    def _indexed_centers(self, bank_rows, x_dtype, training: bool, unprojected: bool):
+        """``(table, rows)`` when the softmax can read this step's centers from the bank's
+        weight table by index instead of from a gathered ``[S, d]`` copy, else None: the triton
+        backend without sub-centers on an in-memory bank (its ``prepare`` reads the rows by index),
+        and for training only where nothing reads the staged values afterwards (the projection
+        is in the step, ``_projects_in_step``)."""
+        if self.sub_centers != 1 or not hasattr(self.bank, "state_tensors") or \
+                self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        acc = torch.float64 if x_dtype == torch.float64 else torch.float32     # as the softmax decides
+        compute = self.compute_dtype or default_compute_dtype(self.device, acc)
+        if resolve_backend(self.backend, self.device, compute, acc, self.margin) != "triton":
+            return None
+        if training and not unprojected:
+            return None
+        return self.bank.state_tensors()["weight"], bank_rows
+
     @torch.no_grad()
     def step(self, lr: float, *, grad_scale: float = 1.0) -> int:
         """Apply the row optimizer to the union of the rows activated since the last
@@ -560,8 +586,9 @@ class PartialFC(nn.Module):
         staged = None
         if len(pending) == 1:
             rows, grad, staged = pending[0]
-            # The staged rows still hold the bank's values: nothing wrote them since.
-            staged = None if staged is None else staged.detach()
+            # The staged rows still hold the bank's values: nothing wrote them since (unless
+            # they were only a shape: the softmax read the bank by index).
+            staged = None if staged is None or staged.stride(0) == 0 else staged.detach()
         else:
             rows, grad = self._combine([(r, g) for r, g, _ in pending])
         self.optimizer.update(self.bank, rows, grad.to(self.dtype), float(lr), staged_weight=staged,

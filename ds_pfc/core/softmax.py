@@ -217,16 +217,18 @@ def _normalize(x: torch.Tensor, acc: torch.dtype):
     return x / norm, norm
 
 
-def _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers=1):
+def _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers=1, rows=None):
     """Per owned sample its target column (0 where not owned: a safe index), center
     ``w_hat_t [N, d]``, cosine ``cos_t [N]`` (a row-wise dot in ``acc``) and the row
-    of ``w`` that center is (with sub-centers: the target class's closest one)."""
+    of ``w`` that center is (with sub-centers: the target class's closest one).
+    ``rows``: ``w`` is a table and the centers are ``w[rows]`` (sub_centers 1 only)."""
     owned = target_col >= 0
     col = target_col.clamp_min(0)
-    if w.shape[0] == 0:           # a rank may own no class (C < world size)
+    if w_inv.shape[0] == 0:           # a rank may own no class (C < world size)
         return owned, x_hat.new_zeros(x_hat.shape), x_hat.new_zeros(x_hat.shape[0]), col
     if sub_centers == 1:
-        w_hat_t = w.index_select(0, col).to(acc) * w_inv.index_select(0, col)[:, None]
+        src = col if rows is None else rows.index_select(0, col)
+        w_hat_t = w.index_select(0, src).to(acc) * w_inv.index_select(0, col)[:, None]
         return owned, w_hat_t, (x_hat * w_hat_t).sum(dim=1), col
     k = sub_centers
     rows = (col[:, None] * k + torch.arange(k, device=col.device)).reshape(-1)            # [N K]
@@ -503,7 +505,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, target_col, margin, threshold, group, compute_dtype, want_correct, block_bytes,
                 keep_bytes, backend, validate, guard_nonfinite, update_state, sub_centers, want_grad,
-                project_w=True):
+                project_w=True, w_source=None):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         compute = default_compute_dtype(x.device, acc) if compute_dtype is None else compute_dtype
         n = x.shape[0]
@@ -514,10 +516,17 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             # One pass over w: the norms and the normalised centers in the compute dtype, which
             # the backward reuses (S d compute-dtype bytes kept, half of a float32 w).
             from ..kernels import triton_softmax as kernels
-            w_hat_c, w_inv = kernels.prepare(w, compute)
+            # With w_source the centers are read from the bank's table by index (w is then only
+            # their shape, the leaf the gradient lands on): no gathered copy.
+            w_hat_c, w_inv = kernels.prepare(w, compute) if w_source is None else \
+                kernels.prepare(w_source[0], compute, rows=w_source[1])
         else:
             w_inv = w.to(acc).norm(dim=1).clamp_min(_NORM_EPS).reciprocal()
-        owned, w_hat_t, cos_t, t_row = _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers)
+        if w_source is None:
+            owned, w_hat_t, cos_t, t_row = _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers)
+        else:
+            owned, w_hat_t, cos_t, t_row = _target_terms(x_hat, w_source[0], w_inv, target_col, acc, 1,
+                                                         rows=w_source[1])
         if margin.needs_all_targets:     # every rank needs every sample's target cosine
             cos_all = torch.where(owned, cos_t, torch.zeros_like(cos_t))
             all_reduce_(cos_all, "sum", group)
@@ -659,7 +668,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         if ctx.guard_nonfinite:     # an overflow in dw reaches the embeddings, hence the overflow check
             dx = dx + torch.where(torch.isfinite(dw).all(), 0.0, float("nan")).to(dx.dtype)
         return (dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 def margin_softmax_cross_entropy(
@@ -680,6 +689,7 @@ def margin_softmax_cross_entropy(
     sub_centers: int = 1,
     keep_bytes: int | None = None,
     project_w_grad: bool = True,
+    w_source: tuple | None = None,
 ) -> SoftmaxResult:
     """Margin softmax CE of the gathered batch against this rank's active centers.
 
@@ -709,6 +719,10 @@ def margin_softmax_cross_entropy(
     it itself just before it uses it (PartialFC's row optimizers, see ``PartialFC.step``):
     the projection is linear per row and ``w`` is the same at both ends, so sums over
     micro steps, scaling and finiteness checks may come first.
+    ``w_source=(table [C, d], rows [S] int64)``: the centers' values are ``table[rows]``, read
+    there by index (triton backend, no sub-centers, ``project_w_grad=False`` when training;
+    ``rows`` None: the whole table); ``w`` then only gives their shape and dtype and receives
+    the gradient (it may be a shape-only tensor such as ``torch.empty(()).expand(S, d)``).
     """
     check_block_bytes(block_bytes)
     check_keep_bytes(keep_bytes)
@@ -719,10 +733,19 @@ def margin_softmax_cross_entropy(
             raise ValueError("backend='triton' does not implement sub-centers; use backend='torch' or 'auto'")
         backend = "torch"
     backend = resolve_backend(backend, x.device, compute, acc if w.dtype != torch.float64 else torch.float64, margin)
+    if w_source is not None:
+        table, rows = w_source
+        if backend != "triton" or sub_centers != 1 or (project_w_grad and w.requires_grad):
+            raise ValueError("w_source needs backend='triton', sub_centers=1 and, for a gradient of w, "
+                             "project_w_grad=False (the projection would read w)")
+        if table.dim() != 2 or table.shape[1] != w.shape[1] or table.dtype != w.dtype or \
+                (rows.shape[0] if rows is not None else table.shape[0]) != w.shape[0]:
+            raise ValueError(f"w_source: a [C, {w.shape[1]}] {w.dtype} table and {w.shape[0]} row ids expected")
+        w_source = (table, rows if rows is not None else torch.arange(table.shape[0], device=table.device))
     keep_bytes = default_keep_bytes(backend, block_bytes) if keep_bytes is None else keep_bytes
     block_bytes = default_block_bytes(x.device) if block_bytes is None else block_bytes
     loss, per_sample, correct = _MarginSoftmaxCE.apply(
         x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct, block_bytes, keep_bytes,
         backend, bool(validate), bool(guard_nonfinite), bool(update_state), int(sub_centers),
-        torch.is_grad_enabled() and (x.requires_grad or w.requires_grad), bool(project_w_grad))
+        torch.is_grad_enabled() and (x.requires_grad or w.requires_grad), bool(project_w_grad), w_source)
     return SoftmaxResult(loss, per_sample, correct)
