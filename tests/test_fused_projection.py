@@ -192,8 +192,11 @@ def test_unprojected_gradient_projects_to_the_softmax_gradient(backend, compute,
 
 # ------------------------------------------------------------------ the head
 def _train(fuse, *, optimizer="sgd", sub_centers=1, backend="torch", fused=None, compute=None, micro=2,
-           grad_scale=1.0, hook=False, **opt):
+           grad_scale=1.0, hook=False, tier=None, **opt):
     torch.manual_seed(0)
+    if tier is not None:            # a tiered bank (staged slots): weight storage tier and dtype
+        from ds_pfc.bank import TieredBank
+        opt["bank"] = TieredBank.factory({"weight": tier})
     head = ds_pfc.PartialFC(60, 24, sample_rate=0.5, data_parallel_grad=False, optimizer=optimizer,
                             sub_centers=sub_centers, backend=backend, fused=fused, seed=3, compute_dtype=compute,
                             device=DEVICE, **opt)
@@ -223,6 +226,8 @@ _CASES = {
     "scaled": dict(grad_scale=1024.0, micro=3),
     "triton_sgd": dict(backend="triton", fused=True, compute=torch.float32),
     "triton_adamw": dict(backend="triton", fused=True, compute=torch.float32, optimizer="adamw"),
+    "host_bank": dict(tier=("host", torch.float32)),
+    "host_bank_adamw": dict(tier=("host", torch.float32), optimizer="adamw"),
 }
 
 
@@ -239,6 +244,18 @@ def test_head_with_the_projection_in_the_step_trains_as_with_it_in_the_backward(
     change = (ref - w0).abs().max()
     assert change > 0
     assert (got - ref).abs().max() / change < 2e-5
+
+
+def test_head_bf16_host_bank_with_the_projection_in_the_step():
+    """bf16 storage (host tier, staged float32 slots): every write rounds to bf16, so the two
+    heads may round a weight to neighbouring bf16 values; beyond one bf16 ulp they agree."""
+    kw = dict(tier=("host", torch.bfloat16), momentum=0.9)
+    ref, w0, _ = _train(False, **kw)
+    got, _, modes = _train(True, **kw)
+    assert set(modes) == {True}
+    assert torch.equal(got, got.float().bfloat16().double())
+    excess = ((got - ref).abs() - 2.0 ** -8 * ref.abs()).clamp_min(0.0)
+    assert excess.max() / (ref - w0).abs().max() < 2e-5
 
 
 def test_head_bf16_products_with_the_projection_in_the_step():
