@@ -266,7 +266,7 @@ _COMPILE_SM90 = textwrap.dedent("""
 
     POINTERS = {"rows_ptr": "*i64", "step_ptr": "*i32"}
     block_r, block_d, num_warps, block_step = K._TILES["cuda"]
-    tiles = dict(BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_STEP=block_step)
+    tiles = dict(BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_STEP=block_step, PROJECT=False, ONE_SWEEP=False)
 
     def compile_sm90(kernel, **flags):
         constexprs = {p.name: dict(tiles, **flags)[p.name] for p in kernel.params if p.is_constexpr}
@@ -287,6 +287,14 @@ _COMPILE_SM90 = textwrap.dedent("""
         compile_sm90(K._sgd_rows_kernel, HAS_ROWS=rows, HAS_MOMENTUM=False, HAS_WEIGHT_DECAY=False, NESTEROV=False)
         compile_sm90(K._adamw_rows_kernel, HAS_ROWS=rows)
         compile_sm90(K._increment_steps_kernel, HAS_ROWS=rows)
+    # The projecting (whole-row) update: one sweep at d = 512, two sweeps for rows wider
+    # than ONE_SWEEP, with the launch parameters sgd_rows_ / adamw_rows_ choose.
+    for width in (512, 2 * K._ROW_TILES["cuda"][0]):
+        row_r, row_d, one_sweep = K._row_tiles(width)
+        row = dict(PROJECT=True, ONE_SWEEP=one_sweep, BLOCK_R=row_r, BLOCK_D=row_d)
+        compile_sm90(K._sgd_rows_kernel, HAS_ROWS=True, HAS_MOMENTUM=True, HAS_WEIGHT_DECAY=True, NESTEROV=False,
+                     **row)
+        compile_sm90(K._adamw_rows_kernel, HAS_ROWS=True, **row)
     print("compiled")
 """)
 

@@ -559,6 +559,9 @@ _COMPILE_SM90 = textwrap.dedent("""
         for key, v in zip(BLOCKS[name], (a, b, k)):
             if key:
                 values[key] = v
+        if name == "prep" and flags.get("ONE_PASS"):      # whole rows at the standard d = 512
+            values["ROWS"], values["BLOCK_D"], _ = K.prep_shape(512, DTYPES[dtype], interpret=False)
+            a, b = values["ROWS"], values["BLOCK_D"]
         constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
         if "stride_c" in kernel.arg_names:
             constexprs["stride_c"] = 1            # a real launch specialises a unit stride
@@ -569,7 +572,7 @@ _COMPILE_SM90 = textwrap.dedent("""
                 continue
             if arg.endswith("_ptr"):
                 compute = arg in COMPUTE_PTRS or (arg == "w_ptr" and name in ("lse", "lse_max", "g", "exp", "exp_max"))
-                signature[arg] = ("*i64" if arg == "tgt_ptr" else KEEP_PTR[dtype] if arg == "cos_ptr"
+                signature[arg] = ("*i64" if arg in ("tgt_ptr", "idx_ptr") else KEEP_PTR[dtype] if arg == "cos_ptr"
                                   else "*bf16" if arg == "e_ptr" else PTR[dtype] if compute else "*fp32")
             else:
                 signature[arg] = "fp32" if arg in ("scale", "shift", "threshold", "eps") else "i32"
@@ -605,8 +608,9 @@ _COMPILE_SM90 = textwrap.dedent("""
         for threshold in (True, False):
             jobs.append(("lse", dtype, dict(HAS_THRESHOLD=threshold, WANT_MAX_COS=False, STORE_COS=False)))
             jobs.append(("g", dtype, dict(HAS_THRESHOLD=threshold)))
-        jobs.append(("dw", dtype, {}))
-        jobs.append(("prep", dtype, {}))
+        jobs.append(("dw", dtype, dict(PROJECT=True)))
+        jobs.append(("prep", dtype, dict(HAS_IDX=False, ONE_PASS=False)))
+        jobs.append(("prep", dtype, dict(HAS_IDX=True, ONE_PASS=True)))
         # The kept-cosine path: the forward with its side store, the in-place G pass.
         jobs.append(("lse", dtype, dict(HAS_THRESHOLD=True, WANT_MAX_COS=False, STORE_COS=True)))
         jobs.append(("gpass", dtype, dict(HAS_THRESHOLD=True)))
@@ -663,7 +667,7 @@ def test_kernels_compile_for_sm90():
         assert proc.returncode == 0, err[-3000:]
         results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
-    assert len(results) == 3 * (1 + 2 + 2 + 1 + 1 + 2) + 4 + 4
+    assert len(results) == 3 * (1 + 2 + 2 + 1 + 2 + 2) + 4 + 4
     problems = []
     for r in results:
         what = f"{r['kernel']} {r['dtype']} {r['flags']} row={r['config']}"

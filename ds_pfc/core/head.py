@@ -218,6 +218,10 @@ class PartialFC(nn.Module):
         # Set by PfcEngine: called by each training forward, returns a hook for the
         # centers' gradient (or None); see PfcEngine._center_grad_hook.
         self.center_grad_hook = None
+        # Whether the row optimizer may take the centers' gradient through the normalisation
+        # (see _projects_in_step, the rule); False always projects in the backward.
+        self.fuse_projection = True
+        self._unprojected: bool | None = None   # how the pending gradients were formed
         self.optimizer = row_optimizer
         self.partition = Partition(num_classes, self.world_size)
         self.class_start, self.class_end = self.partition.bounds(self.rank)
@@ -378,8 +382,20 @@ class PartialFC(nn.Module):
         target_col = local if active is None else remap_labels(local, active)
         slot = None
         bank_rows = active if active is None or self.sub_centers == 1 else self._rows(active)
+        unprojected, hook = False, None
+        if training:
+            # Asked once per training forward: the hook (or None) for the centers' gradient.
+            hook = self.center_grad_hook() if self.center_grad_hook is not None else None
+            unprojected = self._projects_in_step(hook)
+        source = None
         if self._stager is None:
-            centers = self.bank.read("weight", bank_rows).detach()
+            source = self._indexed_centers(bank_rows, x.dtype, training, unprojected)
+            if source is not None:
+                # Shape only: the softmax reads the rows from the bank's table by index.
+                count = self.num_rows if bank_rows is None else bank_rows.shape[0]
+                centers = torch.empty((), dtype=self.dtype, device=self.device).expand(count, self.embedding_size)
+            else:
+                centers = self.bank.read("weight", bank_rows).detach()
         else:
             rows = self._rows(active) if rows is None else rows     # the prefetched slot's own rows
             live = [p[2] for p in self._pending]
@@ -389,7 +405,6 @@ class PartialFC(nn.Module):
             centers = slot.states["weight"].detach()
         if training:
             centers.requires_grad_(True)
-            hook = self.center_grad_hook() if self.center_grad_hook is not None else None
             if hook is not None:
                 centers.register_hook(hook)
         # With validate=True every rank's labels were checked to lie in [0, C), so each
@@ -399,8 +414,9 @@ class PartialFC(nn.Module):
             group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details,
             block_bytes=self.block_bytes, backend=self.backend, validate=False,
             guard_nonfinite=training and self.guard_nonfinite, update_state=training, sub_centers=self.sub_centers,
-            keep_bytes=self.keep_bytes)
+            keep_bytes=self.keep_bytes, project_w_grad=not unprojected, w_source=source)
         if training:
+            self._unprojected = unprojected
             self._fold_finished()
             self._pending.append((bank_rows, centers, slot))
             self._step_t.add_(1)            # on the device too: a captured step advances it on replay
@@ -493,6 +509,53 @@ class PartialFC(nn.Module):
         self._stager.prefetch(rows, self.sample_step, [p[2] for p in self._pending])
 
     # ------------------------------------------------------------------ update
+    def _projects_in_step(self, hook) -> bool:
+        """The rule, decided per training forward: the centers' gradient is left as the
+        gradient of the normalised centers and the row optimizer takes it through the
+        normalisation inside its update (one pass over the rows fewer: the fused kernel
+        reads weight and gradient anyway) exactly when
+
+        * ``fuse_projection`` is True (the default),
+        * no hook reads the centers' gradient (``center_grad_hook`` gave none), and
+        * the optimizer is ds_pfc's own (a :class:`RowOptimizer` whose ``update`` is the base
+          class's, which projects on both of its paths).
+
+        Exact because the projection is linear in the gradient and the centers do not change
+        between backward and step: the sum over micro steps, the ``grad_scale`` division and
+        the finiteness check commute with it. Only the gradient left on the staged centers
+        differs (unprojected), which is why a hook turns it off. The micro steps of one
+        optimizer step must agree."""
+        fused = self.fuse_projection and hook is None and isinstance(self.optimizer, RowOptimizer) \
+            and type(self.optimizer).update is RowOptimizer.update
+        pending = self._unprojected if (self._pending or self._acc is not None) else None
+        if pending is not None and pending != fused:
+            raise RuntimeError("the micro steps of one optimizer step disagree on whether the centers' gradient is "
+                               "projected in the backward (a center_grad_hook or fuse_projection changed between "
+                               "them); step or zero_grad first")
+        return fused
+
+    def _projection_kwargs(self) -> dict:
+        # Only ds_pfc's own update() takes ``project`` (an optimizer that overrides update
+        # never gets unprojected gradients: see _projects_in_step).
+        return {"project": True} if self._unprojected else {}
+
+    def _indexed_centers(self, bank_rows, x_dtype, training: bool, unprojected: bool):
+        """``(table, rows)`` when the softmax can read this step's centers from the bank's
+        weight table by index instead of from a gathered ``[S, d]`` copy, else None: the triton
+        backend without sub-centers on an in-memory bank (its ``prepare`` reads the rows by index),
+        and for training only where nothing reads the staged values afterwards (the projection
+        is in the step, ``_projects_in_step``)."""
+        if self.sub_centers != 1 or not hasattr(self.bank, "state_tensors") or \
+                self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        acc = torch.float64 if x_dtype == torch.float64 else torch.float32     # as the softmax decides
+        compute = self.compute_dtype or default_compute_dtype(self.device, acc)
+        if resolve_backend(self.backend, self.device, compute, acc, self.margin) != "triton":
+            return None
+        if training and not unprojected:
+            return None
+        return self.bank.state_tensors()["weight"], bank_rows
+
     @torch.no_grad()
     def step(self, lr: float, *, grad_scale: float = 1.0) -> int:
         """Apply the row optimizer to the union of the rows activated since the last
@@ -523,12 +586,13 @@ class PartialFC(nn.Module):
         staged = None
         if len(pending) == 1:
             rows, grad, staged = pending[0]
-            # The staged rows still hold the bank's values: nothing wrote them since.
-            staged = None if staged is None else staged.detach()
+            # The staged rows still hold the bank's values: nothing wrote them since (unless
+            # they were only a shape: the softmax read the bank by index).
+            staged = None if staged is None or staged.stride(0) == 0 else staged.detach()
         else:
             rows, grad = self._combine([(r, g) for r, g, _ in pending])
         self.optimizer.update(self.bank, rows, grad.to(self.dtype), float(lr), staged_weight=staged,
-                              block_bytes=self.block_bytes)
+                              block_bytes=self.block_bytes, **self._projection_kwargs())
         self.step_count += 1
         return self.num_rows if rows is None else rows.numel()
 
@@ -574,7 +638,8 @@ class PartialFC(nn.Module):
             for g, s in pending:       # in order, as the device path accumulates
                 grad.index_add_(0, inverse[offset: offset + g.shape[0]], g)
                 offset += g.shape[0]
-        self.optimizer.update(SlotBank(slot), None, grad.to(self.dtype), lr, block_bytes=self.block_bytes)
+        self.optimizer.update(SlotBank(slot), None, grad.to(self.dtype), lr, block_bytes=self.block_bytes,
+                              **self._projection_kwargs())
         self._stager.after_step(slot)
         self.step_count += 1
         self._last_traffic = self.bank.take_traffic()      # no host sync: read when asked for

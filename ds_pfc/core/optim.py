@@ -17,7 +17,20 @@ from .._checks import check_number as _number
 from ..bank.base import ClassBank
 from .softmax import default_block_bytes
 
-__all__ = ["RowOptimizer", "RowSGD", "RowAdamW", "make_row_optimizer"]
+__all__ = ["RowOptimizer", "RowSGD", "RowAdamW", "make_row_optimizer", "project_rows"]
+
+_NORM_EPS = 1e-12
+
+
+def project_rows(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grad`` (rows: the gradient of the normalised rows ``w_hat = w / ||w||``) taken through
+    the normalisation of ``weight``: ``(g - w_hat <w_hat, g>) / max(||w||, 1e-12)`` per row, in
+    ``grad``'s dtype; a new tensor. The same arithmetic as the softmax's own projection."""
+    w = weight.to(grad.dtype)
+    w_inv = w.norm(dim=1).clamp_min(_NORM_EPS).reciprocal()
+    w_hat = w * w_inv[:, None]
+    radial = (w_hat * grad).sum(1, keepdim=True)
+    return torch.addcmul(grad, w_hat, radial, value=-1.0).mul_(w_inv[:, None])
 
 def _chunks(rows: torch.Tensor | None, num_rows: int, width: int, device, chunk_bytes: int):
     """``(row ids, slice of the gradient)`` per chunk of ``chunk_bytes`` of float32
@@ -47,23 +60,31 @@ class RowOptimizer(ABC):
     fused: bool | None = None
 
     def update(self, bank: ClassBank, rows: torch.Tensor | None, grad: torch.Tensor, lr: float,
-               staged_weight: torch.Tensor | None = None, block_bytes: int | None = None) -> None:
+               staged_weight: torch.Tensor | None = None, block_bytes: int | None = None,
+               project: bool = False) -> None:
         """Apply one step to ``rows`` (``None``: all rows) with gradient ``grad``.
 
         ``staged_weight``: the current values of those rows when the caller already
         holds them (the forward staged them), which saves reading them again.
         ``block_bytes``: float32 bytes of rows per chunk (None: the device's default,
         cache-sized on CPU; on CUDA 256 MiB, so a step is one pass of a few kernels).
-        The result does not depend on the chunking: every operation is per element.
+        The result does not depend on the chunking: every operation is per row.
+        ``project``: ``grad`` is the gradient of the normalised rows (the softmax left it
+        unprojected, ``project_w_grad=False``); each row is first taken through the
+        normalisation of its current weight (:func:`project_rows`; inside the fused kernel).
         """
         tables = self._fused_tables(bank, grad)
         if tables is not None:
-            self.fused_update(tables, rows, grad, lr)
+            self.fused_update(tables, rows, grad, lr, project=project)
             return
         chunk_bytes = default_block_bytes(grad.device) if block_bytes is None else block_bytes
         for ids, part in _chunks(rows, bank.num_rows, grad.shape[1], grad.device, chunk_bytes):
             weight = None if staged_weight is None else staged_weight[part].clone()
-            self.update_rows(bank, ids, grad[part], lr, weight)
+            g = grad[part]
+            if project:
+                weight = bank.read("weight", ids) if weight is None else weight
+                g = project_rows(g, weight)
+            self.update_rows(bank, ids, g, lr, weight)
 
     def _fused_tables(self, bank: ClassBank, grad: torch.Tensor) -> dict | None:
         """The bank's state tables when the fused kernel will update them, else None."""
@@ -80,8 +101,9 @@ class RowOptimizer(ABC):
                                "staged slot) and float32 states")
         return tables if usable else None
 
-    def fused_update(self, tables: dict, rows: torch.Tensor | None, grad: torch.Tensor, lr: float) -> None:
-        """One fused kernel over ``rows`` of the in-memory ``tables``."""
+    def fused_update(self, tables: dict, rows: torch.Tensor | None, grad: torch.Tensor, lr: float,
+                     project: bool = False) -> None:
+        """One fused kernel over ``rows`` of the in-memory ``tables`` (``project``: as in :meth:`update`)."""
         raise NotImplementedError(f"{type(self).__name__} has no fused kernel; set fused=False")
 
     @abstractmethod
@@ -114,10 +136,10 @@ class RowSGD(RowOptimizer):
     def config(self):
         return {"momentum": self.momentum, "weight_decay": self.weight_decay, "nesterov": self.nesterov}
 
-    def fused_update(self, tables, rows, grad, lr):
+    def fused_update(self, tables, rows, grad, lr, project=False):
         from ..kernels.triton_optim import sgd_rows_
         sgd_rows_(tables["weight"], tables.get("momentum_buffer"), rows, grad, lr=lr, momentum=self.momentum,
-                  weight_decay=self.weight_decay, nesterov=self.nesterov)
+                  weight_decay=self.weight_decay, nesterov=self.nesterov, project=project)
 
     def update_rows(self, bank, rows, grad, lr, weight=None):
         weight = bank.read("weight", rows) if weight is None else weight
@@ -147,10 +169,11 @@ class RowAdamW(RowOptimizer):
     def config(self):
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
 
-    def fused_update(self, tables, rows, grad, lr):
+    def fused_update(self, tables, rows, grad, lr, project=False):
         from ..kernels.triton_optim import adamw_rows_
         adamw_rows_(tables["weight"], tables["exp_avg"], tables["exp_avg_sq"], tables["step"], rows, grad, lr=lr,
-                    beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay)
+                    beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay,
+                    project=project)
 
     def update_rows(self, bank, rows, grad, lr, weight=None):
         beta1, beta2 = self.betas

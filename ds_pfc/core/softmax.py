@@ -315,16 +315,18 @@ def _normalize(x: torch.Tensor, acc: torch.dtype):
     return x / norm, norm
 
 
-def _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers=1):
+def _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers=1, rows=None):
     """Per owned sample its target column (0 where not owned: a safe index), center
     ``w_hat_t [N, d]``, cosine ``cos_t [N]`` (a row-wise dot in ``acc``) and the row
-    of ``w`` that center is (with sub-centers: the target class's closest one)."""
+    of ``w`` that center is (with sub-centers: the target class's closest one).
+    ``rows``: ``w`` is a table and the centers are ``w[rows]`` (sub_centers 1 only)."""
     owned = target_col >= 0
     col = target_col.clamp_min(0)
-    if w.shape[0] == 0:           # a rank may own no class (C < world size)
+    if w_inv.shape[0] == 0:           # a rank may own no class (C < world size)
         return owned, x_hat.new_zeros(x_hat.shape), x_hat.new_zeros(x_hat.shape[0]), col
     if sub_centers == 1:
-        w_hat_t = w.index_select(0, col).to(acc) * w_inv.index_select(0, col)[:, None]
+        src = col if rows is None else rows.index_select(0, col)
+        w_hat_t = w.index_select(0, src).to(acc) * w_inv.index_select(0, col)[:, None]
         return owned, w_hat_t, (x_hat * w_hat_t).sum(dim=1), col
     k = sub_centers
     rows = (col[:, None] * k + torch.arange(k, device=col.device)).reshape(-1)            # [N K]
@@ -445,13 +447,14 @@ def _forward_torch(blocks: _Blocks, want_correct: bool):
     return lse, max_cos, kept
 
 
-def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype, dw_hat_sum=None):
+def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype, dw_hat_sum=None, project=True):
     """``(dx_hat [N, d], dw [S K, d])`` of the non-target logits: ``G = coef * exp(z -
     row_max)`` per block (recomputed unless ``kept``; times the negative transform's
     derivative), through both GEMMs, and ``dw`` projected through the normalisation of
     ``w``. With sub-centers each class's ``G`` goes to the row that gave its cosine.
     With ``dw_hat_sum [S, d]`` (in ``acc``) the gradient of ``w_hat`` is added into it,
-    unprojected, and ``dw`` is None (:func:`_project_dw` projects the sum once)."""
+    unprojected, and ``dw`` is None (:func:`_project_dw` projects the sum once). ``project=False``:
+    ``dw`` is the gradient of ``w_hat``, not taken through the normalisation."""
     n, acc, kk = blocks.n, blocks.acc, blocks.k
     dx_hat = torch.zeros(n, blocks.xc.shape[1], dtype=acc, device=coef.device)
     dw = None if dw_hat_sum is not None else torch.empty(blocks.w.shape, dtype=w_dtype, device=coef.device)
@@ -493,7 +496,8 @@ def _backward_torch(blocks: _Blocks, kept, coef, row_max, w_dtype, dw_hat_sum=No
             gc = g.to(blocks.compute)
             dw_hat = _mm(gc, blocks.xc, acc)
             dx_hat.add_(_mm(gc.t(), w_hat.to(blocks.compute), acc))
-        _project_rows(dw_hat, w_hat, blocks.w_inv[rj:rk])
+        if project:
+            _project_rows(dw_hat, w_hat, blocks.w_inv[rj:rk])
         if not direct:
             dw[rj:rk] = dw_hat
     return dx_hat, dw
@@ -530,7 +534,7 @@ def _sample_chunks(n: int, s: int, itemsize: int, keep_bytes: int):
     return [(a, min(n, a + rows)) for a in range(0, n, rows)]
 
 
-def _forward_backward_torch(blocks: _Blocks, chunks, t_logit, want_correct, w_dtype, block_bytes):
+def _forward_backward_torch(blocks: _Blocks, chunks, t_logit, want_correct, w_dtype, block_bytes, project=True):
     """One rank holds every class (world size 1), so a chunk of samples' softmax rows
     is complete once its logits over all classes are known: the logits of ``chunks``
     of samples are kept one chunk at a time (``keep_bytes``), and their gradient for
@@ -589,7 +593,7 @@ def _forward_backward_torch(blocks: _Blocks, chunks, t_logit, want_correct, w_dt
             max_cos[a:b] = max_c
         del part, kept, z, e        # views of the kept logits: free them before the next chunk's
     blocks.w_hat_all = w_hat_all
-    dw = _project_dw(blocks, dw_hat, w_dtype)
+    dw = _project_dw(blocks, dw_hat, w_dtype) if project else dw_hat.to(w_dtype)
     blocks.w_hat_all = None
     return lse, max_cos, (dx_hat, dw)
 
@@ -598,7 +602,8 @@ def _forward_backward_torch(blocks: _Blocks, chunks, t_logit, want_correct, w_dt
 class _MarginSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, target_col, margin, threshold, group, compute_dtype, want_correct, block_bytes,
-                keep_bytes, backend, validate, guard_nonfinite, update_state, sub_centers, want_grad):
+                keep_bytes, backend, validate, guard_nonfinite, update_state, sub_centers, want_grad,
+                project_w=True, w_source=None):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         compute = default_compute_dtype(x.device, acc) if compute_dtype is None else compute_dtype
         n = x.shape[0]
@@ -609,10 +614,17 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             # One pass over w: the norms and the normalised centers in the compute dtype, which
             # the backward reuses (S d compute-dtype bytes kept, half of a float32 w).
             from ..kernels import triton_softmax as kernels
-            w_hat_c, w_inv = kernels.prepare(w, compute)
+            # With w_source the centers are read from the bank's table by index (w is then only
+            # their shape, the leaf the gradient lands on): no gathered copy.
+            w_hat_c, w_inv = kernels.prepare(w, compute) if w_source is None else \
+                kernels.prepare(w_source[0], compute, rows=w_source[1])
         else:
             w_inv = w.to(acc).norm(dim=1).clamp_min(_NORM_EPS).reciprocal()
-        owned, w_hat_t, cos_t, t_row = _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers)
+        if w_source is None:
+            owned, w_hat_t, cos_t, t_row = _target_terms(x_hat, w, w_inv, target_col, acc, sub_centers)
+        else:
+            owned, w_hat_t, cos_t, t_row = _target_terms(x_hat, w_source[0], w_inv, target_col, acc, 1,
+                                                         rows=w_source[1])
         if margin.needs_all_targets:     # every rank needs every sample's target cosine
             cos_all = torch.where(owned, cos_t, torch.zeros_like(cos_t))
             all_reduce_(cos_all, "sum", group)
@@ -654,7 +666,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
                 chunks = _sample_chunks(n, blocks.s, x_hat.element_size(), keep_bytes)
             if chunks is not None:
                 lse, max_cos, pre = _forward_backward_torch(blocks, chunks, t_logit, want_correct, w.dtype,
-                                                            block_bytes)
+                                                            block_bytes, project_w)
             else:
                 lse, max_cos, kept = _forward_torch(blocks, want_correct)
 
@@ -694,6 +706,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         ctx.margin, ctx.compute, ctx.in_dtypes = margin, compute, (x.dtype, w.dtype)
         ctx.threshold, ctx.block_bytes, ctx.backend, ctx.kept = threshold, block_bytes, backend, kept is not None
         ctx.guard_nonfinite = guard_nonfinite
+        ctx.project_w = project_w
         # The gradients formed in forward (world size 1, see _forward_backward_torch):
         # consumed by the first backward, which scales them in place.
         ctx.pre = pre
@@ -728,23 +741,24 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             cos_kept, ctx.cos_kept = ctx.cos_kept, None
             if cos_kept is not None and ctx.path == "exp":   # E is only read, but freed with the step
                 dx_hat, dw = kernels.grad_exp(cos_kept, x_hat, w, w_inv, coef, row_max, scale=margin.scale,
-                                              compute_dtype=compute, w_hat=w_hat_c)
+                                              compute_dtype=compute, w_hat=w_hat_c, project=ctx.project_w)
                 del cos_kept
             elif cos_kept is not None:     # G is formed over the kept cosines, in place: they are spent
                 dx_hat, dw = kernels.grad_kept(cos_kept, x_hat, w, w_inv, target_col, coef, row_max,
                                                scale=margin.scale, threshold=ctx.threshold, compute_dtype=compute,
-                                               w_hat=w_hat_c)
+                                               w_hat=w_hat_c, project=ctx.project_w)
                 del cos_kept
             else:
                 dx_hat, dw = kernels.grad(x_hat, w, w_inv, target_col, coef, row_max, scale=margin.scale,
                                           threshold=ctx.threshold, compute_dtype=compute, w_hat=w_hat_c,
-                                          block_bytes=ctx.block_bytes)
+                                          block_bytes=ctx.block_bytes, project=ctx.project_w)
             dw = dw.to(ctx.in_dtypes[1])
         else:
             blocks = _Blocks(x_hat, w, w_inv, target_col, ctx.threshold, margin.scale, compute, acc,
                              ctx.block_bytes, neg_above=neg_above if has_neg else None,
                              neg_t=neg_t if has_neg else None, sub_centers=ctx.sub_centers)
-            dx_hat, dw = _backward_torch(blocks, kept if ctx.kept else None, coef, row_max, ctx.in_dtypes[1])
+            dx_hat, dw = _backward_torch(blocks, kept if ctx.kept else None, coef, row_max, ctx.in_dtypes[1],
+                                         project=ctx.project_w)
         # The target terms, hoisted out of the blocks: one fix-up for dx and dw.
         owned = target_col >= 0
         p_t = torch.exp(t_logit - row_max) / sum_exp
@@ -752,8 +766,8 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         dx_hat.add_(g_t[:, None] * w_hat_t)
         if w.shape[0]:
             dw_hat_t = g_t[:, None] * x_hat
-            dw_t = (dw_hat_t - w_hat_t * (w_hat_t * dw_hat_t).sum(1, keepdim=True)) * \
-                w_inv.index_select(0, t_row)[:, None]
+            dw_t = dw_hat_t if not ctx.project_w else \
+                (dw_hat_t - w_hat_t * (w_hat_t * dw_hat_t).sum(1, keepdim=True)) * w_inv.index_select(0, t_row)[:, None]
             dw.index_add_(0, t_row, dw_t.to(dw.dtype))
         dx = (dx_hat - x_hat * (x_hat * dx_hat).sum(1, keepdim=True)) / x_norm
         if has_dnorm or has_extra:       # margins that read the norm: along x_hat, on the owner rank only
@@ -765,7 +779,8 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             dx = dx + x_hat * torch.where(owned, g_norm, torch.zeros_like(g_norm))[:, None]
         if ctx.guard_nonfinite:     # an overflow in dw reaches the embeddings, hence the overflow check
             dx = dx + torch.where(torch.isfinite(dw).all(), 0.0, float("nan")).to(dx.dtype)
-        return dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None, None, None, None
+        return (dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None, None, None,
+                None, None, None)
 
 
 def margin_softmax_cross_entropy(
@@ -785,6 +800,8 @@ def margin_softmax_cross_entropy(
     update_state: bool = False,
     sub_centers: int = 1,
     keep_bytes: int | None = None,
+    project_w_grad: bool = True,
+    w_source: tuple | None = None,
 ) -> SoftmaxResult:
     """Margin softmax CE of the gathered batch against this rank's active centers.
 
@@ -809,6 +826,15 @@ def margin_softmax_cross_entropy(
     ``sub_centers=K``: ``w`` holds ``S K`` rows, row ``c K + k`` the k-th sub-center
     of active class ``c``; a class's cosine is the largest of its sub-centers'
     (sub-center ArcFace), and ``target_col`` counts classes. torch backend only.
+    ``project_w_grad=False``: the gradient of ``w`` is that of the normalised centers
+    ``w_hat = w / ||w||``, not taken through the normalisation, for a caller that projects
+    it itself just before it uses it (PartialFC's row optimizers, see ``PartialFC.step``):
+    the projection is linear per row and ``w`` is the same at both ends, so sums over
+    micro steps, scaling and finiteness checks may come first.
+    ``w_source=(table [C, d], rows [S] int64)``: the centers' values are ``table[rows]``, read
+    there by index (triton backend, no sub-centers, ``project_w_grad=False`` when training;
+    ``rows`` None: the whole table); ``w`` then only gives their shape and dtype and receives
+    the gradient (it may be a shape-only tensor such as ``torch.empty(()).expand(S, d)``).
     """
     check_block_bytes(block_bytes)
     check_keep_bytes(keep_bytes)
@@ -819,10 +845,19 @@ def margin_softmax_cross_entropy(
             raise ValueError("backend='triton' does not implement sub-centers; use backend='torch' or 'auto'")
         backend = "torch"
     backend = resolve_backend(backend, x.device, compute, acc if w.dtype != torch.float64 else torch.float64, margin)
+    if w_source is not None:
+        table, rows = w_source
+        if backend != "triton" or sub_centers != 1 or (project_w_grad and w.requires_grad):
+            raise ValueError("w_source needs backend='triton', sub_centers=1 and, for a gradient of w, "
+                             "project_w_grad=False (the projection would read w)")
+        if table.dim() != 2 or table.shape[1] != w.shape[1] or table.dtype != w.dtype or \
+                (rows.shape[0] if rows is not None else table.shape[0]) != w.shape[0]:
+            raise ValueError(f"w_source: a [C, {w.shape[1]}] {w.dtype} table and {w.shape[0]} row ids expected")
+        w_source = (table, rows if rows is not None else torch.arange(table.shape[0], device=table.device))
     keep_bytes = default_keep_bytes(backend, block_bytes, x.device) if keep_bytes is None else keep_bytes
     block_bytes = default_block_bytes(x.device) if block_bytes is None else block_bytes
     loss, per_sample, correct = _MarginSoftmaxCE.apply(
         x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct, block_bytes, keep_bytes,
         backend, bool(validate), bool(guard_nonfinite), bool(update_state), int(sub_centers),
-        torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        torch.is_grad_enabled() and (x.requires_grad or w.requires_grad), bool(project_w_grad), w_source)
     return SoftmaxResult(loss, per_sample, correct)

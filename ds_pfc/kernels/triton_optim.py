@@ -49,6 +49,22 @@ _TILES = {
     "interpreter": (4,      16,      1,         16),
 }
 
+#: Whole-row programs of the projecting update (``project=True``), which needs two sums over
+#: each row before it can update any element: (widest row read in one sweep, column tile of
+#: the two-sweep form for wider rows, elements per program). A row of up to ONE_SWEEP columns
+#: is one ``BLOCK_R x next_pow2(d)`` tile, read once; a wider one is read in column tiles,
+#: once for the sums and once for the update. On Hopper, d = 512 gives 4 rows x 512 columns
+#: per program (as many elements as the 8 x 256 tile of the plain update); the interpreter's
+#: bounds make the tests' d = 24 one sweep and d = 40 two.
+_ROW_TILES = {
+    #              ONE_SWEEP  SWEEP_D  ELEMENTS
+    "cuda":        (2048,     1024,    2048),
+    "interpreter": (32,       16,      64),
+}
+
+#: Smallest row norm the projection divides by (as the softmax's normalisation).
+_NORM_EPS = 1e-12
+
 
 def available() -> bool:
     """True when the kernels can run here: Triton is installed and there is a CUDA
@@ -58,6 +74,14 @@ def available() -> bool:
 
 def _tiles():
     return _TILES["interpreter" if _INTERPRET and not _target.active() else "cuda"]
+
+
+def _row_tiles(width: int):
+    """``(BLOCK_R, BLOCK_D, ONE_SWEEP)`` of the whole-row (projecting) kernels for rows of ``width``."""
+    one_sweep, sweep_d, elements = _ROW_TILES["interpreter" if _INTERPRET and not _target.active() else "cuda"]
+    whole = triton.next_power_of_2(max(width, 1))
+    block_d = whole if whole <= one_sweep else sweep_d
+    return max(1, elements // block_d), block_d, whole <= one_sweep
 
 
 if triton is not None:
@@ -75,19 +99,33 @@ if triton is not None:
         return pos, row, in_range
 
     @triton.jit
-    def _sgd_rows_kernel(w_ptr, buf_ptr, rows_ptr, g_ptr, R, D,
-                         stride_w, stride_buf, stride_rows, stride_g,
-                         lr, momentum, weight_decay,
-                         HAS_ROWS: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-                         HAS_WEIGHT_DECAY: tl.constexpr, NESTEROV: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        pos, row, in_range = _row_ids(rows_ptr, stride_rows, R, HAS_ROWS, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask = in_range[:, None] & (cols < D)[None, :]
+    def _project(g, w, sum_ww, sum_wg):
+        """The tangent projection of a tile of ``g`` (the gradient of ``w_hat = w / ||w||``)
+        through the normalisation of its rows ``w``: ``(g - w_hat <w_hat, g>) / ||w||``, from the
+        rows' sums ``||w||^2`` and ``<w, g>`` (float32)."""
+        inv = tl.div_rn(1.0, tl.maximum(tl.sqrt_rn(sum_ww), 1e-12))
+        radial = sum_wg * inv
+        return (g - (w * inv[:, None]) * radial[:, None]) * inv[:, None]
 
-        g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask)
-        w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
-        w = tl.load(w_at, mask=mask)
+    @triton.jit
+    def _row_sums(w_ptr, g_ptr, pos, row, in_range, D, stride_w, stride_g,
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """``(||w_r||^2, <w_r, g_r>)`` of this program's rows, one sweep over their columns."""
+        sum_ww = tl.zeros([BLOCK_R], tl.float32)
+        sum_wg = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in range(0, D, BLOCK_D):
+            cols = k0 + tl.arange(0, BLOCK_D)
+            mask = in_range[:, None] & (cols < D)[None, :]
+            g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+            w = tl.load(w_ptr + row[:, None] * stride_w + cols[None, :], mask=mask, other=0.0)
+            sum_ww += tl.sum(w * w, axis=1)
+            sum_wg += tl.sum(w * g, axis=1)
+        return sum_ww, sum_wg
+
+    @triton.jit
+    def _sgd_tile(g, w, w_at, buf_ptr, row, cols, mask, stride_buf, lr, momentum, weight_decay,
+                  HAS_MOMENTUM: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, NESTEROV: tl.constexpr):
+        """The SGD update of one loaded tile (gradient ``g``, weight ``w``): stores weight and buffer."""
         # The flags are constexpr so that a zero hyper-parameter skips its term
         # exactly as RowSGD does (g + 0 * w would turn an inf weight into nan).
         step = g
@@ -104,6 +142,49 @@ if triton is not None:
             else:
                 step = buf
         tl.store(w_at, w - lr * step, mask=mask)
+
+    @triton.jit
+    def _sgd_rows_kernel(w_ptr, buf_ptr, rows_ptr, g_ptr, R, D,
+                         stride_w, stride_buf, stride_rows, stride_g,
+                         lr, momentum, weight_decay,
+                         HAS_ROWS: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+                         HAS_WEIGHT_DECAY: tl.constexpr, NESTEROV: tl.constexpr,
+                         PROJECT: tl.constexpr, ONE_SWEEP: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Grid (row tiles, column tiles); with PROJECT, (row tiles,): whole rows, ``g`` taken
+        through the normalisation of the row first (one sweep when ONE_SWEEP, else a sweep for
+        the row sums and one for the update)."""
+        pos, row, in_range = _row_ids(rows_ptr, stride_rows, R, HAS_ROWS, BLOCK_R)
+        if PROJECT:
+            if ONE_SWEEP:
+                cols = tl.arange(0, BLOCK_D)
+                mask = in_range[:, None] & (cols < D)[None, :]
+                g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+                w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
+                w = tl.load(w_at, mask=mask, other=0.0)
+                g = _project(g, w, tl.sum(w * w, axis=1), tl.sum(w * g, axis=1))
+                _sgd_tile(g, w, w_at, buf_ptr, row, cols, mask, stride_buf, lr, momentum, weight_decay,
+                          HAS_MOMENTUM, HAS_WEIGHT_DECAY, NESTEROV)
+            else:
+                sum_ww, sum_wg = _row_sums(w_ptr, g_ptr, pos, row, in_range, D, stride_w, stride_g,
+                                           BLOCK_R, BLOCK_D)
+                for k0 in range(0, D, BLOCK_D):
+                    cols = k0 + tl.arange(0, BLOCK_D)
+                    mask = in_range[:, None] & (cols < D)[None, :]
+                    g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+                    w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
+                    w = tl.load(w_at, mask=mask, other=0.0)
+                    g = _project(g, w, sum_ww, sum_wg)
+                    _sgd_tile(g, w, w_at, buf_ptr, row, cols, mask, stride_buf, lr, momentum, weight_decay,
+                              HAS_MOMENTUM, HAS_WEIGHT_DECAY, NESTEROV)
+        else:
+            cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+            mask = in_range[:, None] & (cols < D)[None, :]
+            g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask)
+            w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
+            w = tl.load(w_at, mask=mask)
+            _sgd_tile(g, w, w_at, buf_ptr, row, cols, mask, stride_buf, lr, momentum, weight_decay,
+                      HAS_MOMENTUM, HAS_WEIGHT_DECAY, NESTEROV)
 
     @triton.jit
     def _one_minus_pow(log_beta, t):
@@ -130,26 +211,11 @@ if triton is not None:
         return tl.where(x > -1.0, -x * p, 1.0 - tl.exp(x))
 
     @triton.jit
-    def _adamw_rows_kernel(w_ptr, m_ptr, v_ptr, step_ptr, rows_ptr, g_ptr, R, D,
-                           stride_w, stride_m, stride_v, stride_step, stride_rows, stride_g,
-                           lr, beta1, beta2, one_minus_beta1, one_minus_beta2,
-                           log_beta1, log_beta2, eps, decay,
-                           HAS_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        pos, row, in_range = _row_ids(rows_ptr, stride_rows, R, HAS_ROWS, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask = in_range[:, None] & (cols < D)[None, :]
-
-        # The step count is only read here (every column tile of a row needs the same
-        # t); _increment_steps_kernel bumps it after this launch.
-        t = (tl.load(step_ptr + row * stride_step, mask=in_range, other=0) + 1).to(tl.float32)
-        bias1 = _one_minus_pow(log_beta1, t)[:, None]
-        bias2_sqrt = tl.sqrt_rn(_one_minus_pow(log_beta2, t))[:, None]
-
-        g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask)
-        w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
+    def _adamw_tile(g, w, w_at, m_ptr, v_ptr, row, cols, mask, stride_m, stride_v, lr, beta1, beta2,
+                    one_minus_beta1, one_minus_beta2, eps, decay, bias1, bias2_sqrt):
+        """The AdamW update of one loaded tile: stores weight and both moments."""
         m_at = m_ptr + row[:, None] * stride_m + cols[None, :]
         v_at = v_ptr + row[:, None] * stride_v + cols[None, :]
-        w = tl.load(w_at, mask=mask)
         m = tl.load(m_at, mask=mask) * beta1 + one_minus_beta1 * g
         v = tl.load(v_at, mask=mask) * beta2 + one_minus_beta2 * g * g
         # Same operation order as RowAdamW; IEEE sqrt/div (not the approximate ones)
@@ -159,6 +225,55 @@ if triton is not None:
         tl.store(w_at, w, mask=mask)
         tl.store(m_at, m, mask=mask)
         tl.store(v_at, v, mask=mask)
+
+    @triton.jit
+    def _adamw_rows_kernel(w_ptr, m_ptr, v_ptr, step_ptr, rows_ptr, g_ptr, R, D,
+                           stride_w, stride_m, stride_v, stride_step, stride_rows, stride_g,
+                           lr, beta1, beta2, one_minus_beta1, one_minus_beta2,
+                           log_beta1, log_beta2, eps, decay,
+                           HAS_ROWS: tl.constexpr, PROJECT: tl.constexpr, ONE_SWEEP: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Grid (row tiles, column tiles); with PROJECT, (row tiles,): whole rows, ``g`` taken
+        through the normalisation of the row first, and the step count bumped here (each row
+        belongs to one program)."""
+        pos, row, in_range = _row_ids(rows_ptr, stride_rows, R, HAS_ROWS, BLOCK_R)
+        # The step count is only read here when rows are split over column tiles (every
+        # tile of a row needs the same t); _increment_steps_kernel bumps it after this launch.
+        t_int = tl.load(step_ptr + row * stride_step, mask=in_range, other=0) + 1
+        t = t_int.to(tl.float32)
+        bias1 = _one_minus_pow(log_beta1, t)[:, None]
+        bias2_sqrt = tl.sqrt_rn(_one_minus_pow(log_beta2, t))[:, None]
+        if PROJECT:
+            if ONE_SWEEP:
+                cols = tl.arange(0, BLOCK_D)
+                mask = in_range[:, None] & (cols < D)[None, :]
+                g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+                w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
+                w = tl.load(w_at, mask=mask, other=0.0)
+                g = _project(g, w, tl.sum(w * w, axis=1), tl.sum(w * g, axis=1))
+                _adamw_tile(g, w, w_at, m_ptr, v_ptr, row, cols, mask, stride_m, stride_v, lr, beta1, beta2,
+                            one_minus_beta1, one_minus_beta2, eps, decay, bias1, bias2_sqrt)
+            else:
+                sum_ww, sum_wg = _row_sums(w_ptr, g_ptr, pos, row, in_range, D, stride_w, stride_g,
+                                           BLOCK_R, BLOCK_D)
+                for k0 in range(0, D, BLOCK_D):
+                    cols = k0 + tl.arange(0, BLOCK_D)
+                    mask = in_range[:, None] & (cols < D)[None, :]
+                    g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+                    w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
+                    w = tl.load(w_at, mask=mask, other=0.0)
+                    g = _project(g, w, sum_ww, sum_wg)
+                    _adamw_tile(g, w, w_at, m_ptr, v_ptr, row, cols, mask, stride_m, stride_v, lr, beta1, beta2,
+                                one_minus_beta1, one_minus_beta2, eps, decay, bias1, bias2_sqrt)
+            tl.store(step_ptr + row * stride_step, t_int, mask=in_range)
+        else:
+            cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+            mask = in_range[:, None] & (cols < D)[None, :]
+            g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask)
+            w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
+            w = tl.load(w_at, mask=mask)
+            _adamw_tile(g, w, w_at, m_ptr, v_ptr, row, cols, mask, stride_m, stride_v, lr, beta1, beta2,
+                        one_minus_beta1, one_minus_beta2, eps, decay, bias1, bias2_sqrt)
 
     @triton.jit
     def _increment_steps_kernel(step_ptr, rows_ptr, R, stride_step, stride_rows,
@@ -226,7 +341,7 @@ def _rows_args(rows, grad):
 
 def sgd_rows_(weight: torch.Tensor, momentum_buffer: torch.Tensor | None, rows: torch.Tensor | None,
               grad: torch.Tensor, *, lr: float, momentum: float, weight_decay: float,
-              nesterov: bool) -> None:
+              nesterov: bool, project: bool = False) -> None:
     """In place, ``RowSGD.update_rows``: ``torch.optim.SGD`` (dampening 0) on each row.
 
     Per row ``r = rows[i]`` with ``g = grad[i]``::
@@ -243,6 +358,13 @@ def sgd_rows_(weight: torch.Tensor, momentum_buffer: torch.Tensor | None, rows: 
         rows: ``[R]`` int64 sorted unique row ids, or None for rows ``0..R-1`` (then
             the tables have exactly ``R`` rows).
         grad: ``[R, d]`` float32, row ``i`` the gradient of row ``rows[i]``.
+        project: ``grad`` is the gradient of the normalised rows ``w_hat = w / ||w||``
+            (what the softmax leaves unprojected when the optimizer projects it); each row
+            is first taken through the normalisation of the weight it updates,
+            ``g = (g - w_hat <w_hat, g>) / max(||w||, 1e-12)``, in float32, by whole-row
+            programs (the two row sums need all of a row before any element is updated).
+            The traffic stays that of the plain update for rows up to 2048 columns (one
+            read of each row); wider rows read grad and weight twice.
 
     Memory traffic per element: with momentum 12 B read (grad, weight, buffer) and
     8 B written (weight, buffer) = 20 B; without, 8 B read + 4 B written = 12 B. Plus
@@ -263,21 +385,25 @@ def sgd_rows_(weight: torch.Tensor, momentum_buffer: torch.Tensor | None, rows: 
         return
 
     block_r, block_d, num_warps, _ = _tiles()
+    one_sweep = False
+    if project:
+        block_r, block_d, one_sweep = _row_tiles(width)
     rows_ptr, stride_rows, has_rows = _rows_args(rows, grad)
     buf = momentum_buffer if momentum else weight  # never read without momentum
-    grid = (triton.cdiv(num_rows, block_r), triton.cdiv(width, block_d))
+    grid = (triton.cdiv(num_rows, block_r), 1 if project else triton.cdiv(width, block_d))
     with on_device(grad.device):    # Triton launches on the current device, not the tensors'
         _sgd_rows_kernel[grid](
             weight, buf, rows_ptr, grad, num_rows, width,
             weight.stride(0), buf.stride(0), stride_rows, grad.stride(0),
             lr, momentum, weight_decay,
             HAS_ROWS=has_rows, HAS_MOMENTUM=momentum != 0.0, HAS_WEIGHT_DECAY=weight_decay != 0.0,
-            NESTEROV=bool(nesterov), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+            NESTEROV=bool(nesterov), PROJECT=bool(project), ONE_SWEEP=one_sweep,
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
 
 
 def adamw_rows_(weight: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 step: torch.Tensor, rows: torch.Tensor | None, grad: torch.Tensor, *, lr: float,
-                beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                beta1: float, beta2: float, eps: float, weight_decay: float, project: bool = False) -> None:
     """In place, ``RowAdamW.update_rows``: ``torch.optim.AdamW`` on each row, with the
     bias corrections of that row's own step count.
 
@@ -292,7 +418,8 @@ def adamw_rows_(weight: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
     Args:
         weight, exp_avg, exp_avg_sq: ``[C, d]`` float32, updated at ``rows``.
         step: ``[C]`` int32, incremented at ``rows``.
-        rows, grad: as in :func:`sgd_rows_`.
+        rows, grad, project: as in :func:`sgd_rows_`; with ``project`` the step count is
+            bumped by the update's own launch (a row is one program), not by a second one.
 
     Memory traffic per element: 16 B read (grad, weight, exp_avg, exp_avg_sq) and 12 B
     written (weight, exp_avg, exp_avg_sq) = 28 B. Per row: 8 B row id + 4 B step read
@@ -322,12 +449,24 @@ def adamw_rows_(weight: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
     with on_device(grad.device):    # Triton launches on the current device, not the tensors'
         _adamw_launches(weight, exp_avg, exp_avg_sq, step, rows_ptr, grad, num_rows, width, stride_rows, has_rows,
                         lr, beta1, beta2, log_beta1, log_beta2, eps, weight_decay, block_r, block_d, num_warps,
-                        block_step)
+                        block_step, bool(project))
 
 
 def _adamw_launches(weight, exp_avg, exp_avg_sq, step, rows_ptr, grad, num_rows, width, stride_rows, has_rows,
                     lr, beta1, beta2, log_beta1, log_beta2, eps, weight_decay, block_r, block_d, num_warps,
-                    block_step):
+                    block_step, project=False):
+    if width and project:
+        # Whole rows: the launch that updates a row also bumps its step count.
+        block_r, block_d, one_sweep = _row_tiles(width)
+        _adamw_rows_kernel[(triton.cdiv(num_rows, block_r), 1)](
+            weight, exp_avg, exp_avg_sq, step, rows_ptr, grad, num_rows, width,
+            weight.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0), step.stride(0),
+            stride_rows, grad.stride(0),
+            lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, log_beta1, log_beta2, eps,
+            1.0 - lr * weight_decay,
+            HAS_ROWS=has_rows, PROJECT=True, ONE_SWEEP=one_sweep, BLOCK_R=block_r, BLOCK_D=block_d,
+            num_warps=num_warps)
+        return
     if width:
         # Every column tile of a row reads the same step count, so the count cannot be
         # bumped in this launch without racing; the second launch does it after.
@@ -338,7 +477,8 @@ def _adamw_launches(weight, exp_avg, exp_avg_sq, step, rows_ptr, grad, num_rows,
             stride_rows, grad.stride(0),
             lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, log_beta1, log_beta2, eps,
             1.0 - lr * weight_decay,
-            HAS_ROWS=has_rows, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+            HAS_ROWS=has_rows, PROJECT=False, ONE_SWEEP=False, BLOCK_R=block_r, BLOCK_D=block_d,
+            num_warps=num_warps)
     _increment_steps_kernel[(triton.cdiv(num_rows, block_step),)](
         step, rows_ptr, num_rows, step.stride(0), stride_rows,
         HAS_ROWS=has_rows, BLOCK_STEP=block_step, num_warps=num_warps)

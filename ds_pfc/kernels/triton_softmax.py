@@ -73,7 +73,9 @@ _NORM_EPS = 1e-12
 #   "g":   A = classes, B = samples, K over d. Grid (class tiles of the block,); each program
 #          walks every sample tile, so it owns complete sums rho of its classes.
 #   "dw":  A = classes, B = dims,    K over samples. Grid (class tiles, pairs of dim tiles).
-#   "prep": A = rows, B = dims per chunk (K unused).
+#   "prep": A = rows, B = dims per chunk (K unused): A x B elements per program. A row of up to
+#          A x B elements (next_pow2(d)) is read once, whole, by programs of A x B / next_pow2(d)
+#          rows; a wider one in B-column chunks, twice (the norm first, then the scaled copy).
 # Each kernel computes several B tiles per loaded A slice (lse and dw four, g two), so its
 # operand traffic is that of one A x (parts * B) tile while only one part's epilogue is live in
 # registers. "lowp" (bf16/fp16), 8 warps (two warpgroups, as Hopper's wgmma wants), K step 64:
@@ -279,26 +281,41 @@ def _negative_logits(cos, col, tgt, valid, scale, threshold, HAS_THRESHOLD: tl.c
 
 
 @triton.jit
-def _prep_kernel(w_ptr, stride_r, stride_c, wc_ptr, inv_ptr, S, d, eps,
-                 COMPUTE: tl.constexpr, UPCAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (row tiles,): ``inv = 1 / max(||w_j||, eps)`` and ``wc_j = w_j * inv`` in COMPUTE."""
+def _prep_kernel(w_ptr, stride_r, stride_c, idx_ptr, wc_ptr, inv_ptr, S, d, eps,
+                 COMPUTE: tl.constexpr, UPCAST: tl.constexpr, HAS_IDX: tl.constexpr, ONE_PASS: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (row tiles,): ``inv = 1 / max(||w_j||, eps)`` and ``wc_j = w_j * inv`` in COMPUTE, where
+    ``w_j`` is row ``j`` of ``w`` or, with HAS_IDX, row ``idx[j]`` of it (the bank's table read by
+    index: no gathered copy). ONE_PASS (BLOCK_D >= d): each row is loaded once."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < S
-    src = rows.to(tl.int64)[:, None] * stride_r
+    if HAS_IDX:
+        src_rows = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src_rows = rows.to(tl.int64)
+    src = src_rows[:, None] * stride_r
     dst = rows.to(tl.int64)[:, None] * d
-    sq = tl.zeros([ROWS], tl.float32)
-    for k0 in range(0, d, BLOCK_D):
-        dims = k0 + tl.arange(0, BLOCK_D)
+    if ONE_PASS:
+        dims = tl.arange(0, BLOCK_D)
         ok = row_ok[:, None] & (dims < d)[None, :]
         v = tl.load(w_ptr + src + dims[None, :].to(tl.int64) * stride_c, mask=ok, other=0.0).to(tl.float32)
-        sq += tl.sum(v * v, axis=1)
-    inv = 1.0 / tl.maximum(tl.sqrt(sq), eps)
-    tl.store(inv_ptr + rows, inv, mask=row_ok)
-    for k0 in range(0, d, BLOCK_D):
-        dims = k0 + tl.arange(0, BLOCK_D)
-        ok = row_ok[:, None] & (dims < d)[None, :]
-        v = tl.load(w_ptr + src + dims[None, :].to(tl.int64) * stride_c, mask=ok, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(v * v, axis=1)), eps)
+        tl.store(inv_ptr + rows, inv, mask=row_ok)
         tl.store(wc_ptr + dst + dims[None, :], _round(v * inv[:, None], COMPUTE, UPCAST), mask=ok)
+    else:
+        sq = tl.zeros([ROWS], tl.float32)
+        for k0 in range(0, d, BLOCK_D):
+            dims = k0 + tl.arange(0, BLOCK_D)
+            ok = row_ok[:, None] & (dims < d)[None, :]
+            v = tl.load(w_ptr + src + dims[None, :].to(tl.int64) * stride_c, mask=ok, other=0.0).to(tl.float32)
+            sq += tl.sum(v * v, axis=1)
+        inv = 1.0 / tl.maximum(tl.sqrt(sq), eps)
+        tl.store(inv_ptr + rows, inv, mask=row_ok)
+        for k0 in range(0, d, BLOCK_D):
+            dims = k0 + tl.arange(0, BLOCK_D)
+            ok = row_ok[:, None] & (dims < d)[None, :]
+            v = tl.load(w_ptr + src + dims[None, :].to(tl.int64) * stride_c, mask=ok, other=0.0).to(tl.float32)
+            tl.store(wc_ptr + dst + dims[None, :], _round(v * inv[:, None], COMPUTE, UPCAST), mask=ok)
 
 
 @triton.jit
@@ -534,19 +551,24 @@ def _g_kernel(x_ptr, w_ptr, tgt_ptr, coef_ptr, row_max_ptr, g_ptr, rho_ptr,
 
 
 @triton.jit
-def _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d):
-    """Epilogue of one ``[classes, dims]`` tile of ``G^T x_hat``: project and store ``dw``."""
+def _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, PROJECT: tl.constexpr):
+    """Epilogue of one ``[classes, dims]`` tile of ``G^T x_hat``: project (unless not PROJECT:
+    then ``c dw_hat``, for a caller that projects) and store ``dw``."""
     ok = col_ok[:, None] & (dims < d)[None, :]
-    w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_r + dims[None, :].to(tl.int64) * stride_c,
-                mask=ok, other=0.0).to(tl.float32)
-    dw = (acc - (w * inv[:, None]) * rho[:, None]) * (inv * c)[:, None]
+    if PROJECT:
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_r + dims[None, :].to(tl.int64) * stride_c,
+                    mask=ok, other=0.0).to(tl.float32)
+        dw = (acc - (w * inv[:, None]) * rho[:, None]) * (inv * c)[:, None]
+    else:
+        dw = acc * c
     tl.store(dw_ptr + cols.to(tl.int64)[:, None] * d + dims[None, :], dw, mask=ok)
 
 
 @triton.jit
 def _dw_kernel(g_ptr, x_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr, dw_ptr,
                N, S, d, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_N: tl.constexpr):
+               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_N: tl.constexpr,
+               PROJECT: tl.constexpr):
     """Grid (class tiles, quads of dim tiles, sample splits): ``dw = c * w_inv * (G^T x_hat -
     w_hat rho)``, each sample split's part into its own ``[S, d]`` of ``dw_ptr`` (the first
     split carries the ``w_hat rho`` term; the parts sum to ``dw``).
@@ -586,10 +608,10 @@ def _dw_kernel(g_ptr, x_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr,
     rho = tl.load(rho_ptr + cols, mask=col_ok, other=0.0) * (split == 0).to(tl.float32)
     c = tl.load(c_ptr)
     dw_ptr += split.to(tl.int64) * S * d
-    _dw_part(acc0, cols, col_ok, d0, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
-    _dw_part(acc1, cols, col_ok, d0 + BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
-    _dw_part(acc2, cols, col_ok, d0 + 2 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
-    _dw_part(acc3, cols, col_ok, d0 + 3 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
+    _dw_part(acc0, cols, col_ok, d0, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, PROJECT)
+    _dw_part(acc1, cols, col_ok, d0 + BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, PROJECT)
+    _dw_part(acc2, cols, col_ok, d0 + 2 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, PROJECT)
+    _dw_part(acc3, cols, col_ok, d0 + 3 * BLOCK_D, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, PROJECT)
 
 
 @triton.jit
@@ -656,7 +678,7 @@ def _project_kernel(dw_ptr, w_ptr, stride_r, stride_c, inv_ptr, rho_ptr, c_ptr, 
         dims = k0 + tl.arange(0, BLOCK_D)
         ok = col_ok[:, None] & (dims < d)[None, :]
         acc = tl.load(dw_ptr + cols.to(tl.int64)[:, None] * d + dims[None, :], mask=ok, other=0.0)
-        _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d)
+        _dw_part(acc, cols, col_ok, dims, w_ptr, stride_r, stride_c, inv, rho, c, dw_ptr, d, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -705,9 +727,24 @@ def _consts(compute_dtype):
     return dict(UPCAST=_INTERPRET and lowp, PRECISION="ieee")
 
 
-def prepare(w: torch.Tensor, compute_dtype: torch.dtype):
+def prep_shape(d: int, compute_dtype: torch.dtype, interpret: bool | None = None):
+    """``(ROWS, BLOCK_D, ONE_PASS)`` of :func:`prepare` for rows of ``d`` columns (the "prep" row of
+    the tile table: whole rows read once while ``next_pow2(d)`` fits a program's elements)."""
+    rows, block_d, _, _, _ = tile_config("prep", compute_dtype, interpret)
+    whole = max(16, triton.next_power_of_2(d))
+    if whole <= rows * block_d:
+        return max(1, rows * block_d // whole), whole, True
+    return rows, block_d, False
+
+
+def prepare(w: torch.Tensor, compute_dtype: torch.dtype, rows: torch.Tensor | None = None):
     """``(w_hat [S, d] in compute_dtype, contiguous; w_inv_norm [S] float32)`` of centers ``w``
-    (float32, bf16 or fp16, any strides): one read of ``w``, no normalised float32 copy."""
+    (float32, bf16 or fp16, any strides): one read of ``w``, no normalised float32 copy.
+
+    ``rows``: ``[S]`` int64 row ids into ``w`` (a bank's ``[C, d]`` table): the centers are
+    ``w[rows]``, read in place by index (no gathered ``[S, d]`` copy); ids must lie in
+    ``[0, C)`` (not checked: that would cost a host sync). Rows of up to a program's
+    elements (2048 on a GPU) are read once, whole; wider ones twice."""
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise ValueError(f"w: expected a [S, d] tensor, got {getattr(w, 'shape', type(w).__name__)}")
     if w.dtype not in _TL_DTYPES:
@@ -715,18 +752,25 @@ def prepare(w: torch.Tensor, compute_dtype: torch.dtype):
     if compute_dtype not in _TL_DTYPES:
         raise TypeError(f"compute_dtype: expected one of {list(_TL_DTYPES)}, got {compute_dtype}")
     check_device(w)
-    s, d = w.shape
+    if rows is not None:
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
+            raise ValueError(f"rows: expected a 1-d int64 tensor, got "
+                             f"{getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+        if rows.device != w.device:
+            raise ValueError(f"rows: on {rows.device}, but w is on {w.device}")
+        rows = rows.contiguous()
+    s, d = (w.shape[0] if rows is None else rows.shape[0]), w.shape[1]
     wc = torch.empty(s, d, dtype=compute_dtype, device=w.device)
     inv = torch.empty(s, dtype=torch.float32, device=w.device)
     if s == 0 or d == 0:
         return wc, inv.fill_(1.0 / _NORM_EPS)
-    rows, block_d, _, warps, stages = tile_config("prep", compute_dtype)
-    block_d = min(block_d, max(16, triton.next_power_of_2(d)))
+    _, _, _, warps, stages = tile_config("prep", compute_dtype)
+    block_r, block_d, one_pass = prep_shape(d, compute_dtype)
     with on_device(w.device):
-        _prep_kernel[(triton.cdiv(s, rows),)](
-            w, w.stride(0), w.stride(1), wc, inv, s, d, _NORM_EPS,
-            COMPUTE=_TL_DTYPES[compute_dtype], UPCAST=_consts(compute_dtype)["UPCAST"], ROWS=rows, BLOCK_D=block_d,
-            num_warps=warps, num_stages=stages)
+        _prep_kernel[(triton.cdiv(s, block_r),)](
+            w, w.stride(0), w.stride(1), rows if rows is not None else inv, wc, inv, s, d, _NORM_EPS,
+            COMPUTE=_TL_DTYPES[compute_dtype], UPCAST=_consts(compute_dtype)["UPCAST"], HAS_IDX=rows is not None,
+            ONE_PASS=one_pass, ROWS=block_r, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     return wc, inv
 
 
@@ -842,7 +886,7 @@ def _backward_operands(x_hat, w, w_inv_norm, w_hat, coef, compute_dtype):
 
 
 def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, compute_dtype,
-         w_hat=None, block_bytes: int | None = None):
+         w_hat=None, block_bytes: int | None = None, project: bool = True):
     """Backward of the non-target logits: ``(dx_hat [N, d], dw [S, d])``, float32.
 
     With ``G[n, j] = coef[n] * exp(z[n, j] - row_max[n])`` on kept entries (0 on the target and
@@ -851,6 +895,8 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
     kept it. ``block_bytes`` bounds the G buffer (``[classes, N]`` in the compute dtype; None:
     one block). Cost: ``6 N S d`` FLOPs (recompute, two products) and ``N S`` G elements written
     and read twice; memory beyond the outputs: G of one block and ``4 S`` bytes of ``rho``.
+    ``project=False``: ``dw`` is ``dw_hat`` itself (the gradient of ``w_hat``), for a caller that
+    projects it (the row optimizers, ``project=True`` there).
     """
     _validate(x_hat, w, w_inv_norm, target_col, compute_dtype, coef=coef, row_max=row_max)
     n, d = x_hat.shape
@@ -893,14 +939,15 @@ def grad(x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, c
             _dw_kernel[(triton.cdiv(b, tw[0]), triton.cdiv(d, 4 * tw[1]), splits)](
                 g, xc, w_blk, w_blk.stride(0), w_blk.stride(1), w_inv_norm[j:k], rho[j:k], c, dw_out,
                 n, b, d, **consts,
-                BLOCK_S=tw[0], BLOCK_D=tw[1], BLOCK_K=tw[2], SPLIT_N=per_split, num_warps=tw[3],
-                num_stages=tw[4])
+                BLOCK_S=tw[0], BLOCK_D=tw[1], BLOCK_K=tw[2], SPLIT_N=per_split, PROJECT=bool(project),
+                num_warps=tw[3], num_stages=tw[4])
             if splits > 1:
                 torch.sum(dw_out, 0, out=dw[j:k])
     return dx_hat.mul_(c), dw
 
 
-def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, compute_dtype, w_hat=None):
+def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, threshold, compute_dtype, w_hat=None,
+              project: bool = True):
     """:func:`grad` from the cosines the forward kept (:func:`lse_stats` with ``keep``): no
     recomputed product. ``kept [S, N]`` (class-major, :func:`keep_dtype`) is overwritten with
     ``G / c`` in the compute dtype by one pass that also sums ``rho``; then ``dx_hat = c G^T
@@ -908,7 +955,9 @@ def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, t
     ``dw_hat`` taken through the normalisation in place by one streaming pass. Cost: ``4 N S d``
     FLOPs, the kept elements read and written once and read by each product; memory beyond the
     outputs: ``4 S`` bytes of ``rho`` (per sample split). Returns ``(dx_hat, dw)``, float32; the
-    kept cosines are gone afterwards."""
+    kept cosines are gone afterwards. ``project=False``: no projection pass, ``dw = c dw_hat``
+    (the gradient of ``w_hat``) for a caller that projects it (the row optimizers do, in
+    their own pass over the rows)."""
     _validate(x_hat, w, w_inv_norm, target_col, compute_dtype, coef=coef, row_max=row_max)
     n, d = x_hat.shape
     s = w.shape[0]
@@ -934,6 +983,8 @@ def grad_kept(kept, x_hat, w, w_inv_norm, target_col, coef, row_max, *, scale, t
         rho = rho_parts[0] if splits == 1 else rho_parts.sum(0)
         dx_hat = _gemm_f32(g.t(), w_hat).mul_(c)
         dw = _gemm_f32(g, xc)
+        if not project:
+            return dx_hat, dw.mul_(c)
         rows, block_d, _, warps, stages = tile_config("proj", compute_dtype)
         block_d = min(block_d, max(16, triton.next_power_of_2(d)))
         _project_kernel[(triton.cdiv(s, rows),)](
@@ -1029,7 +1080,7 @@ def exp_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
     return m, l, max_cos
 
 
-def grad_exp(e, x_hat, w, w_inv_norm, coef, row_max, *, scale, compute_dtype, w_hat=None):
+def grad_exp(e, x_hat, w, w_inv_norm, coef, row_max, *, scale, compute_dtype, w_hat=None, project: bool = True):
     """The backward of the non-target logits from :func:`exp_stats`' ``E`` (``e [S, N]`` bf16):
     ``G[n, j] = coef[n] exp(z - row_max[n]) = a[n] E[j, n]`` with the per-sample factor
     ``a = coef * exp(scale * EXP_SHIFT - row_max)``, folded into the products instead of
@@ -1038,8 +1089,9 @@ def grad_exp(e, x_hat, w, w_inv_norm, coef, row_max, *, scale, compute_dtype, w_
     that the bf16 operand lies in [-1, 1] (bf16 has float32's exponent range: no sample's factor
     flushes). ``dw`` is ``dw_hat`` taken through the normalisation by the projection pass, with
     ``rho = <dw_hat_j, w_hat_j>`` summed there in float32. No G pass; ``e`` is only read.
-    Cost: ``4 N S d`` FLOPs on cuBLAS, E read once by each product. Returns ``(dx_hat, dw)``,
-    float32."""
+    ``project=False``: no projection pass, ``dw = c dw_hat`` (the gradient of ``w_hat``) for a
+    caller that projects it (the row optimizers do, in their update). Cost: ``4 N S d`` FLOPs on
+    cuBLAS, E read once by each product. Returns ``(dx_hat, dw)``, float32."""
     _validate(x_hat, w, w_inv_norm, None, compute_dtype, coef=coef, row_max=row_max)
     n, d = x_hat.shape
     s = w.shape[0]
@@ -1058,6 +1110,8 @@ def grad_exp(e, x_hat, w, w_inv_norm, coef, row_max, *, scale, compute_dtype, w_
     with on_device(dev):
         dx_hat = _gemm_f32(e.t(), w_hat).mul_(a[:, None])
         dw = _gemm_f32(e, xa)
+        if not project:
+            return dx_hat, dw.mul_(c)
         _project_kernel[(triton.cdiv(s, rows),)](
             dw, w, w.stride(0), w.stride(1), w_inv_norm, c, c, s, d,
             RHO_FROM_DW=True, ROWS=rows, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
