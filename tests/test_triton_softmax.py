@@ -198,6 +198,14 @@ def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, targ
     rho_err = (half_ulp * g.abs().sum(0))[:, None]
     dw_bound = (e + w_hat.abs() * (e.norm(dim=1, keepdim=True) + rho_err)) * w_inv_norm.cpu().double()[:, None]
     _assert_bounded(dw, dw_ref, dw_bound + 1e-7 * coef_scale, "dw")
+    if exp:
+        # project=False (the row optimizers project in their update): the gradient of w_hat,
+        # whose projection (float64, here) is the projected dw above.
+        _, raw = ts.grad_exp(kept, x_hat, w, w_inv_norm, coef, row_max, scale=scale, compute_dtype=compute_dtype,
+                             project=False)
+        raw = raw.cpu().double()
+        projected = (raw - w_hat * (w_hat * raw).sum(1, keepdim=True)) * w_inv_norm.cpu().double()[:, None]
+        torch.testing.assert_close(dw.cpu().double(), projected, rtol=1e-5, atol=1e-6 * dw.abs().max().item() + 1e-12)
     return dict(ref, g=g, dx_hat=dx_hat, dw=dw, dx_ref=dx_ref, dw_ref=dw_ref)
 
 
