@@ -7,6 +7,9 @@ runs ahead and a CUDA graph can capture it (captured on a GPU in test_cuda.py); 
 :class:`~ds_pfc.bench.counting.OpCounter` (``.tolist()``, ``.item()``, ``bool(t)``,
 ``unique``, ``nonzero``, boolean-mask indexing ...). Multi-rank runs use gloo ranks.
 
+``validate="deferred"`` gathers the same checks as ``True`` but reads them one step
+late (0 syncs); its errors are the immediate ones, naming the forward they belong to.
+
 The losses of the two modes are compared with a float64 softmax over the union of the
 active sets written here in plain PyTorch, so the sync-free path is also the right one.
 """
@@ -269,7 +272,7 @@ def test_deferred_prefetch_never_syncs_and_reports_at_the_next_forward():
     head.prefetch(torch.tensor([3, C]))
     x, y = _batch(0, 0, 9)
     with pytest.raises(ValueError, match=r"^next_labels must lie in \[0, 1009\), got values in \[3, 1009\] "
-                                         r"\(checked at the next call.*training forward 0 .*which has not run"):
+                                         r"\(checked at the next forward.*training forward 0 .*which has not run"):
         head(x, y)
     assert head.sample_step == 0
 
@@ -320,3 +323,30 @@ def test_ranks_defer_validation_without_syncs_and_fail_together():
         assert "ranks [1]" in msg and "rejected" in msg and "training forward 3 " in msg
     assert "training forward 3 " in m1
     assert s0 == s1 == s2 == 4
+
+
+def test_deferred_validation_with_a_tiered_bank():
+    """A host-tier bank with prefetch trains as the device bank (bitwise); a bad
+    next_labels is reported when the next forward starts, a bad batch at the next flush."""
+    from ds_pfc.bank import TieredBank
+    heads = [_head(0.1, "deferred"), _head(0.1, "deferred", bank=TieredBank.factory(default="host"))]
+    for h in heads:
+        for t in range(4):
+            x, y = _batch(t, 0, 37)
+            loss = h(x, y)
+            h.prefetch(_batch(t + 1, 0, 37)[1])
+            loss.backward()
+            h.step(0.1)
+    assert torch.equal(heads[0].centers(), heads[1].centers())
+    tiered = heads[1]
+    tiered.prefetch(torch.tensor([5] * 36 + [C + 2]))
+    with pytest.raises(ValueError, match=r"^next_labels must lie in \[0, 1009\), got values in \[5, 1011\] "
+                                         r"\(checked at the next forward.*training forward 4 "):
+        tiered(*_batch(9, 0, 37))
+    x, y = _batch(10, 0, 37)
+    y[0] = -4
+    tiered(x, y).backward()
+    tiered.step(0.1)
+    with pytest.raises(ValueError, match=r"got values in \[-4, \d+\] \(checked one step late.*training forward 4 "):
+        tiered.flush()
+    tiered.close()

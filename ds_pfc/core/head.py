@@ -514,7 +514,7 @@ class PartialFC(nn.Module):
                     check_peers(table, self._layout.positions, self._layout.batch_world, what)
             except ValueError as err:
                 if kind == "prefetch":      # judged before the forward that would use them
-                    where = (f"checked at the next call, validate='deferred': the next_labels of the prefetch "
+                    where = (f"checked at the next forward, validate='deferred': the next_labels of the prefetch "
                              f"for training forward {forward} (sample_step {forward}), which has not run")
                 else:
                     where = (f"checked one step late, validate='deferred': the batch of training forward "
@@ -553,9 +553,10 @@ class PartialFC(nn.Module):
         the background, stale-free (see :mod:`ds_pfc.bank.slots`); the next forward
         must then use exactly these labels or the prefetch is discarded. With the
         device bank there is nothing to stage and this returns at once.
+        ``validate="deferred"``: ``next_labels`` are checked at the next forward,
+        before it changes anything (no host sync here).
         """
         self._check_open()
-        self._judge_late()
         try:
             if not isinstance(next_labels, torch.Tensor):
                 raise TypeError(f"next_labels must be a torch.Tensor, got {type(next_labels).__name__}")
