@@ -214,7 +214,7 @@ def test_one_rank_with_deferred_validation_never_syncs(rate):
 
 
 def test_deferred_validation_reports_bad_labels_one_step_late():
-    """The bad batch of forward 1 runs (labels outside [0, C) train as class 0); the next
+    """The bad batch of forward 1 runs (labels outside [0, C) train as label mod C); the next
     forward raises the immediate check's text naming forward 1, before it changes anything."""
     head = _head(0.5, "deferred")
     x, y = _batch(0, 0, 9)
@@ -350,3 +350,15 @@ def test_deferred_validation_with_a_tiered_bank():
     with pytest.raises(ValueError, match=r"got values in \[-4, \d+\] \(checked one step late.*training forward 4 "):
         tiered.flush()
     tiered.close()
+
+
+def test_the_counted_head_step_at_cuda_block_sizes_has_no_sync_when_deferred():
+    """bench.head.count_step (the op/sync count of one head step, with the CUDA default
+    block size): 1 sync with validate=True, none with 'deferred', and 2 more ops: the check
+    table's copy to the host and the labels' wrap into [0, C)."""
+    from ds_pfc.bench.head import count_step
+    now = count_step(20_000, 16, batch=128, sample_rate=0.1, validate=True)
+    late = count_step(20_000, 16, batch=128, sample_rate=0.1, validate="deferred")
+    assert (now["syncs"], now["sync_ops"]) == (1, ["Tensor.tolist"]), now
+    assert (late["syncs"], late["sync_ops"]) == (0, []), late
+    assert late["ops"] - now["ops"] == 2, (now["ops"], late["ops"])   # the table's host copy, the label wrap

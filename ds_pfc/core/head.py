@@ -160,7 +160,7 @@ class PartialFC(nn.Module):
             with the same error text naming the forward they belong to; that bad
             step may already have been applied (recover from a checkpoint). The
             ranks must pass equal batch sizes (asserted on the device); a label
-            outside ``[0, C)`` is trained as class 0 until the check reports it.
+            outside ``[0, C)`` is trained as class ``label mod C`` until the check reports it.
             Evaluation forwards (no grad or ``eval()``) check at once.
             False: no checks and no host sync at all (device bank,
             ``floor(r C_q) >= N``; a CUDA graph can capture the step); the ranks must
@@ -448,10 +448,10 @@ class PartialFC(nn.Module):
                                   result.correct.mean())
 
     def _in_range(self, y: torch.Tensor) -> torch.Tensor:
-        """``validate="deferred"``: labels outside ``[0, C)`` become class 0 (on the device),
-        so that the step runs to its end (no device assert ends the CUDA context) and the
-        check a step later gives the readable error."""
-        return torch.where((y >= 0) & (y < self.num_classes), y, torch.zeros_like(y))
+        """``validate="deferred"``: labels outside ``[0, C)`` become ``label mod C`` (one op
+        on the device), so that the step runs to its end (no device assert ends the CUDA
+        context) and the check a step later gives the readable error."""
+        return y.remainder(self.num_classes)
 
     def _batch_sizes(self, embeddings, labels, error, what, label_name="labels", late=False) -> list[int]:
         """Rows per batch rank, after the input checks, in one host sync at most.
