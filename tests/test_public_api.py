@@ -27,7 +27,7 @@ SIGNATURES = {
         "optimizer: 'str | RowOptimizer' = 'sgd', compute_dtype: 'torch.dtype | None' = None, "
         "init_std: 'float' = 0.01, dtype: 'torch.dtype' = torch.float32, data_parallel_grad: 'bool' = True, "
         "bank: 'Callable[[int, torch.device], ClassBank] | None' = None, block_bytes: 'int | None' = None, "
-        "backend: 'str' = 'auto', validate: 'bool' = True, sub_centers: 'int' = 1, keep_bytes: 'int | None' = None, **optimizer_kwargs)"),
+        "backend: 'str' = 'auto', validate: 'bool | str' = True, sub_centers: 'int' = 1, keep_bytes: 'int | None' = None, **optimizer_kwargs)"),
     "margin_cross_entropy": (
         "(embeddings: 'torch.Tensor', labels: 'torch.Tensor', centers: 'torch.Tensor', *, margin: 'Margin', "
         "filter_threshold: 'float | None' = None, group=None, batch_group=None, class_start: 'int' = 0, "

@@ -7,6 +7,9 @@ runs ahead and a CUDA graph can capture it (captured on a GPU in test_cuda.py); 
 :class:`~ds_pfc.bench.counting.OpCounter` (``.tolist()``, ``.item()``, ``bool(t)``,
 ``unique``, ``nonzero``, boolean-mask indexing ...). Multi-rank runs use gloo ranks.
 
+``validate="deferred"`` gathers the same checks as ``True`` but reads them one step
+late (0 syncs); its errors are the immediate ones, naming the forward they belong to.
+
 The losses of the two modes are compared with a float64 softmax over the union of the
 active sets written here in plain PyTorch, so the sync-free path is also the right one.
 """
@@ -195,3 +198,167 @@ def test_validation_fails_on_every_rank_with_a_readable_error():
     for msg in (msg0, msg2):
         assert "ranks [1]" in msg and "rejected" in msg
     assert s0 == s1 == s2 == 0
+
+
+# ---------------------------------------------------------------------- validate="deferred"
+def _deferred_message(values, forward):
+    return (f"labels must lie in [0, {C}), got values in [{min(values)}, {max(values)}] (checked one step late, "
+            f"validate='deferred': the batch of training forward {forward} (sample_step {forward}), whose update "
+            "may already have been applied")
+
+
+@pytest.mark.parametrize("rate", RATES)
+def test_one_rank_with_deferred_validation_never_syncs(rate):
+    for syncs, ops in _counted_steps(_head(rate, "deferred"), n=37, rank=0):
+        assert syncs == 0, ops
+
+
+def test_deferred_validation_reports_bad_labels_one_step_late():
+    """The bad batch of forward 1 runs (labels outside [0, C) train as label mod C); the next
+    forward raises the immediate check's text naming forward 1, before it changes anything."""
+    head = _head(0.5, "deferred")
+    x, y = _batch(0, 0, 9)
+    head(x, y).backward()
+    head.step(0.1)
+    x, y = _batch(1, 0, 9)
+    y[4] = C + 7
+    head(x, y).backward()                      # no error yet
+    head.step(0.1)
+    assert head.sample_step == 2
+    before = head.centers()
+    x, y_next = _batch(2, 0, 9)
+    with pytest.raises(ValueError) as err:
+        head(x, y_next)
+    assert str(err.value).startswith(_deferred_message(y.tolist(), 1)), str(err.value)
+    assert head.sample_step == 2 and torch.equal(head.centers(), before)
+    head(x, y_next).backward()                 # reported once: the next step trains
+    head.step(0.1)
+    assert head.sample_step == 3
+
+
+def test_deferred_validation_reports_nonfinite_embeddings_as_nonfinite():
+    from ds_pfc._checks import NonFiniteError
+    head = _head(1.0, "deferred")
+    x, y = _batch(0, 0, 9)
+    x[2, 3] = float("nan")
+    head(x, y)
+    with pytest.raises(NonFiniteError, match=r"^embeddings contain NaN or Inf values \(checked one step late"):
+        head(*_batch(1, 0, 9))
+
+
+def test_deferred_checks_run_before_a_state_dict_and_are_dropped_by_a_load():
+    head = _head(0.5, "deferred")
+    good = head.state_dict()
+    x, y = _batch(0, 0, 9)
+    y[0] = -3
+    head(x, y).backward()
+    head.step(0.1)
+    with pytest.raises(ValueError, match=r"got values in \[-3, "):
+        head.state_dict()
+    head(x, y).backward()                       # the same bad batch again: flush() reports it
+    with pytest.raises(ValueError, match=r"training forward 1 "):
+        head.flush()
+    head(x, y).backward()
+    head.load_state_dict(good)                  # the state it concerns is replaced: nothing to report
+    head.check_deferred()
+    assert torch.equal(head.centers(), good["weight"])
+
+
+def test_deferred_prefetch_never_syncs_and_reports_at_the_next_forward():
+    head = _head(0.1, "deferred")
+    with OpCounter() as c:
+        head.prefetch(torch.randint(0, C, (37,)))
+    assert c.syncs == 0, c.sync_ops
+    head.prefetch(torch.tensor([3, C]))
+    x, y = _batch(0, 0, 9)
+    with pytest.raises(ValueError, match=r"^next_labels must lie in \[0, 1009\), got values in \[3, 1009\] "
+                                         r"\(checked at the next forward.*training forward 0 .*which has not run"):
+        head(x, y)
+    assert head.sample_step == 0
+
+
+def test_validate_names_its_choices():
+    with pytest.raises(ValueError, match=r"validate must be True, False, 'immediate' or 'deferred', got 'later'"):
+        _head(0.5, "later")
+    assert _head(0.5, "immediate").validate is True
+
+
+def test_deferred_and_immediate_validation_train_alike():
+    """Good input: the deferred checks change nothing in what is computed."""
+    heads = [_head(0.5, v) for v in (True, "deferred")]
+    for t in range(3):
+        x, y = _batch(t, 0, 37)
+        losses = []
+        for h in heads:
+            loss = h(x, y)
+            loss.backward()
+            h.step(0.1)
+            losses.append(float(loss.detach()))
+        assert losses[0] == losses[1]
+    assert torch.equal(heads[0].centers(), heads[1].centers())
+
+
+def _deferred_ranks(rank, world):
+    """(syncs of steps 2 and 3 with good input, message at the forward after rank 1's bad labels)."""
+    head = _head(0.1, "deferred")
+    counts = _counted_steps(head, 9, rank)
+    x, y = _batch(5, rank, 9)
+    if rank == 1:
+        y[2] = C + 4
+    head(x, y).backward()
+    head.step(0.1)
+    try:
+        head(*_batch(6, rank, 9))
+    except ValueError as err:
+        return counts, str(err), head.sample_step
+    return counts, None, head.sample_step
+
+
+def test_ranks_defer_validation_without_syncs_and_fail_together():
+    (c0, m0, s0), (c1, m1, s1), (c2, m2, s2) = run_ranks(_deferred_ranks, 3)
+    for counts in (c0, c1, c2):
+        assert all(syncs == 0 for syncs, _ in counts), counts
+    assert m1.startswith(f"labels must lie in [0, {C}), got values in [") and f"{C + 4}]" in m1
+    for msg in (m0, m2):
+        assert "ranks [1]" in msg and "rejected" in msg and "training forward 3 " in msg
+    assert "training forward 3 " in m1
+    assert s0 == s1 == s2 == 4
+
+
+def test_deferred_validation_with_a_tiered_bank():
+    """A host-tier bank with prefetch trains as the device bank (bitwise); a bad
+    next_labels is reported when the next forward starts, a bad batch at the next flush."""
+    from ds_pfc.bank import TieredBank
+    heads = [_head(0.1, "deferred"), _head(0.1, "deferred", bank=TieredBank.factory(default="host"))]
+    for h in heads:
+        for t in range(4):
+            x, y = _batch(t, 0, 37)
+            loss = h(x, y)
+            h.prefetch(_batch(t + 1, 0, 37)[1])
+            loss.backward()
+            h.step(0.1)
+    assert torch.equal(heads[0].centers(), heads[1].centers())
+    tiered = heads[1]
+    tiered.prefetch(torch.tensor([5] * 36 + [C + 2]))
+    with pytest.raises(ValueError, match=r"^next_labels must lie in \[0, 1009\), got values in \[5, 1011\] "
+                                         r"\(checked at the next forward.*training forward 4 "):
+        tiered(*_batch(9, 0, 37))
+    x, y = _batch(10, 0, 37)
+    y[0] = -4
+    tiered(x, y).backward()
+    tiered.step(0.1)
+    with pytest.raises(ValueError, match=r"got values in \[-4, \d+\] \(checked one step late.*training forward 4 "):
+        tiered.flush()
+    tiered.close()
+
+
+def test_the_counted_head_step_at_cuda_block_sizes_has_no_sync_when_deferred():
+    """bench.head.count_step (the op/sync count of one head step, with the CUDA default
+    block size): 1 sync with validate=True, none with 'deferred', and 2 more ops: the check
+    table's copy to the host and the labels' wrap into [0, C)."""
+    from ds_pfc.bench.head import count_step
+    now = count_step(20_000, 16, batch=128, sample_rate=0.1, validate=True)
+    late = count_step(20_000, 16, batch=128, sample_rate=0.1, validate="deferred")
+    assert (now["syncs"], now["sync_ops"]) == (1, ["Tensor.tolist"]), now
+    assert (late["syncs"], late["sync_ops"]) == (0, []), late
+    assert late["ops"] - now["ops"] == 2, (now["ops"], late["ops"])   # the table's host copy, the label wrap

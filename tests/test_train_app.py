@@ -525,8 +525,10 @@ def _nan_job(config: dict, tmp_path, name: str, *args, ranks=2, **env):
 
 
 def test_failures_are_one_line_on_rank_0_with_the_traceback_in_a_file(tmp_path):
-    """A NaN injected at step 3 on rank 1 of 2: every rank stops before updating, rank 0 alone
-    prints one error line naming the step, rank 1's NaN, the newest checkpoint and the fixes;
+    """A NaN injected at step 3 on rank 1 of 2: with the default validate 'deferred' every rank
+    finds it one step late, at step 4 before anything of step 4 runs (step 3 was applied, no
+    checkpoint holds it); rank 0 alone prints one error line naming the step it was found at,
+    the head's forward it belongs to, rank 1's NaN, the newest checkpoint and the fixes;
     the line is in training.log and each rank's traceback is in errors/rank<R>.txt. A typo in
     DeepSpeed's optimizer params is one line naming the key and the closest one, in training.log too."""
     out = os.path.join(tmp_path, "run")
@@ -536,7 +538,8 @@ def test_failures_are_one_line_on_rank_0_with_the_traceback_in_a_file(tmp_path):
     lines = [line for line in err0.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err0[-3000:]
     line = lines[0]
-    assert "step 3:" in line and "rank 1: embeddings contain NaN or Inf values" in line
+    assert "step 4:" in line and "rank 1: embeddings contain NaN or Inf values" in line
+    assert "checked one step late, validate='deferred': the batch of training forward 2 " in line
     assert "step00000002" in line and "lower learning rate" in line
     assert f"traceback: {os.path.join(out, 'errors', 'rank0.txt')}" in line
     assert "Traceback" not in err0 and "error:" not in err1 and "Traceback" not in err1
@@ -544,7 +547,7 @@ def test_failures_are_one_line_on_rank_0_with_the_traceback_in_a_file(tmp_path):
     for rank in (0, 1):
         text = open(os.path.join(out, "errors", f"rank{rank}.txt")).read()
         assert "Traceback" in text and "NaN or Inf" in text
-    # nothing of step 3 was saved or applied: the newest checkpoint is step 2's
+    # nothing of step 3 was saved: the newest checkpoint is step 2's
     saved = {n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step")}
     assert saved == {"step00000002"}
 

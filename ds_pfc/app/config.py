@@ -334,6 +334,12 @@ class HeadConfig:
     """Softmax backend: auto (fused Triton kernels on CUDA when triton imports), torch or triton."""
     sub_centers: int = 1
     """K centers per class (sub-center ArcFace); a class's cosine is the largest of its K."""
+    validate: str = "deferred"
+    """When the head's input checks (labels in range, NaN/Inf embeddings, equal batch sizes)
+    and the step's loss and accuracy are read: ``deferred`` (no host sync in a step: read one
+    step late; a bad batch's step may be applied before the run stops, and no checkpoint is
+    written over it) or ``immediate`` (one host sync a step: refused before anything
+    changes). ``on_nonfinite`` skip and rollback always check immediately."""
     margin: MarginConfig = field(default_factory=MarginConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     bank: BankConfig = field(default_factory=BankConfig)
@@ -360,12 +366,15 @@ class HeadConfig:
                               f"keep), got {self.keep_bytes!r}")
         if isinstance(self.sub_centers, bool) or not isinstance(self.sub_centers, int) or self.sub_centers < 1:
             raise ConfigError(f"ds_pfc.head.sub_centers must be a positive integer, got {self.sub_centers!r}")
+        if self.validate not in VALIDATE_MODES:
+            raise ConfigError(f"ds_pfc.head.validate must be one of {list(VALIDATE_MODES)}, got {self.validate!r}")
         from ..core.softmax import BACKENDS
         if self.backend not in BACKENDS:
             raise ConfigError(f"ds_pfc.head.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
 
-    def build(self, *, group=None, device=None, data_parallel_grad: bool = True):
-        """A :class:`~ds_pfc.PartialFC` for this config."""
+    def build(self, *, group=None, device=None, data_parallel_grad: bool = True, validate: str | None = None):
+        """A :class:`~ds_pfc.PartialFC` for this config (``validate``: overrides
+        :attr:`validate`)."""
         from ..core.head import PartialFC
         compute = None if self.compute_dtype == "auto" else _dtype(self.compute_dtype, "ds_pfc.head.compute_dtype")
         return PartialFC(self.num_classes, self.embedding_size, sample_rate=self.sample_rate,
@@ -374,7 +383,7 @@ class HeadConfig:
                          compute_dtype=compute,
                          data_parallel_grad=data_parallel_grad, bank=self.bank.build(), block_bytes=self.block_bytes,
                          backend=self.backend, sub_centers=self.sub_centers, keep_bytes=self.keep_bytes,
-                         **self.optimizer.kwargs())
+                         validate=validate or self.validate, **self.optimizer.kwargs())
 
 
 @dataclass(kw_only=True)
@@ -799,6 +808,7 @@ class DiagnosticsConfig:
 
 
 NONFINITE_POLICIES = ("stop", "skip", "rollback")
+VALIDATE_MODES = ("deferred", "immediate")
 
 
 @dataclass(kw_only=True)

@@ -139,4 +139,10 @@ def _nonfinite_policies():
 
 
 # Fields whose values come from a fixed list: (class, field) -> the list.
-_CHOICES = {("MarginConfig", "type"): _margin_types, ("TrainConfig", "on_nonfinite"): _nonfinite_policies}
+def _validate_modes():
+    from .config import VALIDATE_MODES
+    return VALIDATE_MODES
+
+
+_CHOICES = {("MarginConfig", "type"): _margin_types, ("TrainConfig", "on_nonfinite"): _nonfinite_policies,
+            ("HeadConfig", "validate"): _validate_modes}

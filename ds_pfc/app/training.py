@@ -33,6 +33,7 @@ from . import resume_changes
 from ..deepspeed_plugin import PfcEngine, init_distributed, initialize, list_checkpoints
 from ..devices import bind_local_device
 from .._checks import NonFiniteError
+from .._late import LateRead
 from .. import launchers
 
 __all__ = ["Trainer", "load_config", "schedule_factor", "build_eval_sets", "evaluate"]
@@ -330,7 +331,9 @@ class Trainer:
         backbone = cfg.backbone.build(cfg.head.embedding_size)
         with self._heartbeat("building the head (an NVMe tier JIT-compiles DeepSpeed's async I/O op once, which "
                              "takes minutes)"):
-            head = cfg.head.build(group=None, device=self.device)
+            # skip and rollback decide before a step is applied: its checks cannot wait a step.
+            head = cfg.head.build(group=None, device=self.device,
+                                  validate="immediate" if cfg.train.on_nonfinite != "stop" else None)
         init = cfg.train.init
         if init is not None and (init.backbone or init.head):
             self._load_init(init, backbone, head)
@@ -872,13 +875,15 @@ class Trainer:
                      f"{inner.global_samples} (written after the checkpoint training continues from) and repeated "
                      "header lines")
 
-    def _monitor(self, events: list[tuple[str, float]]) -> None:
+    def _monitor(self, events: list[tuple[str, float]], samples: int | None = None) -> None:
         """Write ``(name, value)`` events to DeepSpeed's monitors (csv, TensorBoard,
-        W&B) at the engine's sample count, as DeepSpeed writes the learning rate."""
+        W&B) at the engine's sample count (or ``samples``: a step's, written later), as
+        DeepSpeed writes the learning rate."""
         inner = self.engine.engine
         monitor = getattr(inner, "monitor", None)
         if monitor is not None and monitor.enabled and self.rank == 0:
-            monitor.write_events([(name, value, inner.global_samples) for name, value in events])
+            at = inner.global_samples if samples is None else samples
+            monitor.write_events([(name, value, at) for name, value in events])
 
     def run(self) -> dict:
         """Train to ``total_steps`` (resuming if a checkpoint exists), evaluate, save,
@@ -919,9 +924,50 @@ class Trainer:
         flips, guard = self.flip_mechanism, self._nonfinite
         bar = _Bar(self.total_steps) if self.rank == 0 and sys.stderr.isatty() else None
         window, batches = [], self._batches()
+        # ds_pfc.head.validate 'deferred' (with on_nonfinite stop): a step's loss and accuracy
+        # are read one step later (no host sync), and its record written then, in order.
+        late = guard is None and cfg.head.validate == "deferred"
+        pending = None          # (the step's record, LateRead of its [gas, 2] values)
         batch = next(batches)
-        while step < self.total_steps:
+
+        def emit(record, pairs):
+            """Summary, monitors, progress bar and log line of one step, from its
+            micro batches' (loss, accuracy) in order."""
+            nonlocal window
             step_loss = step_acc = 0.0
+            for loss_value, acc_value in pairs:
+                step_loss += loss_value / self.gas
+                step_acc += acc_value / self.gas
+            summary["losses"].append(step_loss)
+            window.append((step_loss, step_acc))
+            self._monitor([("Train/Samples/train_loss", step_loss), ("Train/Samples/train_accuracy", step_acc)],
+                          samples=record["samples"])
+            if bar is not None:
+                bar.update(record["step"], step_loss)
+            if record["line"] is not None:
+                first, rest = record["line"]
+                self.log(f"{first} loss {sum(w[0] for w in window) / len(window):.4f} acc "
+                         f"{sum(w[1] for w in window) / len(window):.4f} {rest}")
+                self._monitor([("Train/Samples/samples_per_second", record["rate"])], samples=record["samples"])
+                window = []
+
+        def emit_pending():
+            nonlocal pending
+            if pending is not None:
+                record, read = pending
+                pending = None
+                emit(record, read.values())
+
+        def check_head(at):
+            """The head's checks put off by validate 'deferred', judged before anything is
+            evaluated, saved or ended on a step whose input may have been bad."""
+            try:
+                self.head.check_deferred()
+            except ValueError as err:
+                raise self._stopped(at, err) from err
+
+        while step < self.total_steps:
+            pairs, values = [], []
             dropped = False
             if guard is not None:
                 guard.before_step()
@@ -933,12 +979,14 @@ class Trainer:
                     out = self.head(embeddings, labels, return_details=True)
                 except ValueError as err:        # the head's checks, on every rank together
                     if guard is None or not isinstance(err, NonFiniteError):
+                        # validate 'deferred': the error may be the previous step's (it says so).
                         raise self._stopped(step + 1, err) from err
                     reason, head_ran = str(err), False
                 if guard is not None and reason is None:
                     # Read before backward, so that a non-finite loss (the same on every
                     # rank) can still be dropped: the step's one host sync, moved earlier.
                     loss_value, acc_value = _host_values(out)
+                    pairs.append((loss_value, acc_value))
                     if not math.isfinite(loss_value):
                         reason, head_ran = f"the loss is {loss_value} with finite embeddings", True
                 if reason is not None:           # only with on_nonfinite skip/rollback (one micro batch)
@@ -963,12 +1011,13 @@ class Trainer:
                     self.head.prefetch(batch[1])
                 engine.backward(out.loss)
                 engine.step()
-                if guard is None:                # the step's one host sync, after the step is queued
-                    loss_value, acc_value = _host_values(out)
-                step_loss += loss_value / self.gas
-                step_acc += acc_value / self.gas
+                if late:                         # no host sync: read with the next step
+                    values.append(torch.stack([out.loss.detach(), out.accuracy.detach()]))
+                elif guard is None:              # the step's one host sync, after the step is queued
+                    pairs.append(tuple(_host_values(out)))
             if dropped:
                 continue
+            emit_pending()                       # the previous step's record, before this step's
             if guard is not None:
                 guard.after_step()
             step = engine.global_steps
@@ -977,11 +1026,8 @@ class Trainer:
                 if self._flip_interval_due(step):
                     self._close_flip_interval(step)
             progress.samples += self.micro * self.gas * self.world_size
-            summary["losses"].append(step_loss)
-            window.append((step_loss, step_acc))
-            self._monitor([("Train/Samples/train_loss", step_loss), ("Train/Samples/train_accuracy", step_acc)])
-            if bar is not None:
-                bar.update(step, step_loss)
+            # What the step's record needs from the host, taken now (its values may come later).
+            record = {"step": step, "samples": engine.engine.global_samples, "line": None, "rate": None}
             if step % cfg.train.log_every == 0 or step == self.total_steps:
                 elapsed = time.perf_counter() - progress.start
                 rate = progress.samples / max(elapsed, 1e-9)
@@ -990,17 +1036,29 @@ class Trainer:
                 # get_lr() already holds the next step's).
                 lr = engine.last_lr if engine.last_lr is not None else engine.get_lr()
                 from .run_outputs import loss_scale_text
-                self.log(f"step {step}/{self.total_steps} epoch {self.sampler.epoch} loss "
-                         f"{sum(w[0] for w in window) / len(window):.4f} acc "
-                         f"{sum(w[1] for w in window) / len(window):.4f} lr {lr:.3e} {rate:.1f} samples/s "
-                         f"eta {_duration(eta)}" + loss_scale_text(engine.engine)
-                         + (f" skipped {engine.skipped_steps}" if engine.skipped_steps else ""))
-                self._monitor([("Train/Samples/samples_per_second", rate)])
-                window = []
-            if cfg.evaluation.every_steps and step % cfg.evaluation.every_steps == 0 and step < self.total_steps:
+                record["rate"] = rate
+                record["line"] = (f"step {step}/{self.total_steps} epoch {self.sampler.epoch}",
+                                  f"lr {lr:.3e} {rate:.1f} samples/s eta {_duration(eta)}"
+                                  + loss_scale_text(engine.engine)
+                                  + (f" skipped {engine.skipped_steps}" if engine.skipped_steps else ""))
+            if late:
+                pending = (record, LateRead(torch.stack(values)))
+            else:
+                emit(record, pairs)
+            evaluate = bool(cfg.evaluation.every_steps) and step % cfg.evaluation.every_steps == 0 \
+                and step < self.total_steps
+            if late and (evaluate or step >= self.total_steps):
+                # Everything of this step is read and checked before it is evaluated or the
+                # loop ends: the one host sync of such a step.
+                check_head(step)
+                emit_pending()
+            if evaluate:
                 summary["evaluations"][step] = self.run_evaluation()
             by_steps = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
             by_time, signum = self._step_flags(last_save, preempt)
+            if late and (by_steps or by_time or signum):
+                check_head(step)                 # and before it is saved
+                emit_pending()
             if signum and step < self.total_steps:
                 name = _signal_name(signum)
                 self.log(f"preempted by {name} at step {step}: writing a checkpoint, then exiting with code "

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from . import collectives
-from .._checks import batch_probe, check_batch_table, check_embeddings, check_labels, check_peers
+from .._checks import PROBE_FIELDS, batch_probe, check_batch_table, check_embeddings, check_labels, check_peers
 from ..bank import ClassBank, DeviceBank, TieredBank, initial_centers
 from ..bank.slots import SlotBank, Stager, merge_slots
+from .._late import LateRead
 from ..devices import collective_device, cpu_native_half, head_device
 from .functional import CrossEntropyOutput, check_filter_threshold
 from .margins import ArcFace, Margin
@@ -38,6 +39,20 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.factor, None
+
+
+VALIDATE_MODES = (True, False, "immediate", "deferred")
+
+
+def _checked_validate(validate):
+    """``validate`` as the head keeps it: True, False or ``"deferred"``."""
+    if isinstance(validate, bool):
+        return validate
+    if validate == "immediate":
+        return True
+    if validate == "deferred":
+        return validate
+    raise ValueError(f"validate must be True, False, 'immediate' or 'deferred', got {validate!r}")
 
 
 def _checked_arguments(num_classes, embedding_size, sample_rate, margin, filter_threshold, seed, compute_dtype,
@@ -135,12 +150,22 @@ class PartialFC(nn.Module):
             ``i``; a class's cosine is the largest of its sub-centers'; sampling picks
             whole classes. Works with every margin (torch backend).
         validate: check every rank's embeddings (NaN/Inf) and labels (range, hence
-            ownership) and batch size every forward, all in one host sync, with a
+            ownership) and batch size every forward. ``True`` (or ``"immediate"``,
+            the default): all in one host sync, before anything changes, with a
             readable error on every rank; batches may differ in size between ranks.
-            False: no host sync at all (device bank, ``floor(r C_q) >= N``; a CUDA
-            graph can capture the step); the ranks must pass equal batch sizes, and
-            sizes and label ownership are asserted on the device
-            (``torch._assert_async``): bad values fail as a device-side assert.
+            ``"deferred"``: the same checks, read one step late with no host sync (a
+            non-blocking copy into pinned memory behind an event): a training
+            forward's checks are judged at the start of the next forward or
+            prefetch, or at :meth:`check_deferred` / :meth:`flush` / a state dict,
+            with the same error text naming the forward they belong to; that bad
+            step may already have been applied (recover from a checkpoint). The
+            ranks must pass equal batch sizes (asserted on the device); a label
+            outside ``[0, C)`` is trained as class ``label mod C`` until the check reports it.
+            Evaluation forwards (no grad or ``eval()``) check at once.
+            False: no checks and no host sync at all (device bank,
+            ``floor(r C_q) >= N``; a CUDA graph can capture the step); the ranks must
+            pass equal batch sizes, and sizes and label ownership are asserted on the
+            device (``torch._assert_async``): bad values fail as a device-side assert.
         optimizer_kwargs: hyper-parameters of the row optimizer.
     """
 
@@ -164,7 +189,7 @@ class PartialFC(nn.Module):
         bank: Callable[[int, torch.device], ClassBank] | None = None,
         block_bytes: int | None = None,
         backend: str = "auto",
-        validate: bool = True,
+        validate: bool | str = True,
         sub_centers: int = 1,
         keep_bytes: int | None = None,
         **optimizer_kwargs,
@@ -182,6 +207,7 @@ class PartialFC(nn.Module):
             if isinstance(sub_centers, bool) or not isinstance(sub_centers, int) or sub_centers < 1:
                 raise ValueError(f"sub_centers must be a positive int, got {sub_centers!r}")
             check_keep_bytes(keep_bytes)
+            validate = _checked_validate(validate)
             if sub_centers > 1 and backend == "triton":
                 raise ValueError("backend='triton' does not implement sub-centers; use backend='torch' or 'auto'")
             _check_tensor_constructors(dtype)
@@ -210,7 +236,11 @@ class PartialFC(nn.Module):
         self.margin, self.filter_threshold = margin, filter_threshold
         self.compute_dtype, self.dtype, self.init_std = compute_dtype, dtype, init_std
         self.data_parallel_grad = bool(data_parallel_grad)
-        self.block_bytes, self.backend, self.validate = block_bytes, backend, bool(validate)
+        # True, False or "deferred" ("immediate" is True).
+        self.block_bytes, self.backend, self.validate = block_bytes, backend, validate
+        # validate="deferred": (LateRead of a probe table, what, names, forward it checks, peers) per check
+        # not judged yet, oldest first.
+        self._late: list[tuple] = []
         self.keep_bytes = keep_bytes
         # Set by PfcEngine under loss scaling: a non-finite center gradient makes the
         # embedding gradient NaN, so the engine's overflow check skips the step.
@@ -350,8 +380,12 @@ class PartialFC(nn.Module):
         that a step's positives may outnumber the budget and the sampler reads their
         count back); the ranks must then pass batches of one size. With
         ``validate=True``, one: every rank's checks and batch size in one small table.
+        With ``validate="deferred"`` a training forward has none either: its table is
+        copied to the host behind an event and judged at the start of the next forward
+        (the checks of the previous step, which raise here, naming that step).
         """
         self._check_open()
+        self._judge_late()
         try:
             check_embeddings(embeddings, self.embedding_size)
             check_labels(labels, embeddings.shape[0])
@@ -370,8 +404,10 @@ class PartialFC(nn.Module):
                 "sample another active class set and update stateful margins twice. Checkpoint the backbone "
                 "blocks, not the head")
         # Every rank joins the checks' collective even with bad input, so none is left waiting.
-        sizes = self._batch_sizes(embeddings, labels, error, "embeddings/labels")
+        sizes = self._batch_sizes(embeddings, labels, error, "embeddings/labels", late=training)
         x, y = self._gather(embeddings, labels, sizes)
+        if training and self.validate == "deferred":
+            y = self._in_range(y)
         local = self.partition.to_local(y, self.rank)
         lookahead, self._lookahead = self._lookahead, None
         rows = None
@@ -427,14 +463,26 @@ class PartialFC(nn.Module):
         return CrossEntropyOutput(result.loss, result.per_sample[offset: offset + sizes[self.batch_rank]],
                                   result.correct.mean())
 
-    def _batch_sizes(self, embeddings, labels, error, what, label_name="labels") -> list[int]:
+    def _in_range(self, y: torch.Tensor) -> torch.Tensor:
+        """``validate="deferred"``: labels outside ``[0, C)`` become ``label mod C`` (one op
+        on the device), so that the step runs to its end (no device assert ends the CUDA
+        context) and the check a step later gives the readable error."""
+        return y.remainder(self.num_classes)
+
+    def _batch_sizes(self, embeddings, labels, error, what, label_name="labels", late=False) -> list[int]:
         """Rows per batch rank, after the input checks, in one host sync at most.
 
         ``validate=True``: every rank's probe row (:func:`~ds_pfc._checks.batch_probe`:
         size, NaN/Inf, label range, label hash) is all-gathered over the class group and
         read back with one ``.tolist()``; every rank raises together on bad input, and
         uneven batches are allowed (padded in the gather). ``validate=False``: the local
-        size is everyone's size, asserted on the device (no host sync)."""
+        size is everyone's size, asserted on the device (no host sync).
+        ``validate="deferred"`` and ``late``: the probe table is gathered as with
+        ``validate=True`` but read a step late (:meth:`_judge_late`); the local size is
+        everyone's, asserted on the device."""
+        if self.validate == "deferred" and late:
+            kind = "prefetch" if label_name == "next_labels" else "batch"
+            return self._late_probe(embeddings, labels, error, what, ("embeddings", label_name), kind)
         if not self.validate:
             device = collective_device(self.group, self.device)
             if error is not None:
@@ -451,6 +499,52 @@ class PartialFC(nn.Module):
         if self._layout is None:
             return [row[0] for row in table]
         return check_peers(table, self._layout.positions, self._layout.batch_world, what)
+
+    def _late_probe(self, embeddings, labels, error, what, names, kind) -> list[int]:
+        """The probe table of ``validate="deferred"``: gathered now, judged a step late."""
+        device = collective_device(self.group, self.device)
+        if error is not None:
+            if self.world_size > 1:      # join the all-gather with size -1: the others' size assert fails
+                row = torch.zeros(len(PROBE_FIELDS), dtype=torch.int64, device=device)
+                row[0] = -1
+                collectives.all_gather_row(row, self.group)
+            raise error
+        n = labels.shape[0]
+        table = collectives.all_gather_row(batch_probe(embeddings, labels, None, device), self.group)
+        if self.world_size > 1:
+            torch._assert_async((table[:, 0] == n).all(),
+                                f"{what}: the ranks passed batches of different sizes; validate='deferred' needs "
+                                "equal batch sizes on every rank (validate=True pads uneven batches)")
+        self._late.append((LateRead(table), what, names, self.sample_step, kind, self.rank))
+        return [n] * self.batch_world_size
+
+    def _judge_late(self) -> None:
+        """Judge the checks ``validate="deferred"`` put off (oldest first), raising the
+        error the immediate check would have raised, naming the forward it belongs to."""
+        late, self._late = self._late, []
+        for read, what, names, forward, kind, me in late:
+            table = read.values()
+            try:
+                check_batch_table(table, me, None, self.num_classes, what, names=names)
+                if self._layout is not None and len(table) == self.world_size:
+                    check_peers(table, self._layout.positions, self._layout.batch_world, what)
+            except ValueError as err:
+                if kind == "prefetch":      # judged before the forward that would use them
+                    where = (f"checked at the next forward, validate='deferred': the next_labels of the prefetch "
+                             f"for training forward {forward} (sample_step {forward}), which has not run")
+                else:
+                    where = (f"checked one step late, validate='deferred': the batch of training forward "
+                             f"{forward} (sample_step {forward}), whose update may already have been applied; "
+                             "resume from a checkpoint, or pass validate=True to check before anything changes")
+                raise type(err)(f"{err} ({where})") from None
+
+    def check_deferred(self) -> None:
+        """``validate="deferred"``: judge now the checks not judged yet (the last
+        training forward's, a prefetch's), raising their error; nothing otherwise.
+        Called by :meth:`flush`, :meth:`training_state` and a state dict, so that no
+        checkpoint is written over a step whose input was bad. Waits for that step's
+        small copy to reach the host (one host sync when something is pending)."""
+        self._judge_late()
 
     def _gather(self, embeddings, labels, sizes):
         """The global batch ``(x, y)``; the gradient path scales for data-parallel
@@ -475,6 +569,8 @@ class PartialFC(nn.Module):
         the background, stale-free (see :mod:`ds_pfc.bank.slots`); the next forward
         must then use exactly these labels or the prefetch is discarded. With the
         device bank there is nothing to stage and this returns at once.
+        ``validate="deferred"``: ``next_labels`` are checked at the next forward,
+        before it changes anything (no host sync here).
         """
         self._check_open()
         try:
@@ -492,16 +588,22 @@ class PartialFC(nn.Module):
         if self._stager is None:        # nothing to stage: no collective either
             if error is not None:
                 raise error
-            if self.validate and next_labels.numel():       # one host sync
+            if self.validate == "deferred" and next_labels.numel():   # judged at the next forward
+                row = batch_probe(None, next_labels, None, next_labels.device)
+                self._late.append((LateRead(row.reshape(1, -1)), "next_labels", ("embeddings", "next_labels"),
+                                   self.sample_step, "prefetch", 0))
+            elif self.validate and next_labels.numel():       # one host sync
                 low, high = torch.stack([next_labels.min(), next_labels.max()]).tolist()
                 if low < 0 or high >= self.num_classes:
                     raise ValueError(f"next_labels must lie in [0, {self.num_classes}), got values in "
                                      f"[{low}, {high}]")
             return
         # The checks and sizes as in forward: one host sync with validate, none without.
-        sizes = self._batch_sizes(None, next_labels, error, "next_labels", label_name="next_labels")
+        sizes = self._batch_sizes(None, next_labels, error, "next_labels", label_name="next_labels", late=True)
         group = self.group if self._layout is None else self._layout.batch_group
         y = collectives.all_gather_rows(next_labels.long(), group, sizes)
+        if self.validate == "deferred":
+            y = self._in_range(y)           # as the forward will see them
         local = self.partition.to_local(y, self.rank)
         active = self.active_set(local)
         rows = self._rows(active)
@@ -664,7 +766,12 @@ class PartialFC(nn.Module):
         return {"resident": resident, "last_step": dict(self.last_step_traffic)}
 
     def flush(self) -> None:
-        """Wait until every write-back has landed in the bank (and on disk)."""
+        """Judge the deferred checks (:meth:`check_deferred`), then wait until every
+        write-back has landed in the bank (and on disk)."""
+        self._judge_late()
+        self._drain()
+
+    def _drain(self) -> None:
         if self._stager is not None and not self._closed:
             self._stager.drain()
             self.bank.flush()
@@ -705,12 +812,13 @@ class PartialFC(nn.Module):
     def centers(self) -> torch.Tensor:
         """This rank's shard ``[C_q K, d]`` (a copy), row ``i K + k`` = sub-center k of
         global class ``class_start + i`` (``K = sub_centers``, 1 by default)."""
-        self.flush()
+        self._drain()
         return self.bank.export("weight")
 
     def load_centers(self, centers: torch.Tensor) -> None:
         """Replace this rank's shard; optimizer state is kept."""
         check_embeddings(centers, self.embedding_size, name="centers")
+        self._late = []             # the state they concern is replaced
         if centers.shape[0] != self.num_rows:
             raise ValueError(f"centers must have shape [{self.num_rows}, {self.embedding_size}] "
                              f"(classes [{self.class_start}, {self.class_end})), got {tuple(centers.shape)}")
@@ -737,6 +845,7 @@ class PartialFC(nn.Module):
 
         With an NVMe bank the bank files are the checkpoint of the rows; this small
         dict completes it (``TieredBank.factory(..., resume=True)`` reopens them)."""
+        self._judge_late()
         state = dict(zip(self._META_FIELDS, self._meta().tolist()))
         state["margin_state"] = self.margin.state_dict()
         return state
@@ -751,6 +860,7 @@ class PartialFC(nn.Module):
                              f"sub_centers={self.sub_centers}")
         if "margin_state" in state:
             self.margin.load_state_dict(dict(state["margin_state"]))
+        self._late = []             # the state they concern is replaced
         self.flush()
         self._drop_staged()
         self.seed, self.sample_step, self.step_count = int(state["seed"]), int(state["sample_step"]), \
@@ -818,6 +928,7 @@ class PartialFC(nn.Module):
                                  f"{(self.num_rows,) + expected}, got {tuple(t.shape)}")
         if margin_state is not None:
             self.margin.load_state_dict(margin_state)
+        self._late = []             # the state they concern is replaced
         self.flush()
         self._drop_staged()
         for name, t in tensors.items():
