@@ -33,7 +33,7 @@ from . import resume_changes
 from ..deepspeed_plugin import PfcEngine, init_distributed, initialize, list_checkpoints
 from ..devices import bind_local_device
 from .._checks import NonFiniteError
-from .._late import LateRead
+from ..core.late import LateRead
 from .. import launchers
 
 __all__ = ["Trainer", "load_config", "schedule_factor", "build_eval_sets", "evaluate"]

@@ -252,7 +252,8 @@ def time_forward(case: dict, device, batches, repeats: int) -> dict:
 # The committed op counts of the standard rank (132 SMs): torch and triton recomputing, and the
 # triton step keeping its cosines.
 _STANDARD_COUNTS = ("benchmarks/results/predict-h200-d512-s800k-k1.json",
-                    "benchmarks/results/predict-h200-d512-s800k-k1-kept.json")
+                    "benchmarks/results/predict-h200-d512-s800k-k1-kept.json",
+                    "benchmarks/results/predict-h200-d512-s800k-k1-exp.json")
 
 
 def standard_counts(path: str) -> str | None:

@@ -13,7 +13,7 @@ from . import collectives
 from .._checks import PROBE_FIELDS, batch_probe, check_batch_table, check_embeddings, check_labels, check_peers
 from ..bank import ClassBank, DeviceBank, TieredBank, initial_centers
 from ..bank.slots import SlotBank, Stager, merge_slots
-from .._late import LateRead
+from .late import LateRead
 from ..devices import collective_device, cpu_native_half, head_device
 from .functional import CrossEntropyOutput, check_filter_threshold
 from .margins import ArcFace, Margin
