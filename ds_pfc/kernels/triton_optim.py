@@ -108,16 +108,23 @@ if triton is not None:
         return (g - (w * inv[:, None]) * radial[:, None]) * inv[:, None]
 
     @triton.jit
+    def _row_tile(w_ptr, g_ptr, pos, row, in_range, cols, D, stride_w, stride_g):
+        """Columns ``cols`` of this program's rows: ``(g, w, w's addresses, mask)``."""
+        mask = in_range[:, None] & (cols < D)[None, :]
+        g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+        w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
+        w = tl.load(w_at, mask=mask, other=0.0)
+        return g, w, w_at, mask
+
+    @triton.jit
     def _row_sums(w_ptr, g_ptr, pos, row, in_range, D, stride_w, stride_g,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         """``(||w_r||^2, <w_r, g_r>)`` of this program's rows, one sweep over their columns."""
         sum_ww = tl.zeros([BLOCK_R], tl.float32)
         sum_wg = tl.zeros([BLOCK_R], tl.float32)
         for k0 in range(0, D, BLOCK_D):
-            cols = k0 + tl.arange(0, BLOCK_D)
-            mask = in_range[:, None] & (cols < D)[None, :]
-            g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-            w = tl.load(w_ptr + row[:, None] * stride_w + cols[None, :], mask=mask, other=0.0)
+            g, w, w_at, mask = _row_tile(w_ptr, g_ptr, pos, row, in_range, k0 + tl.arange(0, BLOCK_D), D,
+                                         stride_w, stride_g)
             sum_ww += tl.sum(w * w, axis=1)
             sum_wg += tl.sum(w * g, axis=1)
         return sum_ww, sum_wg
@@ -158,10 +165,7 @@ if triton is not None:
         if PROJECT:
             if ONE_SWEEP:
                 cols = tl.arange(0, BLOCK_D)
-                mask = in_range[:, None] & (cols < D)[None, :]
-                g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-                w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
-                w = tl.load(w_at, mask=mask, other=0.0)
+                g, w, w_at, mask = _row_tile(w_ptr, g_ptr, pos, row, in_range, cols, D, stride_w, stride_g)
                 g = _project(g, w, tl.sum(w * w, axis=1), tl.sum(w * g, axis=1))
                 _sgd_tile(g, w, w_at, buf_ptr, row, cols, mask, stride_buf, lr, momentum, weight_decay,
                           HAS_MOMENTUM, HAS_WEIGHT_DECAY, NESTEROV)
@@ -170,10 +174,7 @@ if triton is not None:
                                            BLOCK_R, BLOCK_D)
                 for k0 in range(0, D, BLOCK_D):
                     cols = k0 + tl.arange(0, BLOCK_D)
-                    mask = in_range[:, None] & (cols < D)[None, :]
-                    g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-                    w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
-                    w = tl.load(w_at, mask=mask, other=0.0)
+                    g, w, w_at, mask = _row_tile(w_ptr, g_ptr, pos, row, in_range, cols, D, stride_w, stride_g)
                     g = _project(g, w, sum_ww, sum_wg)
                     _sgd_tile(g, w, w_at, buf_ptr, row, cols, mask, stride_buf, lr, momentum, weight_decay,
                               HAS_MOMENTUM, HAS_WEIGHT_DECAY, NESTEROV)
@@ -246,10 +247,7 @@ if triton is not None:
         if PROJECT:
             if ONE_SWEEP:
                 cols = tl.arange(0, BLOCK_D)
-                mask = in_range[:, None] & (cols < D)[None, :]
-                g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-                w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
-                w = tl.load(w_at, mask=mask, other=0.0)
+                g, w, w_at, mask = _row_tile(w_ptr, g_ptr, pos, row, in_range, cols, D, stride_w, stride_g)
                 g = _project(g, w, tl.sum(w * w, axis=1), tl.sum(w * g, axis=1))
                 _adamw_tile(g, w, w_at, m_ptr, v_ptr, row, cols, mask, stride_m, stride_v, lr, beta1, beta2,
                             one_minus_beta1, one_minus_beta2, eps, decay, bias1, bias2_sqrt)
@@ -258,10 +256,7 @@ if triton is not None:
                                            BLOCK_R, BLOCK_D)
                 for k0 in range(0, D, BLOCK_D):
                     cols = k0 + tl.arange(0, BLOCK_D)
-                    mask = in_range[:, None] & (cols < D)[None, :]
-                    g = tl.load(g_ptr + pos[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-                    w_at = w_ptr + row[:, None] * stride_w + cols[None, :]
-                    w = tl.load(w_at, mask=mask, other=0.0)
+                    g, w, w_at, mask = _row_tile(w_ptr, g_ptr, pos, row, in_range, cols, D, stride_w, stride_g)
                     g = _project(g, w, sum_ww, sum_wg)
                     _adamw_tile(g, w, w_at, m_ptr, v_ptr, row, cols, mask, stride_m, stride_v, lr, beta1, beta2,
                                 one_minus_beta1, one_minus_beta2, eps, decay, bias1, bias2_sqrt)
