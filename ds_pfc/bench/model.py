@@ -457,7 +457,8 @@ def _constexpr_json(value):
 # --------------------------------------------------------------------- one counted step
 def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str = "bf16",
                embeddings: str = "fp32", backend: str = "triton", block_rows: int | None = None,
-               world: int = 1, sms: int = 132, seed: int = 0, grids_only: bool = False, keep: bool | str = False) -> dict:
+               world: int = 1, sms: int = 132, arch: int = 90, seed: int = 0, grids_only: bool = False,
+               keep: bool | str = False) -> dict:
     """Counts of one head step (forward, backward, fused row SGD) with ``S`` active rows.
 
     ``grids_only``: launch no Triton kernel, only record each launch's grid (in seconds:
@@ -500,12 +501,12 @@ def count_step(S: int, *, batch: int, dim: int, sample_rate: float, compute: str
     positives = max(1, min(batch // max(1, world), S // 4))
     y = torch.randint(0, positives, (batch,), generator=gen) * (num_classes // positives)
     if grids_only:
-        with gpu_tiles(sms=sms), _GridRecorder() as grids:
+        with gpu_tiles(sms=sms, arch=arch), _GridRecorder() as grids:
             head(x, y).backward()
             head.step(0.1)
         head.close()
         return grids.grids
-    with gpu_tiles(sms=sms), CostCounter() as counter:
+    with gpu_tiles(sms=sms, arch=arch), CostCounter() as counter:
         loss = head(x, y)
         loss.backward()
         head.step(0.1)
@@ -778,6 +779,7 @@ def _standard_runs(case: dict) -> list[tuple[int, int | None]]:
             grids[S] = count_step(S, batch=case["batch"], dim=case["dim"], sample_rate=rate,
                                   compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"],
                                   block_rows=S // 2, world=case["world"], sms=case.get("sms", 132), grids_only=True,
+                                  arch=case.get("arch", 90),
                                   keep=case_keeps(case))
         return grids[S]
 
@@ -856,21 +858,22 @@ def predict_case(case: dict, gpu_name: str, *, counts: list[dict] | None = None,
     if counts is None:
         counts = [count_step(s, batch=case["batch"], dim=case["dim"], sample_rate=case["sample_rate"],
                              compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"],
-                             block_rows=b, world=case["world"], sms=gpu["sms"], keep=case_keeps(case))
-                  for s, b in _standard_runs(dict(case, sms=gpu["sms"], S=S))]
+                             block_rows=b, world=case["world"], sms=gpu["sms"], arch=gpu["arch"],
+                             keep=case_keeps(case))
+                  for s, b in _standard_runs(dict(case, sms=gpu["sms"], arch=gpu["arch"], S=S))]
     fitted = fit_case(case, counts)
     out = predict(fitted, gpu, S=S, batch=case["batch"], dim=case["dim"], compile_code=compile_code)
     out.update(case=dict(case), gpu=gpu_name, gpu_name=gpu["name"], S=S, counts=counts)
     return out
 
 
-def _count_in_subprocess(case: dict, sms: int) -> list[dict]:
+def _count_in_subprocess(case: dict, sms: int, arch: int = 90) -> list[dict]:
     """The counted steps in a child process with ``TRITON_INTERPRET=1`` (it must be set before
     triton is imported, which this process may already have done)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "ds_pfc.bench.model", "--count", json.dumps(dict(case, sms=sms))],
+    proc = subprocess.run([sys.executable, "-m", "ds_pfc.bench.model", "--count", json.dumps(dict(case, sms=sms, arch=arch))],
                           capture_output=True, text=True, env=env, cwd=root)
     if proc.returncode != 0:
         raise RuntimeError("counting step failed: " + " | ".join(proc.stderr.strip().splitlines()[-4:]))
@@ -923,7 +926,7 @@ def _count_main(spec: str) -> int:
     case["S"] = max(math.floor(case["sample_rate"] * math.ceil(case["classes"] / case["world"]) + 1e-9), 1)
     out = [count_step(s, batch=case["batch"], dim=case["dim"], sample_rate=case["sample_rate"],
                       compute=case["compute"], embeddings=case["embeddings"], backend=case["backend"], block_rows=b,
-                      world=case["world"], sms=case["sms"], keep=case_keeps(case))
+                      world=case["world"], sms=case["sms"], arch=case.get("arch", 90), keep=case_keeps(case))
            for s, b in _standard_runs(case)]
     print(json.dumps(out))
     return 0

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         counts = saved_counts(args.counts, case, sms) if args.counts else None
         if args.counts and counts is None:
             print(f"{args.counts} holds no counts of this case for {sms} SMs: counting it here", flush=True)
-        counts = counts or _count_in_subprocess(case, sms)
+        counts = counts or _count_in_subprocess(case, sms, GPUS[args.predict]["arch"])
         pred = predict_case(case, args.predict, counts=counts, compile_code=not args.no_compile)
         print(format_prediction(pred) + "\n", flush=True)
         if cal is not None:

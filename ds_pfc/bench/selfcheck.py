@@ -271,7 +271,7 @@ def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 
         if counts is None and not count:
             raise RuntimeError(f"no saved op counts of {case} for {sms} SMs in {counts_from} (counting takes "
                                "minutes: python -m ds_pfc.selfcheck --counts <a --predict JSON of this case>)")
-        counts = counts or model._count_in_subprocess(case, sms)
+        counts = counts or model._count_in_subprocess(case, sms, model.GPUS[kind]["arch"])
         pred = model.predict_case(case, kind, counts=counts)
         seconds, events = _time_step(device, case, backend)
         predicted = dict(model.group_predicted(pred), step=pred["step_s"])

@@ -225,7 +225,7 @@ def time_forward(case: dict, device, batches, repeats: int) -> dict:
     gen = torch.Generator(device=device).manual_seed(5)
     w = torch.randn(S, d, device=device, generator=gen)
     w_hat, w_inv = K.prepare(w, compute)
-    block_n, block_s = K.tile_config("lse", compute)[:2]
+    block_n, block_s = K.tile_config("lse", compute, arch=K._arch(device))[:2]
     sms = K._num_sms(device)
     clock = _Clock(device)
     out = {"S": S, "dim": d, "sms": sms}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-__all__ = ["gpu_tiles", "active", "sms", "GPU_ONLY_CONSTEXPRS"]
+__all__ = ["gpu_tiles", "active", "sms", "arch", "GPU_ONLY_CONSTEXPRS"]
 
 GPU_ONLY_CONSTEXPRS = {"UPCAST": False}
 
@@ -38,14 +38,23 @@ def sms() -> int | None:
     return getattr(_state, "sms", None)
 
 
+def arch() -> int | None:
+    """The target's compute capability (``90`` for sm_90) inside :func:`gpu_tiles`, else None
+    (use the device's): tile-table rows may differ by architecture (mma.sync before Hopper)."""
+    return getattr(_state, "arch", None) if active() else None
+
+
 @contextlib.contextmanager
-def gpu_tiles(sms: int = 132):
-    """Launch with the GPU tile table and ``sms`` SMs for grid sizing (see the module doc)."""
+def gpu_tiles(sms: int = 132, arch: int = 90):
+    """Launch with the GPU tile table of compute capability ``arch`` and ``sms`` SMs for grid
+    sizing (see the module doc)."""
     if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
         raise ValueError(f"sms must be a positive int, got {sms!r}")
-    previous = getattr(_state, "sms", None)
-    _state.sms = sms
+    if isinstance(arch, bool) or not isinstance(arch, int) or not 70 <= arch < 200:
+        raise ValueError(f"arch must be a compute capability such as 80 or 90, got {arch!r}")
+    previous = getattr(_state, "sms", None), getattr(_state, "arch", None)
+    _state.sms, _state.arch = sms, arch
     try:
         yield
     finally:
-        _state.sms = previous
+        _state.sms, _state.arch = previous

@@ -103,6 +103,16 @@ TILES = {
     ("proj", "lowp"): (8, 256, 0, 4, 1),
     ("proj", "fp32"): (8, 256, 0, 4, 1),
 }
+# Before Hopper (mma.sync: sm_80 A100, sm_86 A10 / RTX 30, sm_89 L40S / RTX 40) the forward's
+# accumulators live in the registers of all eight warps rather than in wgmma's: 128 x 4 x 64
+# with its epilogue needs more than 255 registers and spills 34-58 words. 128 x 4 x 32 classes
+# with a K step of 32 holds 177-191 registers and spills nothing in every specialisation (plain,
+# with a threshold, tracking the largest cosine, storing cosines or E; checked offline for
+# sm_80/86/89 by tests/test_grids_and_budgets.py), 64 FLOP per byte of operand traffic.
+MMA_SYNC_TILES = {
+    ("lse", "lowp"): (128, 32, 32, 8, 3),
+    ("lse_max", "lowp"): (128, 32, 32, 8, 3),
+}
 # Under the interpreter every program runs as numpy on the CPU: small tiles keep tests fast and
 # make the small test shapes span several tiles, K steps and splits (ragged edges everywhere).
 _INTERPRET_TILES = {"lse": (16, 16, 16, 1, 1), "lse_max": (16, 16, 16, 1, 1), "g": (16, 16, 16, 1, 1), "dw": (16, 16, 16, 1, 1),
@@ -130,11 +140,30 @@ def samples_per_split(compute_dtype: torch.dtype, interpret: bool | None = None)
     return SAMPLES_PER_SPLIT
 
 
-def tile_config(kernel: str, compute_dtype: torch.dtype, interpret: bool | None = None):
-    """``(BLOCK_A, BLOCK_B, BLOCK_K, num_warps, num_stages)`` of ``kernel`` for a compute dtype."""
+def tile_config(kernel: str, compute_dtype: torch.dtype, interpret: bool | None = None, arch: int | None = None):
+    """``(BLOCK_A, BLOCK_B, BLOCK_K, num_warps, num_stages)`` of ``kernel`` for a compute dtype on
+    compute capability ``arch`` (``80`` for sm_80; None: Hopper's rows)."""
     if interpret if interpret is not None else (_INTERPRET and not _target.active()):
         return _INTERPRET_TILES[kernel]
-    return TILES[(kernel, "fp32" if compute_dtype == torch.float32 else "lowp")]
+    key = (kernel, "fp32" if compute_dtype == torch.float32 else "lowp")
+    if arch is not None and arch < 90 and key in MMA_SYNC_TILES:
+        return MMA_SYNC_TILES[key]
+    return TILES[key]
+
+
+def _arch(device: torch.device) -> int | None:
+    """The compute capability launches on ``device`` choose tiles for: the target's inside
+    :func:`ds_pfc.kernels._target.gpu_tiles`, the GPU's on CUDA, else None."""
+    target = _target.arch()
+    if target is not None:
+        return target
+    return _device_arch(device) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -818,7 +847,8 @@ def lse_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
     # log-sum-exp drops: the kernel tracks it separately, on the narrower "lse_max" tiles that
     # keep those extra live values in registers. Without one it is m / scale.
     track_max = bool(want_max_cos) and threshold is not None
-    block_n, block_s, block_k, warps, stages = tile_config("lse_max" if track_max else "lse", compute_dtype)
+    block_n, block_s, block_k, warps, stages = tile_config("lse_max" if track_max else "lse", compute_dtype,
+                                                          arch=_arch(dev))
     n_tiles = triton.cdiv(n, block_n)
     # The split hands out QUADS of class tiles (the kernel's unit), so no split ends mid-quad.
     splits, per = _split(n_tiles, triton.cdiv(s, 4 * block_s), dev, _LSE_CTAS_PER_SM)
@@ -1062,7 +1092,8 @@ def exp_stats(x_hat, w, w_inv_norm, target_col, *, scale, threshold, compute_dty
     if w_hat is None:
         w_hat, _ = prepare(w, compute_dtype)
     xc = x_hat.to(compute_dtype).contiguous()
-    block_n, block_s, block_k, warps, stages = tile_config("lse_max" if want_max_cos else "lse", compute_dtype)
+    block_n, block_s, block_k, warps, stages = tile_config("lse_max" if want_max_cos else "lse", compute_dtype,
+                                                          arch=_arch(dev))
     n_tiles = triton.cdiv(n, block_n)
     splits, per = _split(n_tiles, triton.cdiv(s, 4 * block_s), dev)
     l_k = torch.empty(splits, n, dtype=torch.float32, device=dev)
