@@ -226,6 +226,12 @@ def test_the_step_model_counts_the_exp_kept_step():
     assert "triton:_lse_exp_kernel" in exp and "triton:_g_pass_kernel" not in exp and "triton:_lse_kernel" not in exp
     assert "triton:_g_pass_kernel" in kept and "triton:_lse_exp_kernel" not in kept
     assert exp["aten:mm[bf16]"]["flops"] == pytest.approx(4 * n * S * d, rel=0.05)
+    # Nothing but the two products and the row update passes over [S, d] or E: no torch op of
+    # the step moves, per launch, as many bytes as the float32 gradient of the centers.
+    big = {k: c["read"] + c["written"] for k, c in exp.items()
+           if k.startswith("aten:") and not k.startswith("aten:mm")
+           and (c["read"] + c["written"]) / max(c["launches"], 1) >= S * d * 4}
+    assert not big, big
     # The forward's products on the GPU's tiles (padded at this small shape): the kept forward's.
     assert exp["triton:_lse_exp_kernel"]["flops"] == kept["triton:_lse_kernel"]["flops"]
     assert model.cosines_path("triton", 2048, 800_000, "bf16", None) == "exp"

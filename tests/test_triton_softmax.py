@@ -190,7 +190,7 @@ def _check(n, s, d, *, scale, threshold, compute_dtype, want_max_cos, seed, targ
     dx_bound = u * (g.abs() @ abs_w) + under * abs_w.sum(0) + 1e-7 * coef_scale
     _assert_bounded(dx_hat, dx_ref, dx_bound, "dx_hat")
     # dw = P(dw_hat) / ||w|| with P = I - w_hat w_hat^T: |P e|_i <= |e_i| + |w_hat_i| * ||e||_2.
-    # exp-kept: the bf16 operand is x_hat * a / c rounded once (not x_hat rounded, then scaled):
+    # exp-kept: the bf16 operand is x_hat * a rounded once (not x_hat rounded, then scaled):
     # one more bf16 rounding against the reference's x_c; rho is exact for that dw_hat.
     e = (u + (2.0 ** -8 if exp else 0.0)) * (g.abs().T @ abs_x) + under * abs_x.sum(0) + 1e-7
     w_hat = w.cpu().double() * w_inv_norm.cpu().double()[:, None]

@@ -1116,13 +1116,14 @@ def grad_exp(e, x_hat, w, w_inv_norm, coef, row_max, *, scale, compute_dtype, w_
     ``G[n, j] = coef[n] exp(z - row_max[n]) = a[n] E[j, n]`` with the per-sample factor
     ``a = coef * exp(scale * EXP_SHIFT - row_max)``, folded into the products instead of
     forming G: ``dx_hat = a * (E^T w_hat)`` (a float32 row scale after a cuBLAS product) and
-    ``dw_hat = c (E (x_hat a / c))`` with ``c = max |a|`` (a device scalar: no host sync), so
-    that the bf16 operand lies in [-1, 1] (bf16 has float32's exponent range: no sample's factor
-    flushes). ``dw`` is ``dw_hat`` taken through the normalisation by the projection pass, with
-    ``rho = <dw_hat_j, w_hat_j>`` summed there in float32. No G pass; ``e`` is only read.
-    ``project=False``: no projection pass, ``dw = c dw_hat`` (the gradient of ``w_hat``) for a
-    caller that projects it (the row optimizers do, in their update). Cost: ``4 N S d`` FLOPs on
-    cuBLAS, E read once by each product. Returns ``(dx_hat, dw)``, float32."""
+    ``dw_hat = E (x_hat a)``, the factor inside the bf16 operand: bf16 has float32's exponent
+    range, so no rescaling is needed (a float16 operand would need one) and no pass over the
+    ``[S, d]`` result is spent on it. ``dw`` is ``dw_hat`` taken through the normalisation by the
+    projection pass, with ``rho = <dw_hat_j, w_hat_j>`` summed there in float32. No G pass; ``e``
+    is only read. ``project=False``: no projection pass, ``dw = dw_hat`` (the gradient of
+    ``w_hat``) for a caller that projects it (the row optimizers do, in their update): the
+    backward is then the two products and nothing else over ``[S, d]``. Cost: ``4 N S d``
+    FLOPs on cuBLAS, E read once by each product. Returns ``(dx_hat, dw)``, float32."""
     _validate(x_hat, w, w_inv_norm, None, compute_dtype, coef=coef, row_max=row_max)
     n, d = x_hat.shape
     s = w.shape[0]
@@ -1134,16 +1135,16 @@ def grad_exp(e, x_hat, w, w_inv_norm, coef, row_max, *, scale, compute_dtype, w_
     if w_hat is None or w_inv_norm is None:
         w_hat, w_inv_norm = prepare(w, compute_dtype)
     a = coef * torch.exp(float(scale) * EXP_SHIFT - row_max)
-    c = a.abs().amax().clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
-    xa = (x_hat * (a / c)[:, None]).to(compute_dtype)
+    xa = (x_hat * a[:, None]).to(compute_dtype)
     rows, block_d, _, warps, stages = tile_config("proj", compute_dtype)
     block_d = min(block_d, max(16, triton.next_power_of_2(d)))
     with on_device(dev):
         dx_hat = _gemm_f32(e.t(), w_hat).mul_(a[:, None])
         dw = _gemm_f32(e, xa)
         if not project:
-            return dx_hat, dw.mul_(c)
+            return dx_hat, dw
+        one = torch.ones(1, dtype=torch.float32, device=dev)
         _project_kernel[(triton.cdiv(s, rows),)](
-            dw, w, w.stride(0), w.stride(1), w_inv_norm, c, c, s, d,
+            dw, w, w.stride(0), w.stride(1), w_inv_norm, one, one, s, d,
             RHO_FROM_DW=True, ROWS=rows, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     return dx_hat, dw
