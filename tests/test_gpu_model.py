@@ -760,3 +760,26 @@ def test_every_calibrated_prediction_carries_its_out_of_sample_error(calibrated)
         assert step["roofline_error"] < step["error"] < 0
     assert out["max_error"] == pytest.approx(-0.04, abs=0.01) and out["min_error"] == pytest.approx(-0.27, abs=0.01)
     assert out["roofline_min_error"] == pytest.approx(-0.63, abs=0.01)
+
+
+def test_a_prepare_that_now_reads_each_row_once_is_priced_as_the_row_update(calibrated):
+    """The calibration measured the two-pass ``prepare`` (each row read twice: the counts of its
+    own run read twice the unique bytes) at its own rate; the one-pass kernel of today's counts
+    (read = unique) moves bytes as the row update does and is priced at that kernel's measured
+    rate. The bytes come from the counts, the rates from the measured run."""
+    from ds_pfc.bench import calibration
+    cal, _ = calibrated
+    old = _load("predict-h200-d512-s800k-k1.json")["results"]
+    old = next(r for r in old if r["case"]["backend"] == "triton")["counts"][0]["kernels"]["triton:_prep_kernel"]
+    assert old["read"] >= 1.9 * old["unique_read"]
+    seconds, rule = calibration.kernel_seconds("triton:_prep_kernel", old, cal, "h200", "triton")
+    assert "since" not in rule and f"{cal.stream['triton:_prep_kernel']:.1%}" in rule
+    one_pass = dict(old, read=old["unique_read"])
+    seconds_now, rule_now = calibration.kernel_seconds("triton:_prep_kernel", one_pass, cal, "h200", "triton")
+    assert "one pass" in rule_now and f"{cal.stream['triton:_sgd_rows_kernel']:.1%}" in rule_now
+    unique = old["unique_read"] + old["unique_written"]
+    from ds_pfc.bench.model import GPUS
+    busy = (seconds_now - old["launches"] * cal.launch_s) * calibration._fill(old, GPUS["h200"])
+    assert busy == pytest.approx(unique / (cal.stream["triton:_sgd_rows_kernel"] * cal.rates("h200")["copy"]),
+                                 rel=1e-6)
+    assert seconds_now < seconds

@@ -326,6 +326,16 @@ def _fill(c: dict, gpu: dict) -> float:
 # and tiles they share: the exp-kept forward is the statistics kernel with an exp and a bf16
 # store of E in its epilogue (products + fixed per logit + its store, as the kept forward).
 _CALIBRATED_AS = {"triton:_lse_exp_kernel": "triton:_lse_kernel"}
+# Streaming kernels whose code changed after a calibration measured them: key -> (date of the
+# change, what changed, the measured kernel of the new access pattern, a test on the counts that
+# the launch is the new code). A calibration dated before the change measured the old code, so
+# the new one is priced at the rate of the kernel it now moves bytes like. ``prepare`` read each
+# row twice (its norm, then the scaled copy: 67% of copy on the H200); it now reads whole rows
+# once by index, as the row update (_sgd_rows_kernel) does.
+_CHANGED_SINCE = {
+    "triton:_prep_kernel": ("2026-12-04", "one pass over whole rows", "triton:_sgd_rows_kernel",
+                            lambda c: c["read"] <= 1.05 * c["unique_read"]),
+}
 
 
 def kernel_seconds(key: str, c: dict, cal: Calibration, gpu_name: str, backend: str, compute: str = "bf16",
@@ -365,6 +375,12 @@ def kernel_seconds(key: str, c: dict, cal: Calibration, gpu_name: str, backend: 
             eff = cal.matrix[key]
             body = max(c["flops"] / (eff * gemm), unique / copy)
             return body / fill + c["launches"] * launch, f"{eff:.1%} of {gemm / 1e12:.0f} TF/s"
+        changed = _CHANGED_SINCE.get(key)
+        if changed and not c["flops"] and cal.date < changed[0] and changed[3](c) and changed[2] in cal.stream:
+            eff = cal.stream[changed[2]]
+            return (unique / (eff * copy) / fill + c["launches"] * launch,
+                    f"{changed[1]} since {changed[0]} (measured before): {eff:.1%} of {copy / 1e12:.2f} TB/s, "
+                    f"as {changed[2].split(':', 1)[1]}")
         if key in cal.stream and not c["flops"]:
             eff = cal.stream[key]
             return unique / (eff * copy) / fill + c["launches"] * launch, f"{eff:.1%} of {copy / 1e12:.2f} TB/s"
