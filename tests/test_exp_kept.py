@@ -16,6 +16,7 @@ The kernels run in Triton's interpreter on a CPU (TRITON_INTERPRET=1, set by con
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -264,3 +265,64 @@ def test_the_exp_kept_prediction_prices_no_g_pass():
     kept_out = calibration.calibrated_prediction(
         model.predict_case(kept["case"], "h200", counts=kept["counts"], compile_code=False), cal)
     assert out["step_s"] < kept_out["step_s"] - 2e-3         # the G pass (2.29 ms) is gone
+
+
+def _scaled_step(loss_scale, *, hook=False, nan_embedding=False, seed=3):
+    """One loss-scaled training step of a bf16 triton head (the exp-kept path) with the
+    overflow guard on: returns (the head's verdict, the verdict read from the gradients
+    themselves, the shapes torch.isfinite was applied to, the forward's triton launches)."""
+    from ds_pfc.core.head import PartialFC
+    from ds_pfc.kernels import triton_softmax as ts
+    c, d, n = 300, 16, 24
+    head = PartialFC(c, d, sample_rate=1.0, device=DEVICE, compute_dtype=torch.bfloat16, backend="triton",
+                     optimizer="sgd", data_parallel_grad=False, seed=seed, fused=True, validate=False)
+    head.guard_nonfinite = True
+    if hook:
+        head.center_grad_hook = lambda: (lambda g: g)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen).to(DEVICE)
+    if nan_embedding:
+        x[5, 2] = float("nan")
+    x.requires_grad_()
+    y = torch.randint(0, c, (n,), generator=gen).to(DEVICE)
+    seen, launched = [], []
+    real_isfinite, real_exp = torch.isfinite, ts.exp_stats
+    try:
+        torch.isfinite = lambda t: (seen.append(tuple(t.shape)), real_isfinite(t))[1]
+        ts.exp_stats = lambda *a, **k: (launched.append("exp"), real_exp(*a, **k))[1]
+        loss = head(x, y)
+        (loss * loss_scale).backward()
+        verdict = bool(head.pending_grads_finite())
+    finally:
+        torch.isfinite, ts.exp_stats = real_isfinite, real_exp
+    grads = [p[1].grad for p in head._pending if p[1].grad is not None]
+    if head._acc is not None:
+        grads.append(head._acc[1])
+    truth = all(bool(real_isfinite(g).all()) for g in grads) and bool(grads)
+    head.close()
+    return verdict, truth, seen, launched
+
+
+@pytest.mark.parametrize("loss_scale,nan_embedding", [(65536.0, False), (float("inf"), False), (1.0, True)])
+def test_a_loss_scaled_exp_kept_step_decides_finiteness_from_n_sized_values(loss_scale, nan_embedding):
+    """Under loss scaling the exp-kept backward decides whether the centers' gradient is finite
+    without a pass over it (every value torch.isfinite reads is N-sized), and agrees with the
+    gradient itself: finite at a normal scale, not at an infinite one or with a NaN embedding."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")           # bf16 products on a CPU: the head's speed warning
+        verdict, truth, seen, launched = _scaled_step(loss_scale, nan_embedding=nan_embedding)
+    assert launched == ["exp"]
+    assert verdict == truth == (loss_scale == 65536.0)
+    assert seen and all(math.prod(shape) <= 24 * 16 for shape in seen), seen
+
+
+def test_a_hook_on_the_centers_gradient_makes_the_check_read_the_gradient():
+    """A hook may change the gradient after the backward: the verdict then comes from the
+    gradient itself (a pass over [S, d]), and is still right."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        verdict, truth, seen, _ = _scaled_step(float("inf"), hook=True)
+    assert verdict is truth is False
+    assert (300, 16) in seen

@@ -267,6 +267,11 @@ class PartialFC(nn.Module):
         # Device bank: the summed gradient of the micro steps already back-propagated,
         # (rows or None, grad); their staged centers are released (one accumulator).
         self._acc: tuple | None = None
+        # Loss scaling: whether the gradients pending since the last step are finite, ANDed in by
+        # each backward without a host sync (None: no verdict yet), and whether every pending
+        # forward passed it (else pending_grads_finite reads the gradients themselves).
+        self._finite: torch.Tensor | None = None
+        self._finite_complete = True
         self._last_traffic: dict = {}
 
         factory = bank or DeviceBank
@@ -450,7 +455,8 @@ class PartialFC(nn.Module):
             group=self.group, compute_dtype=self.compute_dtype, return_correct=return_details,
             block_bytes=self.block_bytes, backend=self.backend, validate=False,
             guard_nonfinite=training and self.guard_nonfinite, update_state=training, sub_centers=self.sub_centers,
-            keep_bytes=self.keep_bytes, project_w_grad=not unprojected, w_source=source)
+            keep_bytes=self.keep_bytes, project_w_grad=not unprojected, w_source=source,
+            grad_finite=self._finite_verdict(x.device, hook) if training else None)
         if training:
             self._unprojected = unprojected
             self._fold_finished()
@@ -683,6 +689,7 @@ class PartialFC(nn.Module):
         pending = ([(self._acc[0], self._acc[1], None)] if self._acc is not None else []) + \
             [(rows, c.grad, c) for rows, c, _ in self._pending if c.grad is not None]
         self._pending, self._acc = [], None
+        self._forget_finite()
         if not pending:
             return 0
         staged = None
@@ -727,6 +734,7 @@ class PartialFC(nn.Module):
     def _step_slots(self, lr: float) -> int:
         pending = [(c.grad, slot) for _, c, slot in self._pending if c.grad is not None]
         self._pending = []
+        self._forget_finite()
         if not pending:
             return 0
         if len(pending) == 1:
@@ -790,9 +798,28 @@ class PartialFC(nn.Module):
         if self._closed:
             raise RuntimeError("this PartialFC is closed; build a new one (resume=True reopens NVMe banks)")
 
+    def _finite_verdict(self, device: torch.device, hook) -> torch.Tensor | None:
+        """The tensor a training forward's backward ANDs its gradient's finiteness into, under
+        loss scaling (``guard_nonfinite``) and where no hook may change that gradient afterwards;
+        else None, and :meth:`pending_grads_finite` reads the gradients instead."""
+        if not self.guard_nonfinite or hook is not None:
+            self._finite_complete = False
+            return None
+        if self._finite is None:
+            self._finite = torch.ones((), dtype=torch.bool, device=device)
+        return self._finite
+
+    def _forget_finite(self) -> None:
+        self._finite, self._finite_complete = None, True
+
     def pending_grads_finite(self) -> torch.Tensor:
         """A 0-d bool tensor on the head's device: every gradient accumulated since the
-        last step is finite (no host sync)."""
+        last step is finite (no host sync). Under loss scaling the backward of each step
+        has already decided it (on the exp-kept path from N-sized values, see
+        :func:`ds_pfc.core.softmax.margin_softmax_cross_entropy`'s ``grad_finite``): no pass
+        over the gradients here."""
+        if self._finite is not None and self._finite_complete:
+            return self._finite.clone()
         grads = [c.grad for _, c, _ in self._pending if c.grad is not None]
         if self._acc is not None:
             grads.append(self._acc[1])
@@ -804,6 +831,7 @@ class PartialFC(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated since the last step."""
         self._pending, self._acc = [], None
+        self._forget_finite()
         if self._stager is not None:
             self._stager.discard()
         super().zero_grad(set_to_none)
@@ -831,6 +859,7 @@ class PartialFC(nn.Module):
     def _drop_staged(self) -> None:
         """Forget staged and prefetched rows: the bank is about to be replaced."""
         self._pending, self._acc = [], None
+        self._forget_finite()
         self._lookahead = None
         if self._stager is not None:
             self._stager.discard()

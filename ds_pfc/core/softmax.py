@@ -599,11 +599,27 @@ def _forward_backward_torch(blocks: _Blocks, chunks, t_logit, want_correct, w_dt
 
 
 # --------------------------------------------------------------------- autograd
+def _dw_finite(dw, n_sized: bool, coef, x_hat, dw_t) -> torch.Tensor:
+    """A 0-d bool tensor (no host sync): whether the centers' gradient ``dw`` is finite.
+
+    ``n_sized`` (the exp-kept backward, :func:`ds_pfc.kernels.triton_softmax.grad_exp`): from
+    N-sized values only, without reading ``dw``. There every non-target entry of G is
+    ``coef[n] E[j, n]`` with ``E = exp(z - shift)`` and ``sum_exp >= E``, so ``|G| <= |weight| *
+    scale``: the products ``E (x_hat a)`` are finite whenever ``coef`` (which carries the
+    weights, the loss scale and the global sum) and ``x_hat`` are, and the target terms ``dw_t``
+    are checked themselves. A non-finite center or embedding reaches ``sum_exp``, hence
+    ``coef``, on every rank (it is all-reduced). Elsewhere: one pass over ``dw``."""
+    if not n_sized:
+        return torch.isfinite(dw).all()
+    finite = torch.isfinite(coef).all() & torch.isfinite(x_hat).all()
+    return finite if dw_t is None else finite & torch.isfinite(dw_t).all()
+
+
 class _MarginSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, target_col, margin, threshold, group, compute_dtype, want_correct, block_bytes,
                 keep_bytes, backend, validate, guard_nonfinite, update_state, sub_centers, want_grad,
-                project_w=True, w_source=None):
+                project_w=True, w_source=None, grad_finite=None):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         compute = default_compute_dtype(x.device, acc) if compute_dtype is None else compute_dtype
         n = x.shape[0]
@@ -706,6 +722,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         ctx.margin, ctx.compute, ctx.in_dtypes = margin, compute, (x.dtype, w.dtype)
         ctx.threshold, ctx.block_bytes, ctx.backend, ctx.kept = threshold, block_bytes, backend, kept is not None
         ctx.guard_nonfinite = guard_nonfinite
+        ctx.grad_finite = grad_finite
         ctx.project_w = project_w
         # The gradients formed in forward (world size 1, see _forward_backward_torch):
         # consumed by the first backward, which scales them in place.
@@ -734,6 +751,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         # dL/dcos = scale * weight * (p - onehot), times phi'(cos) on the target.
         coef = weight * margin.scale / sum_exp
         pre, ctx.pre = ctx.pre, None
+        n_sized = False      # whether dw's finiteness follows from N-sized values (the exp-kept algebra)
         if pre is not None and grad_per_sample is None and grad_loss is not None:
             dx_hat, dw = pre[0].mul_(grad_loss), pre[1].mul_(grad_loss)
         elif ctx.backend == "triton":
@@ -743,6 +761,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
                 dx_hat, dw = kernels.grad_exp(cos_kept, x_hat, w, w_inv, coef, row_max, scale=margin.scale,
                                               compute_dtype=compute, w_hat=w_hat_c, project=ctx.project_w)
                 del cos_kept
+                n_sized = True
             elif cos_kept is not None:     # G is formed over the kept cosines, in place: they are spent
                 dx_hat, dw = kernels.grad_kept(cos_kept, x_hat, w, w_inv, target_col, coef, row_max,
                                                scale=margin.scale, threshold=ctx.threshold, compute_dtype=compute,
@@ -764,6 +783,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         p_t = torch.exp(t_logit - row_max) / sum_exp
         g_t = torch.where(owned, weight * dtarget * (p_t - 1.0), torch.zeros_like(cos_t))
         dx_hat.add_(g_t[:, None] * w_hat_t)
+        dw_t = None
         if w.shape[0]:
             dw_hat_t = g_t[:, None] * x_hat
             dw_t = dw_hat_t if not ctx.project_w else \
@@ -777,10 +797,14 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             if has_extra:
                 g_norm = g_norm + weight * dextra_dnorm
             dx = dx + x_hat * torch.where(owned, g_norm, torch.zeros_like(g_norm))[:, None]
-        if ctx.guard_nonfinite:     # an overflow in dw reaches the embeddings, hence the overflow check
-            dx = dx + torch.where(torch.isfinite(dw).all(), 0.0, float("nan")).to(dx.dtype)
+        if ctx.guard_nonfinite or ctx.grad_finite is not None:
+            finite = _dw_finite(dw, n_sized, coef, x_hat, dw_t)
+            if ctx.grad_finite is not None:
+                ctx.grad_finite.logical_and_(finite)
+            if ctx.guard_nonfinite:     # an overflow in dw reaches the embeddings, hence the overflow check
+                dx = dx + torch.where(finite, 0.0, float("nan")).to(dx.dtype)
         return (dx.to(ctx.in_dtypes[0]), dw, None, None, None, None, None, None, None, None, None, None, None, None, None,
-                None, None, None)
+                None, None, None, None)
 
 
 def margin_softmax_cross_entropy(
@@ -802,6 +826,7 @@ def margin_softmax_cross_entropy(
     keep_bytes: int | None = None,
     project_w_grad: bool = True,
     w_source: tuple | None = None,
+    grad_finite: torch.Tensor | None = None,
 ) -> SoftmaxResult:
     """Margin softmax CE of the gathered batch against this rank's active centers.
 
@@ -835,7 +860,14 @@ def margin_softmax_cross_entropy(
     there by index (triton backend, no sub-centers, ``project_w_grad=False`` when training;
     ``rows`` None: the whole table); ``w`` then only gives their shape and dtype and receives
     the gradient (it may be a shape-only tensor such as ``torch.empty(()).expand(S, d)``).
+    ``grad_finite``: a 0-d bool tensor on ``x``'s device; the backward ANDs into it, in place and
+    without a host sync, whether the gradient of ``w`` is finite -- from N-sized values on the
+    exp-kept path (no pass over the ``[S, d]`` gradient), by a pass over it elsewhere.
     """
+    if grad_finite is not None and (not isinstance(grad_finite, torch.Tensor) or grad_finite.dim() != 0
+                                    or grad_finite.dtype != torch.bool or grad_finite.device != x.device):
+        raise ValueError(f"grad_finite must be a 0-d bool tensor on {x.device}, got "
+                         f"{grad_finite if not isinstance(grad_finite, torch.Tensor) else (grad_finite.shape, grad_finite.dtype, grad_finite.device)}")
     check_block_bytes(block_bytes)
     check_keep_bytes(keep_bytes)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -859,5 +891,6 @@ def margin_softmax_cross_entropy(
     loss, per_sample, correct = _MarginSoftmaxCE.apply(
         x, w, target_col, margin, filter_threshold, group, compute_dtype, return_correct, block_bytes, keep_bytes,
         backend, bool(validate), bool(guard_nonfinite), bool(update_state), int(sub_centers),
-        torch.is_grad_enabled() and (x.requires_grad or w.requires_grad), bool(project_w_grad), w_source)
+        torch.is_grad_enabled() and (x.requires_grad or w.requires_grad), bool(project_w_grad), w_source,
+        grad_finite)
     return SoftmaxResult(loss, per_sample, correct)
