@@ -281,3 +281,21 @@ def test_the_forward_launches_the_mma_sync_tiles_before_hopper(monkeypatch, arch
             assert ts._arch(torch.device("cuda", 0)) == 90      # the target's, not the device's
     finally:
         ts._device_arch.cache_clear()
+
+
+@pytest.mark.parametrize("gpu,batch,path", [("h200", 4096, "exp"), ("h100", 4096, "exp"), ("h200", 2048, "exp")])
+def test_a_prediction_takes_the_keep_budget_the_head_would_read_from_the_gpu(gpu, batch, path):
+    """The standard rank at N = 4096 keeps 6.55 GB of bf16 exponentials: over the 4 GiB budget
+    the head uses off CUDA, within half of what an H100's or H200's memory leaves beside the
+    rank's float32 centers and momentum (8M x 512 x 8 B) and the rest of the step, which is
+    the budget the head reads from the device there. The prediction takes the latter."""
+    from ds_pfc.bench import model
+    case = dict(world=1, classes=8_000_000, sample_rate=0.1, batch=batch, dim=512, compute="bf16")
+    budget = model.default_keep_budget(case, gpu)
+    free = model.GPUS[gpu]["memory_bytes"] - 8_000_000 * 512 * 8 - model.OTHER_RESIDENT_BYTES
+    assert budget == int(softmax.COSINE_KEEP_SHARE * free)
+    assert model.cosines_path("triton", batch, 800_000, "bf16", budget) == path
+    if batch == 4096:
+        assert model.cosines_path("triton", batch, 800_000, "bf16", None) == "recompute"   # off CUDA: 4 GiB
+    # A rank whose bank leaves no room keeps nothing.
+    assert model.default_keep_budget(dict(case, classes=40_000_000), gpu) == 0

@@ -76,7 +76,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # copies); the L2 -> SM rates are assumptions (NVIDIA publishes none for H100), see "sources".
 GPUS = {
     "h100": dict(
-        name="H100 SXM", arch=90, sms=132, clock_ghz=1.755,
+        name="H100 SXM", memory_bytes=80e9, arch=90, sms=132, clock_ghz=1.755,
         tensor_peak=989e12, gemm=700e12, sgemm=50e12, fma=67e12,
         hbm_peak=3.35e12, hbm=2.9e12, l2=6.5e12, launch_s=4e-6,
         regs_per_sm=65536, smem_per_sm=228 * 1024, smem_per_block=227 * 1024, warps_per_sm=64, ctas_per_sm=32,
@@ -88,7 +88,7 @@ GPUS = {
                  "l2": "assumed 6.5 TB/s L2 -> SM (microbenchmarks report 5.5-7 TB/s)",
                  "launch_s": "assumed 4 us per launch (launch + tail of a stream-ordered kernel)"}),
     "h200": dict(
-        name="H200 SXM", arch=90, sms=132, clock_ghz=1.755,
+        name="H200 SXM", memory_bytes=141e9, arch=90, sms=132, clock_ghz=1.755,
         tensor_peak=989e12, gemm=700e12, sgemm=50e12, fma=67e12,
         hbm_peak=4.8e12, hbm=4.2e12, l2=6.5e12, launch_s=4e-6,
         regs_per_sm=65536, smem_per_sm=228 * 1024, smem_per_block=227 * 1024, warps_per_sm=64, ctas_per_sm=32,
@@ -98,7 +98,7 @@ GPUS = {
                  "hbm": "~87% of peak, as on H100 (assumed 4.2 TB/s)", "l2": "as H100 (assumed 6.5 TB/s)",
                  "launch_s": "assumed 4 us"}),
     "a100": dict(
-        name="A100 SXM4 80GB", arch=80, sms=108, clock_ghz=1.41,
+        name="A100 SXM4 80GB", memory_bytes=80e9, arch=80, sms=108, clock_ghz=1.41,
         tensor_peak=312e12, gemm=250e12, sgemm=18e12, fma=19.5e12,
         hbm_peak=2.04e12, hbm=1.75e12, l2=4.5e12, launch_s=4e-6,
         regs_per_sm=65536, smem_per_sm=164 * 1024, smem_per_block=163 * 1024, warps_per_sm=64, ctas_per_sm=32,
@@ -825,11 +825,31 @@ def case_keeps(case: dict) -> bool | str:
     return path if path in ("exp", "kept") else False
 
 
+#: What a prediction assumes the rest of a rank holds in GPU memory at the head's first step,
+#: besides the head's bank: the backbone, its optimizer state and activations and the step's
+#: other tensors. With it, :func:`default_keep_budget` is the head's default keep budget.
+OTHER_RESIDENT_BYTES = 16 << 30
+
+
+def default_keep_budget(case: dict, gpu_name: str) -> int:
+    """The keep budget the head's default gives a rank of ``case`` on ``gpu_name``:
+    :data:`ds_pfc.core.softmax.COSINE_KEEP_SHARE` of the memory free at its first step, taken as
+    the GPU's memory less the rank's bank (float32 centers and SGD momentum: ``8 ceil(C / k) d``
+    bytes) and :data:`OTHER_RESIDENT_BYTES`. The budget is what the head reads from the device
+    (:func:`ds_pfc.core.softmax.cosine_keep_bytes`); this is its estimate before any GPU runs."""
+    from ..core.softmax import COSINE_KEEP_SHARE
+    bank = 8 * math.ceil(case["classes"] / case["world"]) * case["dim"]
+    free = GPUS[gpu_name]["memory_bytes"] - bank - OTHER_RESIDENT_BYTES
+    return max(0, int(COSINE_KEEP_SHARE * free))
+
+
 def cosines_path(backend: str, batch: int, S: int, compute: str, keep_bytes: int | None,
                  scale: float = 64.0) -> str | None:
     """``"exp"``, ``"kept"`` or ``"recompute"``: what a triton step of ``batch`` samples and
-    ``S`` active rows does under ``keep_bytes`` (None: the default budget) at the margin's
-    ``scale`` (:func:`ds_pfc.core.softmax.cosine_path`); None for the torch backend."""
+    ``S`` active rows does under ``keep_bytes`` (None: the budget off CUDA,
+    :data:`ds_pfc.core.softmax.COSINE_KEEP_BYTES`; a prediction passes
+    :func:`default_keep_budget`) at the margin's ``scale``
+    (:func:`ds_pfc.core.softmax.cosine_path`); None for the torch backend."""
     from ..core.softmax import COSINE_KEEP_BYTES, cosine_path
     if backend != "triton":
         return None

@@ -10,8 +10,8 @@ import time
 
 from .._args import parser
 from . import calibration, write_json
-from .model import (GPUS, STANDARD_CASE, _DTYPES, _count_in_subprocess, case_rows, cosines_path, format_prediction,
-                    predict_case, saved_counts)
+from .model import (GPUS, STANDARD_CASE, _DTYPES, _count_in_subprocess, case_rows, cosines_path, default_keep_budget,
+                    format_prediction, predict_case, saved_counts)
 
 __all__ = ["build_parser", "main"]
 
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 256 MiB, as on CUDA)")
     p.add_argument("--keep-bytes", type=int, default=None,
                    help="the head's keep_bytes: the triton step keeps its bf16 exponentials (bf16 products) or "
-                        "float16 cosines for backward when they fit (default: 4 GiB); 0 recomputes them")
+                        "float16 cosines for backward when they fit (default: half the GPU's memory left by the rank's "
+                        "bank and 16 GiB for the rest, as the head reads it from the device); 0 recomputes them")
     p.add_argument("--cosines", choices=("exp", "kept", "recompute"), default=None,
                    help="the triton step's path, instead of the one the head's rule picks for --keep-bytes at "
                         "scale 64 (exp-kept for bf16 products within the budget)")
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
         case = dict(world=args.world, classes=args.classes, sample_rate=args.sample_rate, batch=args.batch,
                     dim=args.dim, compute=args.compute, embeddings=args.embeddings, backend=backend,
                     block_bytes=args.block_bytes)
-        path = cosines_path(backend, args.batch, case_rows(case), args.compute, args.keep_bytes)
+        keep = args.keep_bytes if args.keep_bytes is not None else default_keep_budget(case, args.predict)
+        path = cosines_path(backend, args.batch, case_rows(case), args.compute, keep)
         if path is not None and args.cosines is not None:
             path = args.cosines
         if path is not None:

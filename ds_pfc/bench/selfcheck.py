@@ -263,7 +263,9 @@ def check_model(device, results_dir: str, stamp: str, gpu: str, factor: float = 
     doc, bad = {"gpu": kind, "case": base, "factor": factor, "backends": {}}, []
     for backend in ("torch", "triton") if _triton_available() else ("torch",):
         case = dict(base, backend=backend)
-        path = model.cosines_path(backend, case["batch"], model.case_rows(case), case["compute"], None)
+        from ..core.softmax import COSINE_KEEP_SHARE
+        path = model.cosines_path(backend, case["batch"], model.case_rows(case), case["compute"],
+                                  int(COSINE_KEEP_SHARE * free))
         if path is not None:
             case["cosines"] = path          # what the head's default keep budget makes the step do
         sms = model.GPUS[kind]["sms"]
