@@ -162,49 +162,6 @@ def test_tolerance_would_catch_a_model_without_overlap(measured):
     assert tol < 0.01 * active * (1 - R) < active * R * (1 - R)
 
 
-def test_nvme_pages_match_the_store_layout_and_the_sampler():
-    """The NVMe tier's I/O per step: the planner's block layout is NvmeStore's, and the
-    fraction of 4 KiB pages a step's cold rows and stepped rows touch matches the real
-    sampler's active sets (drawn here at C_q = 200k, r = 0.02, bf16 rows of 1 KiB, 4 per
-    page, where a page is touched with probability ~0.08 and ~0.05, far from 0 or 1).
-    The bytes per page touched are the store's rules, checked against its I/O counters in
-    tests/test_nvme_store.py."""
-    from ds_pfc.bank.nvme import NvmeStore
-    from ds_pfc.bank.nvme_model import page_io
-    from ds_pfc.bank.stores import RowStore
-    from ds_pfc.core.sampling import sample_active
-    classes, dim, rate, steps = 200_000, 512, 0.02, 30
-    out = plan(classes, dim, 1, "h100-80g", rate, storage="bf16", batch=BATCH, stops=False)
-    layout = {x["state"]: x for x in out["tiers"]["nvme"]["nvme_layout"]}
-    store = NvmeStore.__new__(NvmeStore)          # the layout only: no file, no aio op
-    RowStore.__init__(store, classes, dim, torch.bfloat16)
-    store.intra_op_parallelism = 1
-    store._layout_new(None)
-    for name in ("weight", "momentum_buffer"):
-        assert (layout[name]["block_rows"], layout[name]["block_bytes"], layout[name]["blocks"]) == \
-            (store.block_rows, store._block_bytes, store._num_blocks)
-    assert store._block_bytes == store.block_rows * 1024          # pages hold rows 4 k .. 4 k + 3
-    pages = layout["weight"]["pages"]
-    assert pages == classes // 4
-    g = torch.Generator().manual_seed(3)
-    sets = [sample_active(torch.randint(0, classes, (BATCH,), generator=g), classes, rate, seed=5, step=t, rank=0)
-            for t in range(steps + 1)]
-    touched_in = [torch.unique(b[~torch.isin(b, a)] // 4).numel() / pages for a, b in zip(sets, sets[1:])]
-    touched_out = [torch.unique(s // 4).numel() / pages for s in sets[:-1]]
-    # Pages touched are negatively correlated (a fixed number of rows), so the binomial
-    # variance pages p (1 - p) bounds the count's; 5 sigma on the mean over the steps.
-    for sim, name in ((touched_in, "touched_in"), (touched_out, "touched_out")):
-        p = layout["weight"][name]
-        tol = 5 * math.sqrt(p * (1 - p) / pages / len(sim))
-        assert 0.03 < p < 0.2
-        assert abs(sum(sim) / len(sim) - p) <= tol, (name, sum(sim) / len(sim), p, tol)
-    # Node figures: both states' files, each counted by the store's rules.
-    io = page_io(1024, classes, out["moved_rows_in"], out["moved_rows_out"])
-    t = out["tiers"]["nvme"]
-    assert t["nvme_write_node"] == pytest.approx(2 * io["write"]) and t["nvme_read_node"] == pytest.approx(2 * io["read"])
-    assert t["nvme_write_node"] == pytest.approx(2 * pages * 4096 * layout["weight"]["touched_out"])
-
-
 # ---------------------------------------------------------------- backbone constants
 def saved_tensor_bytes(name: str, batch: int) -> tuple[int, int]:
     """``(parameters, bytes saved for backward)`` of one training forward of backbone
@@ -303,7 +260,7 @@ def test_stop_class_count_is_where_the_figure_crosses_the_limit(tier, check, for
 
 # ---------------------------------------------------------------- refusals and errors
 REFUSED = ["--classes", "64M", "--dim", "512", "--gpus", "8", "--gpu", "a100-40g", "--sample_rate", "0.1",
-           "--storage", "fp32", "--backbone", "r100", "--batch", "128", "--host-ram-gb", "200", "--nvme-drives", "0"]
+           "--storage", "fp32", "--backbone", "r100", "--batch", "128", "--host-ram-gb", "200"]
 
 
 def test_refuses_when_no_tier_fits(capsys):
@@ -313,15 +270,16 @@ def test_refuses_when_no_tier_fits(capsys):
     text = err.out + err.err
     assert "no tier fits" in text
     # The planner names the knobs that make a tier fit: bf16 storage halves the host bank
-    # (64M x 2 KiB = 131 GB < 200 GB), an H100 holds the device bank, and the NVMe tier fits.
-    for knob in ("--storage bf16", "--gpu h100-80g", "--nvme-drives 8", "--host-ram-gb 400"):
+    # (64M x 2 KiB = 131 GB < 200 GB) and an H100 holds the device bank. NVMe is never offered.
+    for knob in ("--storage bf16", "--gpu h100-80g", "--host-ram-gb 400"):
         assert knob in text, knob
     out = plan(64_000_000, 512, 8, "a100-40g", 0.1, storage="fp32", backbone="r100", batch=128,
-               host_ram_gb=200.0, nvme_drives=0)
+               host_ram_gb=200.0)
+    assert "nvme" not in text.lower()
     assert out["refused"] and not out["fits_any"]
     # ... and the same plan with bf16 storage is not refused.
     assert plan(64_000_000, 512, 8, "a100-40g", 0.1, storage="bf16", backbone="r100", batch=128,
-                host_ram_gb=200.0, nvme_drives=0)["refused"] is None
+                host_ram_gb=200.0)["refused"] is None
 
 
 def test_refusal_names_sample_rate_when_the_slots_do_not_fit(capsys):
@@ -381,7 +339,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
                          "--json", str(path)])
     assert rc == 0
     text = capsys.readouterr().out
-    for word in ("device", "host-cpu", "nvme", "fits up to", "hides up to", "PCIe in"):
+    for word in ("device", "host-cpu", "fits up to", "hides up to", "PCIe in"):
         assert word in text
     doc = json.loads(path.read_text())
     assert doc["date"] and doc["inputs"]["sample_rate"] == 0.1

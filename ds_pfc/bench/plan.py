@@ -9,14 +9,13 @@ classes per rank) and a sample rate ``r``, it computes per rank, from formulas (
   host memory mapped into the GPU; GPU kernels gather the cold rows and write the stepped rows
   back, no CPU work, host memory touched once per byte moved), ``host-cpu`` (what
   :class:`~ds_pfc.bank.TieredBank` does today: CPU threads gather into pinned staging buffers
-  and scatter back, host memory touched ~3.5 times per byte moved) and ``nvme`` (a file per
-  state, whose 4 KiB pages holding moved rows are read and written every step);
+  and scatter back, host memory touched ~3.5 times per byte moved). NVMe is not a tier: the
+  bank refuses it (:data:`ds_pfc.bank.tiered.NVME_REFUSED`), so the planner never offers it;
 * the staged slots (:mod:`ds_pfc.bank.slots`): the active rows ``|S_q|`` of every state in its
   logical dtype, twice (the slot in use and the prefetched one), the gradient of the staged
   centers, the softmax's buffers and the sampler's keys;
 * the backbone's share of GPU memory (constants measured from :mod:`ds_pfc.models`, below);
-* per step: bytes over PCIe each way, host-memory traffic of the node, CPU-seconds, NVMe bytes
-  read and written, and how long each takes at the given rates; whether each tier fits and
+* per step: bytes over PCIe each way, host-memory traffic of the node, CPU-seconds, and how long each takes at the given rates; whether each tier fits and
   whether its transfers hide behind the step; and for every limit the largest class count at
   which it still holds (found by bisection on ``C``: every figure grows with ``C`` at fixed
   ``r``).
@@ -33,8 +32,6 @@ import os
 import re
 import sys
 
-from ..bank.nvme import DEFAULT_STAGE_BYTES, SECTOR, TARGET_BLOCK_BYTES
-from ..bank.nvme_model import page_io
 from .._args import parser
 from ..core.softmax import COSINE_KEEP_BYTES, CUDA_BLOCK_BYTES
 
@@ -42,7 +39,7 @@ __all__ = ["plan", "PlanArgumentError", "GPUS", "BACKBONES", "TIERS", "DEFAULTS"
            "format_plan", "format_sweep", "parse_classes"]
 
 # --------------------------------------------------------------------- constants
-TIERS = ("device", "host", "host-cpu", "nvme")
+TIERS = ("device", "host", "host-cpu")
 
 GB = 1e9            # every "GB" here is 10^9 bytes, as the data sheets count
 GPU_RESERVE_GB = 3.0  # CUDA context, cuBLAS/Triton workspaces, allocator fragmentation (assumed)
@@ -78,20 +75,17 @@ BACKBONE_BYTES_PER_PARAM = {"sgd": 16, "adamw": 20}
 HOST_TOUCHES = {"host": 1.0, "host-cpu": 3.5}   # host-memory bytes per byte moved (assumed)
 SAMPLER_BYTES_PER_CLASS = 14   # int64 keys, int32 buckets and two byte masks of the select (core/sampling.py)
 VERSION_BYTES = 8   # per row and state: the bank's int32 "issued" and the store's int32 "versions"
-NVME_VERSION_BYTES = 12   # the NVMe store keeps int64 versions, the bank int32 "issued"
 
 DEFAULTS = dict(optimizer="sgd", storage="fp32", backbone="none", batch=128, step_ms=300.0, host_gbps=450.0,
-                pcie_gbps=50.0, zero_copy_gbps=45.0, host_ram_gb=2048.0, nvme_drives=8, nvme_read_gbps=14.0,
-                nvme_write_gbps=10.0, nvme_tb=15.36, nvme_dwpd=1.0, cpu_gbps=6.0, cpu_cores=112, hbm_share=0.0,
+                pcie_gbps=50.0, zero_copy_gbps=45.0, host_ram_gb=2048.0, cpu_gbps=6.0, cpu_cores=112, hbm_share=0.0,
                 block_bytes=CUDA_BLOCK_BYTES, keep_bytes=COSINE_KEEP_BYTES, momentum=0.9)
 
 # CLI spelling of each argument (errors name the option to change).
 FLAGS = {"classes": "--classes", "dim": "--dim", "gpus": "--gpus", "gpu": "--gpu", "sample_rate": "--sample_rate",
          "optimizer": "--optimizer", "storage": "--storage", "backbone": "--backbone", "batch": "--batch",
          "step_ms": "--step-ms", "host_gbps": "--host-gbps", "pcie_gbps": "--pcie-gbps",
-         "zero_copy_gbps": "--zero-copy-gbps", "host_ram_gb": "--host-ram-gb", "nvme_drives": "--nvme-drives",
-         "nvme_read_gbps": "--nvme-read-gbps", "nvme_write_gbps": "--nvme-write-gbps", "nvme_tb": "--nvme-tb",
-         "nvme_dwpd": "--nvme-dwpd", "cpu_gbps": "--cpu-gbps", "cpu_cores": "--cpu-cores",
+         "zero_copy_gbps": "--zero-copy-gbps", "host_ram_gb": "--host-ram-gb",
+         "cpu_gbps": "--cpu-gbps", "cpu_cores": "--cpu-cores",
          "hbm_share": "--hbm-share", "block_bytes": "--block-bytes", "keep_bytes": "--keep-bytes",
          "momentum": "--momentum"}
 
@@ -117,15 +111,13 @@ def _check_inputs(p: dict) -> dict:
             raise PlanArgumentError(name, f"must be <= {high}, got {v!r}")
     for name in ("classes", "dim", "gpus", "batch", "block_bytes", "cpu_cores"):
         number(name, 1, integer=True)
-    number("nvme_drives", 0, integer=True)
     number("keep_bytes", 0, integer=True)
     number("sample_rate", 0.0, 1.0, low_open=True)
     number("hbm_share", 0.0, 1.0)
     number("momentum", 0.0, 1.0)
     if p["momentum"] >= 1.0:
         raise PlanArgumentError("momentum", f"must be < 1, got {p['momentum']!r}")
-    for name in ("step_ms", "host_gbps", "pcie_gbps", "zero_copy_gbps", "host_ram_gb", "nvme_read_gbps",
-                 "nvme_write_gbps", "nvme_tb", "nvme_dwpd", "cpu_gbps"):
+    for name in ("step_ms", "host_gbps", "pcie_gbps", "zero_copy_gbps", "host_ram_gb", "cpu_gbps"):
         number(name, 0.0, low_open=True)
     if p["classes"] < p["gpus"]:
         raise PlanArgumentError("classes", f"must be at least --gpus ({p['gpus']}) so that every rank holds a "
@@ -167,17 +159,6 @@ def _states(optimizer: str, momentum: float, dim: int, storage: str) -> list[dic
                         ("int32" if store == "int32" else "bfloat16"),
                         row_bytes=elems * (s if kind == "float" else 4), logical_row_bytes=elems * 4))
     return out
-
-
-def _nvme_layout(row_bytes: int, num_rows: int) -> tuple[int, int, int]:
-    """(rows per block, bytes per block, blocks) of a new NvmeStore (ds_pfc.bank.nvme, defaults:
-    ~128 KiB blocks aligned to 4 KiB)."""
-    align = SECTOR
-    br = max(1, TARGET_BLOCK_BYTES // row_bytes)
-    br = max(1, -(-(br * row_bytes) // align) * align // row_bytes)
-    br = min(br, max(num_rows, 1))
-    bb = -(-(br * row_bytes) // align) * align
-    return br, bb, -(-num_rows // br)
 
 
 # --------------------------------------------------------------------- the figures
@@ -230,8 +211,8 @@ def _figures(p: dict, classes: int) -> dict:
     gpu = bank_storage + common_gpu
     tiers["device"] = dict(
         gpu_bytes=gpu, gpu_bank_bytes=bank_storage, host_bytes_rank=counters, host_bytes_node=k * counters,
-        nvme_bytes_node=0, pcie_in=0.0, pcie_out=0.0, host_traffic_node=0.0, cpu_seconds_rank=0.0,
-        cpu_seconds_node=0.0, nvme_read_node=0.0, nvme_write_node=0.0, times={},
+        pcie_in=0.0, pcie_out=0.0, host_traffic_node=0.0, cpu_seconds_rank=0.0,
+        cpu_seconds_node=0.0, times={},
         checks=[("GPU memory per GPU", "memory", gpu, gpu_limit),
                 ("host RAM per node", "memory", k * counters, host_limit)])
     # -- host tiers: the bank in host memory (a share --hbm-share of its rows in GPU memory).
@@ -249,69 +230,16 @@ def _figures(p: dict, classes: int) -> dict:
             times["CPU"] = cpu_s / (p["cpu_cores"] / k)
         tiers[tier] = dict(
             gpu_bytes=gpu, gpu_bank_bytes=gpu_share, host_bytes_rank=host_rank, host_bytes_node=k * host_rank,
-            host_staging_rank=staging, nvme_bytes_node=0, pcie_in=pcie_in, pcie_out=pcie_out,
-            host_traffic_node=traffic, cpu_seconds_rank=cpu_s, cpu_seconds_node=k * cpu_s, nvme_read_node=0.0,
-            nvme_write_node=0.0, times=times,
+            host_staging_rank=staging, pcie_in=pcie_in, pcie_out=pcie_out,
+            host_traffic_node=traffic, cpu_seconds_rank=cpu_s, cpu_seconds_node=k * cpu_s, times=times,
             checks=[("GPU memory per GPU", "memory", gpu, gpu_limit), ("host RAM per node", "memory", k * host_rank,
                                                                       host_limit)]
             + [(f"{name} time", "time", t, step_s) for name, t in times.items()])
-    # -- nvme: a file per state in NvmeStore blocks; a step reads and writes the 4 KiB pages of
-    # its moved rows (ds_pfc.bank.nvme_model: the store's own rules, gaps included).
-    n_rows = math.ceil(host_rows)
-    files = nvme_read = nvme_write = nvme_host = 0.0
-    floor_read = floor_write = 0.0
-    layouts = []
-    for s in states:
-        br, bbytes, blocks = _nvme_layout(s["row_bytes"], n_rows)
-        files += SECTOR + blocks * bbytes + 32 + 8 * n_rows
-        io = page_io(s["row_bytes"], n_rows, moved_in, moved_out)
-        nvme_read += io["read"]
-        nvme_write += io["write"]
-        stage_blocks = min(blocks, max(1, DEFAULT_STAGE_BYTES // bbytes))
-        nvme_host += NVME_VERSION_BYTES * n_rows + SECTOR + stage_blocks * bbytes
-        # The pages the moved rows touch, without the gaps read to join requests: the floor of page I/O.
-        page_bytes = io["pages"] * SECTOR
-        floor_read += page_bytes * (io["touched_in"] + io["touched_out"] - io["covered_out"])
-        floor_write += page_bytes * io["touched_out"]
-        layouts.append(dict(state=s["name"], block_rows=br, block_bytes=bbytes, blocks=blocks, pages=io["pages"],
-                            touched_in=io["touched_in"], touched_out=io["touched_out"],
-                            covered_out=io["covered_out"], read=io["read"], write=io["write"]))
-    staging = (moved_in + moved_out) * row
-    # version counters of the rows kept in GPU memory (--hbm-share) stay on the host too
-    host_rank = nvme_host + VERSION_BYTES * nstates * (cq - n_rows) + staging
-    gpu = gpu_share + common_gpu
-    drives = p["nvme_drives"]
-    traffic = HOST_TOUCHES["host-cpu"] * k * (pcie_in + pcie_out) + k * (nvme_read + nvme_write)
-    cpu_s = (pcie_in + pcie_out) / (p["cpu_gbps"] * GB)
-    times = {"PCIe in": pcie_in / (p["pcie_gbps"] * GB), "PCIe out": pcie_out / (p["pcie_gbps"] * GB),
-             "host memory": traffic / (p["host_gbps"] * GB), "CPU": cpu_s / (p["cpu_cores"] / k)}
-    capacity = drives * p["nvme_tb"] * 1e12
-    if drives:
-        times["NVMe"] = k * nvme_read / (drives * p["nvme_read_gbps"] * GB) + \
-            k * nvme_write / (drives * p["nvme_write_gbps"] * GB)
-    writes_day = k * nvme_write * 86400.0 / step_s
-    endurance = capacity * p["nvme_dwpd"]
-    checks = [("GPU memory per GPU", "memory", gpu, gpu_limit), ("host RAM per node", "memory", k * host_rank,
-                                                                 host_limit),
-              ("NVMe capacity per node", "memory", k * files, capacity)]
-    checks += [(f"{name} time", "time", t, step_s) for name, t in times.items()]
-    checks.append(("NVMe writes per day", "endurance", writes_day, endurance))
-    tiers["nvme"] = dict(
-        gpu_bytes=gpu, gpu_bank_bytes=gpu_share, host_bytes_rank=host_rank, host_bytes_node=k * host_rank,
-        host_staging_rank=staging, nvme_bytes_node=k * files, pcie_in=pcie_in, pcie_out=pcie_out,
-        host_traffic_node=traffic, cpu_seconds_rank=cpu_s, cpu_seconds_node=k * cpu_s,
-        nvme_read_node=k * nvme_read, nvme_write_node=k * nvme_write, nvme_writes_per_day=writes_day,
-        nvme_endurance_per_day=endurance, nvme_sector_read_node=k * floor_read,
-        nvme_sector_write_node=k * floor_write, nvme_layout=layouts, times=times, checks=checks,
-        available=drives > 0)
-
-    # Each state's bytes per rank, by where it lives, per tier (storage dtype; NVMe: its file).
-    nvme_files = {x["state"]: SECTOR + x["blocks"] * x["block_bytes"] for x in layouts}
+    # Each state's bytes per rank, by where it lives, per tier (storage dtype).
     for tier, t in tiers.items():
         t["state_bytes"] = {
-            s["name"]: ({"gpu": s["bytes"], "host": 0, "nvme": 0} if tier == "device" else
-                        {"gpu": f * s["bytes"], "host": (1 - f) * s["bytes"] if tier != "nvme" else 0,
-                         "nvme": nvme_files[s["name"]] if tier == "nvme" else 0})
+            s["name"]: ({"gpu": s["bytes"], "host": 0} if tier == "device" else
+                        {"gpu": f * s["bytes"], "host": (1 - f) * s["bytes"]})
             for s in per_state}
 
     return dict(
@@ -393,7 +321,7 @@ def plan(classes: int, dim: int, gpus: int, gpu: str, sample_rate: float, *, hin
     """The plan for ``classes`` classes of width ``dim`` on ``gpus`` GPUs of kind ``gpu`` (a key
     of :data:`GPUS`) at ``sample_rate``; ``options`` override :data:`DEFAULTS` (``optimizer``,
     ``storage``, ``backbone``, ``batch``, ``step_ms``, ``host_gbps``, ``pcie_gbps``,
-    ``zero_copy_gbps``, ``host_ram_gb``, ``nvme_*``, ``cpu_gbps``, ``cpu_cores``, ``hbm_share``,
+    ``zero_copy_gbps``, ``host_ram_gb``, ``cpu_gbps``, ``cpu_cores``, ``hbm_share``,
     ``block_bytes``, ``keep_bytes``, ``momentum``).
 
     Returns a dict: ``inputs``; per rank the classes, active and cold rows, each state's bytes;
@@ -436,19 +364,12 @@ def _alternatives(p: dict) -> list[tuple[str, dict]]:
     if p["backbone"] != "none" and p["batch"] > 1:
         alts.append((f"--batch {p['batch'] // 2}", dict(batch=p["batch"] // 2)))
     alts.append((f"--host-ram-gb {p['host_ram_gb'] * 2:g}", dict(host_ram_gb=p["host_ram_gb"] * 2)))
-    if p["nvme_drives"]:
-        alts.append((f"--nvme-drives {p['nvme_drives'] * 2}", dict(nvme_drives=p["nvme_drives"] * 2)))
-    else:
-        alts.append(("--nvme-drives 8", dict(nvme_drives=8)))
     return alts
 
 
 def _refusal(p: dict, out: dict, hints: bool) -> str:
     lines = ["no tier fits:"]
     for name, t in out["tiers"].items():
-        if not t["available"]:
-            lines.append(f"  {name}: --nvme-drives is 0")
-            continue
         bad = [c for c in t["checks"] if c["kind"] == "memory" and not c["ok"]]
         lines.append(f"  {name}: " + "; ".join(f"{c['name']} {c['value'] / GB:,.1f} GB > {c['limit'] / GB:,.1f} GB"
                                               for c in bad))
@@ -469,7 +390,7 @@ def _refusal(p: dict, out: dict, hints: bool) -> str:
             lines.append("change one of: " + "; ".join(fixes))
         else:
             lines.append("no single change of --storage bf16, --sample_rate, --gpus, --gpu, --hbm-share, --batch, "
-                         "--host-ram-gb or --nvme-drives makes a tier fit: combine them (e.g. --storage bf16 with "
+                         "--host-ram-gb makes a tier fit: combine them (e.g. --storage bf16 with "
                          "a lower --sample_rate and more --gpus)")
     return "\n".join(lines)
 
@@ -537,7 +458,7 @@ def format_plan(out: dict) -> str:
     rows.append(["version counters", "int32 x 2", "", 8 * len(out["states"]), _gb(out["version_bytes_rank"])])
     lines.append(_table(["state (per rank)", "storage", "shape", "B/row", "GB"], rows))
     lines.append("  device: all in GPU memory; host, host-cpu: in host memory (a share --hbm-share in GPU memory); "
-                 "nvme: one file per state; version counters in host memory for every tier")
+                 "version counters in host memory for every tier")
     lines.append("")
     bb = BACKBONES.get(p["backbone"])
     rows = [["staged slots", f"2 x {out['active_rows']:,} rows x {out['logical_row_bytes']} B (logical dtype)",
@@ -573,23 +494,14 @@ def format_plan(out: dict) -> str:
         row("GPU memory per GPU (GB)", lambda x: _gb(x["gpu_bytes"])),
         row("  of which bank rows (GB)", lambda x: _gb(x["gpu_bank_bytes"])),
         row("host RAM per node (GB)", lambda x: _gb(x["host_bytes_node"])),
-        row("NVMe files per node (TB)",
-            lambda x: f"{x['nvme_bytes_node'] / 1e12:,.3f}" if x["nvme_bytes_node"] else "-"),
         row("PCIe in per rank per step (GB)", lambda x: _gb(x["pcie_in"])),
         row("PCIe out per rank per step (GB)", lambda x: _gb(x["pcie_out"])),
         row("host memory traffic per node per step (GB)", lambda x: _gb(x["host_traffic_node"])),
         row("CPU-seconds per rank per step", lambda x: f"{x['cpu_seconds_rank']:.3f}"),
-        row("NVMe read per node per step (GB)", lambda x: _gb(x["nvme_read_node"]) if x["nvme_read_node"] else "-"),
-        row("NVMe written per node per step (GB)",
-            lambda x: _gb(x["nvme_write_node"]) if x["nvme_write_node"] else "-"),
-        row("NVMe written per day / endurance",
-            lambda x: f"{x['nvme_writes_per_day'] / x['nvme_endurance_per_day']:,.1f}x"
-            if x.get("nvme_endurance_per_day") else "-"),
         row("time PCIe in (ms)", t("PCIe in")),
         row("time PCIe out (ms)", t("PCIe out")),
         row("time host memory (ms)", t("host memory")),
         row(f"time CPU, {p['cpu_cores'] / p['gpus']:g} cores per rank (ms)", t("CPU")),
-        row("time NVMe (ms)", t("NVMe")),
         row("fits", lambda x: yes(x["fits"])),
         row(f"hides behind {p['step_ms']:g} ms", lambda x: yes(x["hides"])),
         row("verdict", _verdict),
@@ -599,9 +511,7 @@ def format_plan(out: dict) -> str:
                  row("  limited by", lambda x: x["max_classes_fit_by"] or "-"),
                  row("hides up to (classes)",
                      lambda x: _classes(x["max_classes_hide"]) if x["times"] else "no transfers"),
-                 row("  limited by", lambda x: x["max_classes_hide_by"] or "-"),
-                 row("within NVMe endurance up to (classes)", lambda x: _classes(x["max_classes_endurance"])
-                     if x.get("nvme_endurance_per_day") else "-")]
+                 row("  limited by", lambda x: x["max_classes_hide_by"] or "-")]
     lines.append(_table(["per tier"] + names, rows))
     lines.append("")
     if out["refused"]:
@@ -610,20 +520,17 @@ def format_plan(out: dict) -> str:
         usable = out["usable"]
         fit = [n for n in names if tiers[n]["fits"]]
         lines.append("fits: " + ", ".join(fit) + "; fits and hides behind the step"
-                     + (" (and within NVMe endurance)" if "nvme" in usable else "") + ": "
+                     + ": "
                      + (", ".join(usable) if usable else "none"))
     return "\n".join(lines)
 
 
 def _verdict(t: dict) -> str:
     if not t["available"]:
-        return "n/a (--nvme-drives 0)"
+        return "n/a"
     if not t["fits"]:
         return "does not fit"
     words = ["fits", "hides" if t["hides"] else "slow"]
-    if t.get("nvme_endurance_per_day"):
-        ratio = t["nvme_writes_per_day"] / t["nvme_endurance_per_day"]
-        words.append(f"{ratio:,.0f}x endurance" if ratio > 1 else f"{ratio:.0%} of endurance")
     return ", ".join(words)
 
 
@@ -708,16 +615,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rate of GPU kernels reading/writing mapped host rows, per GPU and direction, GB/s")
     ap.add_argument("--host-ram-gb", "--host_ram_gb", dest="host_ram_gb", type=_typed(float, 0.0, None, True),
                     default=d["host_ram_gb"], help="host RAM of the node, GB")
-    ap.add_argument("--nvme-drives", "--nvme_drives", dest="nvme_drives", type=_typed(int, 0),
-                    default=d["nvme_drives"], help="NVMe drives of the node (0: no NVMe tier)")
-    ap.add_argument("--nvme-read-gbps", "--nvme_read_gbps", dest="nvme_read_gbps",
-                    type=_typed(float, 0.0, None, True), default=d["nvme_read_gbps"], help="per drive, GB/s")
-    ap.add_argument("--nvme-write-gbps", "--nvme_write_gbps", dest="nvme_write_gbps",
-                    type=_typed(float, 0.0, None, True), default=d["nvme_write_gbps"], help="per drive, GB/s")
-    ap.add_argument("--nvme-tb", "--nvme_tb", dest="nvme_tb", type=_typed(float, 0.0, None, True),
-                    default=d["nvme_tb"], help="capacity per drive, TB")
-    ap.add_argument("--nvme-dwpd", "--nvme_dwpd", dest="nvme_dwpd", type=_typed(float, 0.0, None, True),
-                    default=d["nvme_dwpd"], help="rated drive writes per day")
     ap.add_argument("--cpu-gbps", "--cpu_gbps", dest="cpu_gbps", type=_typed(float, 0.0, None, True),
                     default=d["cpu_gbps"], help="row gather/scatter rate of one CPU core, GB/s")
     ap.add_argument("--cpu-cores", "--cpu_cores", dest="cpu_cores", type=_typed(int, 1), default=d["cpu_cores"],
