@@ -376,6 +376,12 @@ def test_temporaries_and_resume_are_counted():
     assert fused["temporaries"] == {}
     assert t["gpu_bytes"] - fused["gpu_bytes"] == pytest.approx(sum(t["temporaries"].values()))
     assert t["gpu_resume_bytes"] == pytest.approx(cq * (2 * d + d + 4) + BACKBONES["r100"]["params"] * 16 + cq * d * 4)
+    # Staged host access lands the cold rows on the GPU as they crossed PCIe (bf16 weight;
+    # the 8-bit moment decoded on the host: float32) and widens them: the bf16 weight is widest.
+    assert plan(**args, stops=False)["tiers"]["host-cpu"]["temporaries"] == {
+        "staged fetch landing + float32 copy": cold * (2 * d + 4 * d)}
+    assert plan(**dict(H100, storage="fp32"), stops=False)["tiers"]["host-cpu"]["temporaries"] == {
+        "staged fetch landing + float32 copy": cold * 4 * d}
     chunked = plan(**args, resume_chunk_mb=256.0, stops=False)["tiers"]["device"]
     assert t["gpu_resume_bytes"] - chunked["gpu_resume_bytes"] == pytest.approx(cq * d * 4 - 256e6)
 

@@ -310,6 +310,13 @@ def _figures(p: dict, classes: int) -> dict:
                 out["staged fetch gather + float32 copy"] = cold * widest
         elif f > 0 and coded:
             out["int8 decode/encode (torch ops)"] = int8_temp
+        if tier == "host-cpu":
+            # the staged fetch lands the pinned cold rows on the GPU in the dtype they crossed
+            # PCIe in (8-bit rows decoded on the host: float32) and widens them to float32
+            def landed(s):
+                moved = s["logical_row_bytes"] if s in coded else s["row_bytes"]
+                return moved + (s["logical_row_bytes"] if moved != s["logical_row_bytes"] else 0)
+            out["staged fetch landing + float32 copy"] = moved_in * max(landed(s) for s in states)
         return {name: v for name, v in out.items() if v}
 
     tiers = {}
