@@ -380,6 +380,9 @@ def test_temporaries_and_resume_are_counted():
     # the 8-bit moment decoded on the host: float32) and widens them: the bf16 weight is widest.
     assert plan(**args, stops=False)["tiers"]["host-cpu"]["temporaries"] == {
         "staged fetch landing + float32 copy": cold * (2 * d + 4 * d)}
+    coded = plan(**args, int8_in_mover=True, stops=False)["tiers"]["host-cpu"]
+    assert coded["moved_row_bytes"] == 2 * d + d + 4           # the codes cross PCIe, not float32
+    assert plan(**args, stops=False)["tiers"]["host-cpu"]["moved_row_bytes"] == 2 * d + 4 * d
     assert plan(**dict(H100, storage="fp32"), stops=False)["tiers"]["host-cpu"]["temporaries"] == {
         "staged fetch landing + float32 copy": cold * 4 * d}
     chunked = plan(**args, resume_chunk_mb=256.0, stops=False)["tiers"]["device"]

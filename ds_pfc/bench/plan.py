@@ -314,6 +314,8 @@ def _figures(p: dict, classes: int) -> dict:
             # the staged fetch lands the pinned cold rows on the GPU in the dtype they crossed
             # PCIe in (8-bit rows decoded on the host: float32) and widens them to float32
             def landed(s):
+                if s in coded and p["int8_in_mover"]:
+                    return 0                # the mover decodes the codes into the slot
                 moved = s["logical_row_bytes"] if s in coded else s["row_bytes"]
                 return moved + (s["logical_row_bytes"] if moved != s["logical_row_bytes"] else 0)
             out["staged fetch landing + float32 copy"] = moved_in * max(landed(s) for s in states)
@@ -346,10 +348,10 @@ def _figures(p: dict, classes: int) -> dict:
                                         "--int8-in-mover once the row mover codes rows, or use host-cpu")
         if tier == "host-cpu" and f > 0:
             available, reason = False, "--hbm-share needs mapped access (the bank refuses it with staged access)"
-        # Bytes per row over PCIe: the staged path decodes 8-bit rows on the host and moves
-        # float32 (slots.py); the mapped path, once the mover codes rows, moves the codes.
-        moved_row = sum(s["logical_row_bytes"] if (s in coded and tier == "host-cpu") else s["row_bytes"]
-                        for s in states)
+        # Bytes per row over PCIe: as built the staged path decodes 8-bit rows on the host and
+        # moves float32 (slots.py); once the mover codes rows, both paths move the codes.
+        moved_row = sum(s["logical_row_bytes"] if (s in coded and tier == "host-cpu" and not p["int8_in_mover"])
+                        else s["row_bytes"] for s in states)
         pcie_in, pcie_out = moved_in * moved_row, moved_out * moved_row
         staging = 0.0 if tier == "host" else (moved_in + moved_out) * moved_row   # pinned gather + write-back
         host_rank = host_rows * row + counters + staging
@@ -889,8 +891,8 @@ def build_parser() -> argparse.ArgumentParser:
                     default=d["mover_programs"], help="programs (SMs) of the row mover; its bytes in flight "
                     "scale with them (default %(default)s)")
     ap.add_argument("--int8-in-mover", "--int8_in_mover", dest="int8_in_mover", action="store_true",
-                    help="8-bit rows coded and decoded in the mover's registers (d + 4 bytes moved, no float32 "
-                         "temporaries, mapped host tier allowed); default: the bank as built")
+                    help="8-bit rows coded and decoded in the mover's registers on every tier and access (d + 4 "
+                         "bytes moved, no float32 temporaries, mapped host tier allowed); default: the bank as built")
     ap.add_argument("--device-access", "--device_access", dest="device_access", choices=list(DEVICE_ACCESS),
                     default=d["device_access"], help="host_access of the device tier's bank (staged: its fetch "
                     "keeps a gather and float32 copy of the cold rows; default %(default)s)")
