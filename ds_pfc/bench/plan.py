@@ -515,7 +515,9 @@ def plan(classes: int, dim: int, gpus: int, gpu: str, sample_rate: float, *, hin
 
 def _alternatives(p: dict) -> list[tuple[str, dict]]:
     """Single changes of one argument that may make a tier fit: (how to say it, overrides).
-    Only what the bank builds: no NVMe tier, --hbm-share only where mapped access has it."""
+    Only what the bank builds today: no NVMe tier, --hbm-share only where mapped access has it,
+    none of the options that model work not yet in the bank (--streams duplex,
+    --int8-in-mover, --resume-chunk-mb)."""
     alts = []
     if p["storage"] == "fp32":
         alts.append(("--storage bf16", dict(storage="bf16")))
@@ -534,8 +536,6 @@ def _alternatives(p: dict) -> list[tuple[str, dict]]:
             alts.append((f"--hbm-share {share:g}", dict(hbm_share=share)))
     if p["backbone"] != "none" and p["batch"] > 1:
         alts.append((f"--batch {p['batch'] // 2}", dict(batch=p["batch"] // 2)))
-    if not p["resume_chunk_mb"]:
-        alts.append(("--resume-chunk-mb 256 (chunked resume)", dict(resume_chunk_mb=256.0)))
     alts.append((f"--host-ram-gb {p['host_ram_gb'] * 2:g}", dict(host_ram_gb=p["host_ram_gb"] * 2)))
     return alts
 
@@ -567,8 +567,8 @@ def _refusal(p: dict, out: dict, hints: bool) -> str:
         if fixes:
             lines.append("change one of: " + "; ".join(fixes))
         else:
-            lines.append("no single change of --storage, --sample_rate, --gpus, --gpu, --hbm-share, --batch, "
-                         "--resume-chunk-mb or --host-ram-gb makes a tier fit: combine them (e.g. --storage bf16 "
+            lines.append("no single change of --storage, --sample_rate, --gpus, --gpu, --hbm-share, --batch "
+                         "or --host-ram-gb makes a tier fit: combine them (e.g. --storage bf16 "
                          "with a lower --sample_rate and more --gpus)")
     return "\n".join(lines)
 
