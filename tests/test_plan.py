@@ -450,6 +450,8 @@ def test_one_billion_classes_on_one_node_is_refused_and_four_nodes_are_offered(c
     assert not any("nvme" in line.lower() for line in text.splitlines() if not line.startswith("  not a tier: "))
     suggested = dict(_suggestions(text))
     assert any(s.startswith("--gpus 32") for s in suggested)
+    # nothing that models work not in the bank yet
+    assert not any(flag in s for s in suggested for flag in ("--streams", "--int8-in-mover", "--resume-chunk-mb"))
     four = plan(1_000_000_000, 512, 32, "h100-80g", 0.1, storage="bf16")
     assert four["nodes"] == 4 and four["tiers"]["host"]["fits"]
 
