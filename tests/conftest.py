@@ -30,11 +30,10 @@ if "DS_PFC_CACHE_DIR" not in os.environ:
     _TEST_CACHE = os.environ["DS_PFC_CACHE_DIR"] = tempfile.mkdtemp(prefix="ds_pfc-test-cache-")
 
 
-# The slowest test files, slowest first (each 20 s to 4 minutes on the 2-core machine;
-# test_nvme_store builds DeepSpeed's async I/O op). pytest-xdist's ``--dist loadfile``
+# The slowest test files, slowest first (each 20 s to 4 minutes on the 2-core machine). pytest-xdist's ``--dist loadfile``
 # hands a worker its next file in collection order when it runs out of work; started
 # last, one of these would run alone at the end while the other worker idles.
-SLOWEST_FIRST = ("test_nvme_store.py", "test_margin_app.py", "test_train_app.py", "test_accuracy_guard.py",
+SLOWEST_FIRST = ("test_margin_app.py", "test_train_app.py", "test_accuracy_guard.py",
                  "test_triton_softmax.py", "test_launchers.py", "test_ijb.py", "test_gpu_path.py", "test_tiers.py",
                  "test_checkpoint_safety.py", "test_gpu_model.py", "test_experiments.py", "test_features_setting.py",
                  "test_mapped_access.py", "test_exactness.py")

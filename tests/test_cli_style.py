@@ -17,7 +17,7 @@ import pytest
 from ds_pfc._args import ArgumentParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = ("head", "bank", "accuracy", "data", "plan", "rows", "hostpath", "nvme", "grow")
+BENCHMARKS = ("head", "bank", "accuracy", "data", "plan", "rows", "hostpath", "grow")
 
 # id -> (how to build the parser, its program name)
 COMMANDS = {

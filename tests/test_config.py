@@ -98,11 +98,10 @@ def test_bank_placements_build_a_tiered_bank():
     ({"num_classes": 10, "bank": {"default": "ssd"}}, "ds_pfc.head.bank.default tier must be one of"),
     ({"num_classes": 10, "bank": {"placements": {"weight": ["host", "int8"]}}},
      "ds_pfc.head.bank.placements.weight[1] must be one of"),
-    ({"num_classes": 10, "bank": {"nvme_budget": {"step": 300}}}, "ds_pfc.head.bank.nvme_budget has unknown keys"),
-    ({"num_classes": 10, "bank": {"nvme_budget": {"write_gbps": 0}}},
-     "ds_pfc.head.bank.nvme_budget write_gbps must be a positive number"),
-    ({"num_classes": 10, "bank": {"nvme_budget": {"check": "maybe"}}},
-     "ds_pfc.head.bank.nvme_budget check must be one of"),
+    ({"num_classes": 10, "bank": {"default": "nvme"}}, "ds_pfc.head.bank.default: tier 'nvme' is not a per-step tier"),
+    ({"num_classes": 10, "bank": {"placements": {"weight": ["nvme", "bf16"]}}},
+     "ds_pfc.head.bank.placements.weight: tier 'nvme' is not a per-step tier"),
+    ({"num_classes": 10, "bank": {"nvme_dir": "/nvme"}}, "nvme_dir"),
 ])
 def test_bad_config_names_the_key(head, needle):
     with pytest.raises(ConfigError) as err:

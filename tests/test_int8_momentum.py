@@ -132,7 +132,7 @@ def test_int8_momentum_memory_and_traffic():
 def test_int8_storage_is_refused_where_it_does_not_belong(tmp_path):
     with pytest.raises(ValueError, match="cannot be stored as 'int8_rowwise'"):
         _head(TieredBank.factory({"weight": ("host", INT8_ROWWISE)}))
-    with pytest.raises(ValueError, match="not on nvme"):
+    with pytest.raises(ValueError, match="not a per-step tier"):
         Placement("nvme", INT8_ROWWISE)
     with pytest.raises(TypeError, match="int8_rowwise"):
         Placement("host", "int4")

@@ -1,4 +1,4 @@
-"""Tiered class bank (``TieredBank``: device / host / NVMe tiers, per-state placement
+"""Tiered class bank (``TieredBank``: device / host tiers, per-state placement
 and storage dtype, the stale-free prefetcher of ``ds_pfc.bank.slots``).
 
 Reference: the plain device bank, ``PartialFC(..., bank=None)``. It never stages rows
@@ -12,19 +12,17 @@ centers rounded to bfloat16 after every write (which is what storing them does).
 
 Multi-rank runs use three gloo ranks (``run_ranks``) with uneven batches, C = 1021
 classes and sample rate 0.2. Each spawn runs every variant of its family and returns
-everything, so the module spawns twice (dense tiers; NVMe tiers). The NVMe tests are
-skipped when DeepSpeed's async_io op is not compatible with this machine.
+everything, so the module spawns once per stream mode.
 """
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
 
 from _dist import run_ranks
-from ds_pfc import ArcFace, PartialFC, Partition
+from ds_pfc import ArcFace, PartialFC
 from ds_pfc.bank import Placement, StaleRowError, TieredBank, debug_streams_active
 from ds_pfc.bank.streams import DEBUG_ENV
 
@@ -35,20 +33,6 @@ OPT = {
     "adamw": dict(optimizer="adamw", betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01),
 }
 LR = {"sgd": 2.0, "adamw": 0.01}
-
-
-def _aio_compatible() -> bool:
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-        return bool(AsyncIOBuilder().is_compatible())
-    except Exception:  # deepspeed missing or broken: no NVMe tier
-        return False
-
-
-AIO = _aio_compatible()
-needs_aio = pytest.mark.skipif(
-    not AIO, reason="DeepSpeed's AsyncIOBuilder().is_compatible() is False (libaio missing): "
-                    "the nvme tier cannot run here")
 
 
 @pytest.fixture(scope="module", autouse=True, params=["streams-sync", "streams-emulated"])
@@ -344,118 +328,13 @@ def test_prefetch_rejects_bad_next_labels_and_changes_nothing(dense):
         assert got["hits"] == STEPS - 1
 
 
-# ---------------------------------------------------------------- spawn 2: NVMe tier
-MIXED_NVME = {
-    "sgd:w-nvme/m-host": ("sgd", {"weight": "nvme", "momentum_buffer": "host"}, "device"),
-    "adamw:w-nvme/avg-host/sq-device/step-nvme": (
-        "adamw", {"weight": "nvme", "exp_avg": "host", "exp_avg_sq": "device", "step": "nvme"}, "device"),
-}
-RESTART_AT = 9
-
-
-def _nvme_ranks(rank, world, root):
-    torch.manual_seed(1234)
-
-    def fresh(name):
-        path = os.path.join(root, name)
-        os.makedirs(path, exist_ok=True)
-        return path
-    out = {}
-    b = _batches(rank, world, STEPS)
-    for opt in ("sgd", "adamw"):
-        out[(opt, "ref")] = _run(opt, None, b)
-        for pf in (False, True):
-            d = fresh(f"{opt}-{pf}")
-            out[(opt, "nvme", pf)] = _run(opt, TieredBank.factory(default="nvme", nvme_dir=d), b, prefetch=pf)
-            out[(opt, "nvme", pf)]["files"] = sorted(os.listdir(d))
-    for name, (opt, placements, default) in MIXED_NVME.items():
-        d = fresh(name.replace("/", "_").replace(":", "_"))
-        out[name] = _run(opt, TieredBank.factory(placements, default=default, nvme_dir=d), b, prefetch=True)
-
-    ba = _batches(rank, world, 20, seed=1)
-    out[("accum", "ref")] = _run("sgd", None, ba, accum=2)
-    out[("accum", "nvme")] = _run("sgd", TieredBank.factory(default="nvme", nvme_dir=fresh("accum")), ba,
-                                  prefetch=True, accum=2)
-
-    # Restart: k steps, close, reopen the files with resume=True, restore the
-    # non-bank state, continue. Compared with the uninterrupted reference.
-    for how in ("training_state", "load_state_dict"):
-        d = fresh(f"restart-{how}")
-        head = _head("sgd", TieredBank.factory(default="nvme", nvme_dir=d))
-        first = _train(head, b[:RESTART_AT], LR["sgd"], prefetch=True)
-        saved = {k: v.clone() for k, v in head.state_dict().items()}
-        training_state = head.training_state()
-        head.close()
-        head = _head("sgd", TieredBank.factory(default="nvme", nvme_dir=d, resume=True))
-        resumed_weight = head.bank.export("weight")
-        if how == "training_state":   # the bank files are the checkpoint of the rows
-            head.load_training_state(training_state)
-        else:
-            head.load_state_dict(saved)
-        rest = _train(head, b[RESTART_AT:], LR["sgd"], prefetch=True)
-        out[("restart", how)] = _result(head, first + rest, resumed_weight=resumed_weight,
-                                        saved_weight=saved["weight"])
-        head.close()
-    return out
-
-
-@pytest.fixture(scope="module")
-def nvme(stream_mode, tmp_path_factory):
-    if not AIO:
-        pytest.skip("DeepSpeed's AsyncIOBuilder().is_compatible() is False: no nvme tier here")
-    return run_ranks(_nvme_ranks, WORLD, str(tmp_path_factory.mktemp("nvme-ranks")))
-
-
-@needs_aio
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["staged", "prefetch"])
-def test_nvme_tier_matches_device_bank_bitwise(nvme, opt, prefetch):
-    for rank, res in enumerate(nvme):
-        got = res[(opt, "nvme", prefetch)]
-        _assert_same(got, res[(opt, "ref")], f"rank {rank} {opt} nvme prefetch={prefetch}")
-        assert set(got["tiers"].values()) == {"nvme"}
-        assert got["hits"] == (STEPS - 1 if prefetch else 0)
-        lo, hi = Partition(C, WORLD).bounds(rank)
-        assert f"rank{rank}-weight-{lo}-{hi}.bank" in got["files"], got["files"]      # named by global rank
-
-
-@needs_aio
-@pytest.mark.parametrize("name", list(MIXED_NVME))
-def test_nvme_mixed_placements_match_device_bank_bitwise(nvme, name):
-    opt, placements, default = MIXED_NVME[name]
-    for rank, res in enumerate(nvme):
-        got = res[name]
-        _assert_same(got, res[(opt, "ref")], f"rank {rank} {name}")
-        for state, tier in got["tiers"].items():
-            assert tier == Placement.parse(placements.get(state, default)).tier, (state, got["tiers"])
-
-
-@needs_aio
-def test_nvme_gradient_accumulation_with_prefetch_matches_device_bank(nvme):
-    for rank, res in enumerate(nvme):
-        _assert_same(res[("accum", "nvme")], res[("accum", "ref")], f"rank {rank} nvme accumulation")
-
-
-@needs_aio
-@pytest.mark.parametrize("how", ["training_state", "load_state_dict"])
-def test_nvme_bank_survives_restart(nvme, how):
-    """``resume=True`` reopens the files: the reopened weights are the saved ones
-    (not the initial centers), and with the sampler counters restored the run
-    continues exactly as the uninterrupted reference."""
-    for rank, res in enumerate(nvme):
-        got = res[("restart", how)]
-        assert torch.equal(got["resumed_weight"], got["saved_weight"])
-        _assert_same(got, res[("sgd", "ref")], f"rank {rank} restart via {how}")
-
-
 # ---------------------------------------------------------------- single process
 def _tiered(tier, tmp_path, opt="sgd", **kw):
-    nvme_dir = str(tmp_path) if tier == "nvme" else None
-    return _head(opt, TieredBank.factory(default=tier, nvme_dir=nvme_dir, **kw))
+    return _head(opt, TieredBank.factory(default=tier, **kw))
 
 
 def _tiers():
-    return ["host", pytest.param("nvme", marks=needs_aio)]
+    return ["host"]
 
 
 def _next_active(head, labels):
@@ -554,16 +433,15 @@ def test_prefetch_rejects_scalar_next_labels(bad):
     head.close()
 
 
-def test_bad_bank_arguments(tmp_path):
-    with pytest.raises(ValueError, match="nvme_dir"):
-        _head("sgd", TieredBank.factory(default="nvme"))
-    with pytest.raises(ValueError, match="nvme_dir"):
-        _head("sgd", TieredBank.factory({"weight": "nvme"}))
-    with pytest.raises(FileNotFoundError, match="nvme_dir"):
-        TieredBank.factory(default="nvme", nvme_dir=str(tmp_path / "missing"))
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(FileNotFoundError, match="nvme_dir"):
-        TieredBank.factory({"weight": "nvme"}, nvme_dir=str(tmp_path / "file"))
+def test_bad_bank_arguments():
+    # NVMe is not a per-step tier: the error names the tier and the supported ones.
+    for make in (lambda: TieredBank.factory(default="nvme"), lambda: TieredBank.factory({"weight": "nvme"}),
+                 lambda: TieredBank.factory({"momentum_buffer": ("nvme", torch.bfloat16)}),
+                 lambda: Placement("nvme")):
+        with pytest.raises(ValueError, match=r"tier 'nvme' is not a per-step tier.*'device' or 'host'"):
+            make()
+    with pytest.raises(TypeError):
+        TieredBank.factory(default="host", nvme_dir="/tmp")
     with pytest.raises(ValueError, match="tier"):
         TieredBank.factory(default="ssd")
     with pytest.raises(ValueError, match="tier"):
@@ -600,20 +478,18 @@ CASES = {
 
 def _check_report(head, expected, steps):
     """Resident bytes per tier as implied by the placements (host also holds the
-    per-row version counters, at most 2 x 8 bytes per row and state, and the NVMe
-    stores' page-locked staging buffers), staged bytes while a step is pending, and
+    per-row version counters, at most 2 x 8 bytes per row and state), staged bytes
+    while a step is pending, and
     the traffic of each step."""
     b = _batches(0, 1, steps)
     per_row_in = sum(esize * D for _, esize in expected.values())
-    placed = {"device": 0, "host": 0, "nvme": 0}
+    placed = {"device": 0, "host": 0}
     for tier, esize in expected.values():
         placed[tier] += C * D * esize
     report = head.memory_report()
     res = report["resident"]
-    buffers = sum(head.bank.store(n).nbytes() for n, (tier, _) in expected.items() if tier == "nvme")
     assert res["device"] == placed["device"]
-    assert placed["host"] <= res["host"] <= placed["host"] + 16 * C * len(expected) + buffers
-    assert placed["nvme"] <= res["nvme"] <= placed["nvme"] + (64 << 10)   # + header and block padding
+    assert placed["host"] <= res["host"] <= placed["host"] + 16 * C * len(expected)
     assert res["staged"] == 0
     staged_rows = written = 0
     for i, (x, y) in enumerate(b):
@@ -640,105 +516,4 @@ def test_memory_report_matches_placements(case):
     kw, expected = CASES[case]
     head = _head("sgd", TieredBank.factory(**kw))
     _check_report(head, expected, 4)
-    head.close()
-
-
-@needs_aio
-def test_memory_report_counts_nvme_state_on_the_nvme_tier(tmp_path):
-    """A state placed on NVMe lives in its file: the nvme tier holds at least
-    C_q x d x 4 bytes of float32 weights, also when the page-locked staging buffer is
-    much smaller than the file (block_rows 64, stage_bytes 8 KiB here)."""
-    bank = TieredBank.factory({"weight": "nvme"}, default="host", nvme_dir=str(tmp_path),
-                              nvme_options={"block_rows": 64, "stage_bytes": 8192})
-    head = _head("sgd", bank)
-    try:
-        _check_report(head, {"weight": ("nvme", 4), "momentum_buffer": ("host", 4)}, 3)
-    finally:
-        head.close()
-
-
-# ---------------------------------------------------------------- main thread vs I/O worker
-@needs_aio
-def test_checkpoint_between_prefetch_and_step_does_not_race_the_io_worker(tmp_path):
-    """NvmeStore is single-threaded (its staging buffer and aio handle are shared).
-    ``head.centers()``/``state_dict()``/``flush()`` called between prefetch and
-    step must not enter the store while the I/O worker is still fetching the
-    prefetched rows (seen as a hang or garbage rows). The worker's gather is held at
-    its entry until the main thread is done, so the check is deterministic and the
-    real I/O never overlaps."""
-    b = _batches(0, 1, 3)
-    head, ref = _head("sgd", TieredBank.factory(default="nvme", nvme_dir=str(tmp_path))), _head("sgd")
-    store = head.bank.store("weight")
-    inside, overlaps, gate, entered = [], [], threading.Event(), threading.Event()
-    gate.set()
-
-    def guard(name, orig):
-        def call(*args, **kwargs):
-            worker = threading.current_thread() is not threading.main_thread()
-            me = f"{name} ({'I/O worker' if worker else 'main thread'})"
-            others = [n for n in inside if n.endswith("(I/O worker)") != worker]   # another thread's calls
-            if others:
-                overlaps.append((me, others))
-            inside.append(me)
-            if worker:
-                entered.set()
-                gate.wait(timeout=1.5)
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                inside.remove(me)
-        return call
-    for name in ("gather", "scatter", "flush", "read_all"):
-        setattr(store, name, guard(name, getattr(store, name)))
-    for i, (x, y) in enumerate(b):
-        for h in (head, ref):
-            h(x, y).backward()
-        if i == 1:
-            gate.clear()
-            entered.clear()
-            head.prefetch(b[i + 1][1])
-            entered.wait(timeout=1.0)       # the worker is fetching the next slot's cold rows
-            try:
-                snapshot = head.centers()   # e.g. logging or a checkpoint mid-step
-            finally:
-                gate.set()
-            assert torch.equal(snapshot, ref.centers())
-        elif i + 1 < len(b):
-            head.prefetch(b[i + 1][1])
-        for h in (head, ref):
-            h.step(LR["sgd"])
-    gate.set()
-    assert torch.equal(head.centers(), ref.centers())
-    head.close()
-    assert not overlaps, f"main thread entered the NvmeStore while the I/O worker was in it: {overlaps[:3]}"
-
-
-@needs_aio
-def test_nvme_files_are_named_by_owner_and_never_shared(tmp_path):
-    """Two replicas of one class range (a head replicated over tensor-parallel ranks)
-    get files of their own; two banks that would use the same file are refused
-    before either overwrites the other."""
-    d = str(tmp_path)
-    make = TieredBank.factory(default="nvme", nvme_dir=d)
-    a = make(12, "cpu", class_start=5, owner="rank0")
-    b = make(12, "cpu", class_start=5, owner="rank1")
-    a.add_state("weight", 4, torch.float32, init=lambda lo, hi: torch.ones(hi - lo, 4))
-    b.add_state("weight", 4, torch.float32, init=lambda lo, hi: torch.full((hi - lo, 4), 2.0))
-    assert torch.equal(a.export("weight"), torch.ones(12, 4)) and torch.equal(b.export("weight"), torch.full((12, 4), 2.0))
-    assert {"rank0-weight-5-17.bank", "rank1-weight-5-17.bank"} <= set(os.listdir(d))
-    clash = make(12, "cpu", class_start=5, owner="rank0")
-    with pytest.raises(RuntimeError, match="in use by another open store"):
-        clash.add_state("weight", 4, torch.float32, init=lambda lo, hi: torch.zeros(hi - lo, 4))
-    assert torch.equal(a.export("weight"), torch.ones(12, 4))         # untouched
-    a.close()
-    b.close()
-    # once closed, the file can be reopened (a resumed run)
-    again = TieredBank.factory(default="nvme", nvme_dir=d, resume=True)(12, "cpu", class_start=5, owner="rank0")
-    again.add_state("weight", 4, torch.float32, init=lambda lo, hi: torch.zeros(hi - lo, 4))
-    assert torch.equal(again.export("weight"), torch.ones(12, 4))
-    again.close()
-    # a head passes its global rank as the owner
-    os.makedirs(tmp_path / "h")
-    head = PartialFC(C, D, sample_rate=1.0, bank=TieredBank.factory(default="nvme", nvme_dir=str(tmp_path / "h")))
-    assert f"rank0-weight-0-{C}.bank" in os.listdir(tmp_path / "h")
     head.close()

@@ -233,27 +233,18 @@ class BankConfig:
     """Where the centers and their optimizer state live (see ds_pfc.bank.TieredBank)."""
 
     default: str | list = "device"
-    """Tier for states not named in ``placements``: device, host or nvme, or [tier, dtype]."""
+    """Tier for states not named in ``placements``: device or host, or [tier, dtype]."""
     placements: dict = field(default_factory=dict)
     """State name (weight, momentum_buffer, exp_avg, exp_avg_sq, step) -> tier or [tier, dtype]; dtype fp32,
     bf16, fp16, fp64, or int8_rowwise (8-bit codes with a scale per row; optimizer moments only)."""
-    nvme_dir: str | None = None
-    """Directory of the NVMe bank files (required when a state is on nvme)."""
-    resume: bool = False
-    """Reopen existing NVMe bank files instead of creating them."""
     host_access: str = "staged"
     """How rows move: staged (an I/O thread and page-locked staging buffers) or mapped (GPU
     kernels read and write the tables in place; device and host tiers only)."""
     hbm_share: float = 0.0
     """With mapped access: the share of each host-tier state's rows kept in GPU memory."""
-    nvme_budget: dict | None = None
-    """What a per-step NVMe tier may cost per rank (ds_pfc.bank.NvmeBudget): step_ms (300),
-    read_gbps (14), write_gbps (10), drive_tb (15.36), dwpd (1) and check ("refuse", "warn"
-    or "off"). A tier whose page I/O per step does not hide behind the step, or that writes
-    more per day than the drive is rated for, is refused with the numbers."""
 
     def _placement(self, value, where):
-        from ..bank.tiered import TIERS
+        from ..bank.tiered import NVME_REFUSED, TIERS
         if isinstance(value, str):
             tier, dtype = value, None
         elif isinstance(value, (list, tuple)) and len(value) == 2 and value[1] == "int8_rowwise":
@@ -262,6 +253,8 @@ class BankConfig:
             tier, dtype = value[0], _dtype(value[1], f"{where}[1]", ("fp32", "bf16", "fp16", "fp64"))
         else:
             raise ConfigError(f"{where} must be a tier name or [tier, dtype], got {value!r}")
+        if tier == "nvme":
+            raise ConfigError(f"{where}: {NVME_REFUSED}")
         if tier not in TIERS:
             raise ConfigError(f"{where} tier must be one of {list(TIERS)}, got {tier!r}")
         return (tier, dtype)
@@ -280,11 +273,6 @@ class BankConfig:
         if self.hbm_share >= 1.0 or (self.hbm_share > 0 and self.host_access != "mapped"):
             raise ConfigError(f"ds_pfc.head.bank.hbm_share must be in [0, 1) and needs host_access 'mapped', got "
                               f"{self.hbm_share!r} with host_access {self.host_access!r}")
-        from ..bank.nvme_model import NvmeBudget
-        try:
-            NvmeBudget.parse(self.nvme_budget)
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"ds_pfc.head.bank.{err}") from None
 
     def is_default(self) -> bool:
         return self.default == "device" and not self.placements
@@ -297,9 +285,9 @@ class BankConfig:
         try:
             return TieredBank.factory(
                 {n: self._placement(v, n) for n, v in self.placements.items()},
-                default=self._placement(self.default, "default"), nvme_dir=self.nvme_dir, resume=self.resume,
-                host_access=self.host_access, hbm_share=self.hbm_share, nvme_budget=self.nvme_budget)
-        except (TypeError, ValueError, FileNotFoundError) as err:
+                default=self._placement(self.default, "default"), host_access=self.host_access,
+                hbm_share=self.hbm_share)
+        except (TypeError, ValueError) as err:
             raise ConfigError(f"ds_pfc.head.bank: {err}") from None
 
 

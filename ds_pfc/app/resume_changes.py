@@ -39,12 +39,10 @@ _HARMLESS = (
     "ds_pfc.description", "ds_pfc.train.log_every", "ds_pfc.train.output_dir", "ds_pfc.train.max_steps",
     "ds_pfc.train.epochs", "ds_pfc.train.diagnostics", "ds_pfc.evaluation", "ds_pfc.checkpoint",
     "ds_pfc.data.workers", "ds_pfc.data.decode",
-    "ds_pfc.data.prefetch_batches", "ds_pfc.head.bank.nvme_dir", "ds_pfc.head.backend", "ds_pfc.head.block_bytes",
+    "ds_pfc.data.prefetch_batches", "ds_pfc.head.backend", "ds_pfc.head.block_bytes",
     "ds_pfc.head.keep_bytes", "ds_pfc.head.validate",
     # How rows move between the bank's tables and the slots: the values are the same.
     "ds_pfc.head.bank.host_access", "ds_pfc.head.bank.hbm_share",
-    # What a per-step NVMe tier may cost: checked when the bank is built, changes no value.
-    "ds_pfc.head.bank.nvme_budget",
     # What preemption and non-finite steps do: no value changes until one happens.
     "ds_pfc.train.preempt_signals", "ds_pfc.train.on_nonfinite", "ds_pfc.train.max_consecutive_skips",
     "ds_pfc.train.rollback_lr_factor", "ds_pfc.train.max_rollbacks",

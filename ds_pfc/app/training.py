@@ -329,8 +329,7 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)
         backbone = cfg.backbone.build(cfg.head.embedding_size)
-        with self._heartbeat("building the head (an NVMe tier JIT-compiles DeepSpeed's async I/O op once, which "
-                             "takes minutes)"):
+        with self._heartbeat("building the head"):
             # skip and rollback decide before a step is applied: its checks cannot wait a step.
             head = cfg.head.build(group=None, device=self.device,
                                   validate="immediate" if cfg.train.on_nonfinite != "stop" else None)
@@ -1204,7 +1203,7 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        """Release the head's bank (its NVMe files and I/O worker)."""
+        """Release the head's bank (its I/O worker and host tables)."""
         head = getattr(self, "head", None)
         if head is not None:
             head.close()

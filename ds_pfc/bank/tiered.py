@@ -1,4 +1,4 @@
-"""Tiered bank: each state tensor placed on the device, in host memory or on NVMe.
+"""Tiered bank: each state tensor placed on the device or in host memory.
 
 With the centers and their optimizer state off the device, device-resident head
 memory is O(|S_q| d) (the staged rows) instead of O(C_q d). Each state is placed
@@ -13,7 +13,6 @@ torn one) and raises :class:`StaleRowError` instead.
 """
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -21,15 +20,22 @@ from typing import Callable
 import torch
 
 from .base import ClassBank
-from .nvme import DEFAULT_GAP_BYTES, SECTOR
-from .nvme_model import NvmeBudget, NvmeTierError, check_step
 from .quantized import INT8_ROWWISE, RowwiseInt8Store
 from .split import SplitStore
 from .stores import DeviceStore, HostStore, RowStore
 
-__all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS", "HOST_ACCESS", "NvmeBudget", "NvmeTierError"]
+__all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS", "HOST_ACCESS", "NVME_REFUSED"]
 
-TIERS = ("device", "host", "nvme")
+TIERS = ("device", "host")
+#: Why ``"nvme"`` is not a tier. A step reads its cold rows and writes back every stepped
+#: row: at r = 0.1 that is random page I/O over ~10% of the rows per step, which neither
+#: hides behind a step nor stays within a data-centre drive's rated writes per day
+#: (``ds-pfc-bench plan`` counts both). NVMe holds what needs sequential transfers only:
+#: the checkpoint's streamed shards, read at start-up and written at save.
+NVME_REFUSED = ("tier 'nvme' is not a per-step tier (random row I/O every step exceeds the drives' bandwidth and "
+                "rated writes per day): place the state on 'device' or 'host' (host_access 'mapped' or 'staged'; "
+                "hbm_share keeps part of a host-tier state in GPU memory); NVMe holds the bank's checkpoints, "
+                "whose shards are streamed at start-up and save")
 #: How staged rows move between the bank's tables and the slots (``host_access=``):
 #: ``"staged"`` (the default): an I/O thread gathers rows into page-locked staging
 #: buffers, copies them to the device and scatters write-backs into the tables;
@@ -45,7 +51,7 @@ class StaleRowError(RuntimeError):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one state lives: ``tier`` in ("device", "host", "nvme") and its storage
+    """Where one state lives: ``tier`` in ("device", "host") and its storage
     ``dtype`` (None: the state's own dtype, float32 for centers and moments), or
     ``"int8_rowwise"`` for 8-bit codes with a scale per row (optimizer moments on the
     device or host tier; :mod:`ds_pfc.bank.quantized`)."""
@@ -54,12 +60,12 @@ class Placement:
     dtype: torch.dtype | None = None
 
     def __post_init__(self):
+        if self.tier == "nvme":
+            raise ValueError(NVME_REFUSED)
         if self.tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype) and self.dtype != INT8_ROWWISE:
             raise TypeError(f"dtype must be a torch.dtype, {INT8_ROWWISE!r} or None, got {self.dtype!r}")
-        if self.dtype == INT8_ROWWISE and self.tier == "nvme":
-            raise ValueError(f"{INT8_ROWWISE!r} storage lives on the device or host tier, not on nvme")
 
     @classmethod
     def parse(cls, value) -> "Placement":
@@ -77,37 +83,26 @@ class TieredBank(ClassBank):
     """Bank whose states live in per-state :mod:`stores <ds_pfc.bank.stores>`.
 
     Build it through :meth:`factory` and pass that to ``PartialFC(bank=...)``.
-    ``nvme_dir`` holds one file per state, named by the bank's ``owner`` (the head
-    passes its process's global rank), the state and the class range, so the ranks of
-    a job, and replicas of one shard on several ranks, can share a directory. Each
-    file is locked while open: two banks that would use the same file (two heads
-    with the same classes in one process and one ``nvme_dir``) are refused.
-    ``resume=True`` reopens existing NVMe files (their contents win over the initial
-    values) instead of creating them. ``host_access``: see :data:`HOST_ACCESS`; with
+    ``owner`` names the bank in messages (the head passes its process's global rank).
+    A ``"nvme"`` placement is refused (:data:`NVME_REFUSED`). ``host_access``: see :data:`HOST_ACCESS`; with
     ``"mapped"`` the rows' versions are ordered by the side stream, not counted per row
     (no row id reaches the host), so :class:`StaleRowError` checks apply to the staged
     path only. ``hbm_share`` (mapped access only): the share of each host-tier state's
     rows kept in device memory (:class:`~ds_pfc.bank.split.SplitStore`); host traffic
-    scales by ``1 - hbm_share``. ``nvme_budget`` (:class:`~ds_pfc.bank.nvme_model.NvmeBudget`
-    or its fields as a dict): before any NVMe file is made, :meth:`check_nvme_tier` counts
-    the step's NVMe I/O from the store's layout and refuses a per-step NVMe tier that does
-    not hide behind the step or writes more than the drive's rated writes per day.
+    scales by ``1 - hbm_share``.
     """
 
     def __init__(self, num_rows: int, device, *, placements: dict[str, Placement] | None = None,
-                 default: Placement = Placement(), nvme_dir: str | None = None, class_start: int = 0,
-                 resume: bool = False, nvme_options: dict | None = None, owner: str | None = None,
-                 host_access: str = "staged", hbm_share: float = 0.0, nvme_budget=None):
+                 default: Placement = Placement(), class_start: int = 0, owner: str | None = None,
+                 host_access: str = "staged", hbm_share: float = 0.0):
         super().__init__(num_rows, device)
-        self.nvme_budget = NvmeBudget.parse(nvme_budget)
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
         _check_share(hbm_share, host_access)
         self.hbm_share = float(hbm_share)
         self.placements = dict(placements or {})
         self.default = default
-        self.nvme_dir, self.class_start, self.resume, self.owner = nvme_dir, class_start, resume, owner
-        self.nvme_options = dict(nvme_options or {})
+        self.class_start, self.owner = class_start, owner
         self._stores: dict[str, RowStore] = {}
         self._logical: dict[str, torch.dtype] = {}
         self._issued: dict[str, torch.Tensor] = {}
@@ -120,53 +115,35 @@ class TieredBank(ClassBank):
         # Called with the device-tier tables just written on the compute stream (write,
         # load), so that the stager orders its side streams after those writes.
         self.on_device_write: Callable[[list[torch.Tensor]], None] | None = None
-        needs_dir = any(p.tier == "nvme" for p in [default, *self.placements.values()])
-        if needs_dir and nvme_dir is None:
-            raise ValueError("nvme_dir is required when a state is placed on the nvme tier")
-        if needs_dir and host_access == "mapped":
-            raise ValueError("host_access='mapped' needs every state on the device or host tier: NVMe rows are "
-                             "staged through host memory (use host_access='staged')")
         self.host_access = host_access
         self.mapped = host_access == "mapped"
 
     @classmethod
-    def factory(cls, placements: dict | None = None, *, default="device", nvme_dir: str | None = None,
-                resume: bool = False, nvme_options: dict | None = None,
-                host_access: str = "staged", hbm_share: float = 0.0,
-                nvme_budget=None) -> Callable[..., "TieredBank"]:
+    def factory(cls, placements: dict | None = None, *, default="device", host_access: str = "staged",
+                hbm_share: float = 0.0) -> Callable[..., "TieredBank"]:
         """A ``bank=`` argument for :class:`~ds_pfc.PartialFC`.
 
         ``placements`` maps state names (``"weight"``, ``"momentum_buffer"``,
         ``"exp_avg"``, ``"exp_avg_sq"``, ``"step"``) to a placement; others get
         ``default``. Example: ``TieredBank.factory({"weight": ("host", torch.bfloat16)},
         default="device")``. ``host_access``: how rows move (:data:`HOST_ACCESS`);
-        ``hbm_share``: the share of host-tier rows kept in device memory (mapped access);
-        ``nvme_budget``: what a per-step NVMe tier may cost (:class:`NvmeBudget`).
+        ``hbm_share``: the share of host-tier rows kept in device memory (mapped access).
         """
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
         _check_share(hbm_share, host_access)
-        nvme_budget = NvmeBudget.parse(nvme_budget)
         parsed = {name: Placement.parse(p) for name, p in (placements or {}).items()}
         default = Placement.parse(default)
-        if nvme_dir is not None and not os.path.isdir(nvme_dir):
-            raise FileNotFoundError(f"nvme_dir {nvme_dir!r} is not a directory")
 
         def make(num_rows, device, class_start=0, owner=None):
-            return cls(num_rows, device, placements=parsed, default=default, nvme_dir=nvme_dir,
-                       class_start=class_start, resume=resume, nvme_options=nvme_options, owner=owner,
-                       host_access=host_access, hbm_share=hbm_share, nvme_budget=nvme_budget)
+            return cls(num_rows, device, placements=parsed, default=default, class_start=class_start, owner=owner,
+                       host_access=host_access, hbm_share=hbm_share)
         make.takes_owner = True
         return make
 
     # ---------------------------------------------------------------- states
     def placement(self, name: str) -> Placement:
         return self.placements.get(name, self.default)
-
-    def nvme_path(self, name: str) -> str:
-        prefix = f"{self.owner}-" if self.owner else ""
-        return os.path.join(self.nvme_dir,
-                            f"{prefix}{name}-{self.class_start}-{self.class_start + self.num_rows}.bank")
 
     def add_state(self, name, width, dtype, init=None):
         if name in self._stores:
@@ -193,17 +170,9 @@ class TieredBank(ClassBank):
         elif place.tier == "host" and self.hbm_share > 0:
             store = SplitStore(self.num_rows, width, storage, self.device,
                                n_device=int(round(self.hbm_share * self.num_rows)))
-        elif place.tier == "host":
+        else:
             store = HostStore(self.num_rows, width, storage, mapped=self.mapped,
                               near=self.device if self.mapped else None)
-        else:
-            from .nvme import NvmeStore
-            path = self.nvme_path(name)
-            if self.resume and os.path.exists(path):
-                store = NvmeStore(path, self.num_rows, width, storage, create=False, **self.nvme_options)
-                init = None
-            else:
-                store = NvmeStore(path, self.num_rows, width, storage, create=True, **self.nvme_options)
         if init is not None:
             _write_init(store, init, self.num_rows)
         self._stores[name] = store
@@ -223,33 +192,6 @@ class TieredBank(ClassBank):
             raise ValueError(f"state {name!r} is {dtype}; its storage dtype must be "
                              f"{'a floating' if dtype.is_floating_point else 'an integer'} dtype, got {storage}")
         return place, storage
-
-    def check_nvme_tier(self, specs: list[tuple[str, int, torch.dtype]], active_rows: float, *,
-                        num_rows: int | None = None) -> dict | None:
-        """Refuse (:class:`NvmeTierError`) a per-step NVMe tier whose I/O for ``active_rows``
-        rows a step (of the states ``specs``: ``(name, width, logical dtype)``) exceeds
-        :attr:`nvme_budget`; call it before :meth:`add_state` (nothing is created yet).
-        ``num_rows``: the rows to count with (default: this bank's; a head passes its
-        largest shard's, so that every rank decides alike). Returns the step's NVMe figures
-        (:func:`~ds_pfc.bank.nvme_model.step_io`), None when no state is on NVMe."""
-        states = []
-        for name, width, dtype in specs:
-            place, storage = self._storage(name, dtype)
-            if place.tier == "nvme":
-                states.append((name, max(int(width), 1) * torch.empty((), dtype=storage).element_size()))
-        num_rows = self.num_rows if num_rows is None else int(num_rows)
-        if not states or num_rows == 0 or self.nvme_budget.check == "off":
-            return None
-        options = self.nvme_options
-        io, reason = check_step(states, num_rows, active_rows, self.nvme_budget,
-                                gap_bytes=int(options.get("coalesce_gap_bytes", DEFAULT_GAP_BYTES)),
-                                write_gap_bytes=int(options.get("coalesce_write_gap_bytes", 0)),
-                                page=SECTOR * int(options.get("intra_op_parallelism", 1)))
-        if reason is not None:
-            if self.nvme_budget.check == "refuse":
-                raise NvmeTierError(reason)
-            print(f"ds_pfc: warning: {reason}", flush=True)
-        return io
 
     def state_names(self):
         return list(self._stores)
@@ -345,16 +287,13 @@ class TieredBank(ClassBank):
             self.on_device_write(list(store.tables()) if isinstance(store, RowwiseInt8Store) else [store.data])
 
     def resident_bytes(self):
-        """Bytes per tier: rows held on the device, in host memory (rows, version
-        counters, NVMe staging buffers) and in NVMe files."""
+        """Bytes per tier: rows held on the device and in host memory (rows and version
+        counters)."""
         out = {tier: 0 for tier in TIERS}
         for name, store in self._stores.items():
             issued = self._issued[name]
             out["host"] += issued.numel() * issued.element_size()
-            if store.tier == "nvme":
-                out["nvme"] += store.file_bytes()
-                out["host"] += store.nbytes()          # its buffers and version counters
-            elif isinstance(store, SplitStore):
+            if isinstance(store, SplitStore):
                 for tier, nbytes in store.nbytes_by_tier().items():
                     out[tier] += nbytes
                 out["host"] += store.versions.numel() * store.versions.element_size()

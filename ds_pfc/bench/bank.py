@@ -1,4 +1,4 @@
-"""Bank benchmark: step time of the device, host and NVMe tiers, with and without
+"""Bank benchmark: step time of the device and host tiers, with and without
 prefetch, around a simulated backbone window.
 
 Every iteration is ``forward, backward, step, [prefetch(next labels)], window``: the
@@ -49,15 +49,9 @@ def run_case(case: dict) -> dict:
     if tier == "device-bank":
         bank = None
     else:
-        nvme_dir = None
-        if tier == "nvme" or "nvme" in case.get("placements", {}).values():
-            workdir = tempfile.mkdtemp(prefix="ds_pfc_bank_", dir=case.get("nvme_dir"))
-            nvme_dir = workdir
         placements = {name: (t, storage) for name, t in case.get("placements", {}).items()}
         default = (tier, storage) if tier != "mixed" else ("device", storage)
-        bank = TieredBank.factory(placements, default=default, nvme_dir=nvme_dir,
-                                  nvme_options=case.get("nvme_options"),
-                                  nvme_budget={"check": "warn"})   # measured here even where it would not hide
+        bank = TieredBank.factory(placements, default=default)
     base = peak_memory_bytes(device)
     t0 = time.perf_counter()
     head = PartialFC(case["classes"], case["dim"], sample_rate=case["sample_rate"], device=device, bank=bank,
@@ -178,15 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what fills the window: sleep (the host idles, as beside a GPU) or compute (the host's "
                         "cores run matrix products) (default sleep)")
     p.add_argument("--tiers", default="device-bank,device,host,mixed",
-                   help="device-bank (the default DeviceBank), device/host/nvme (TieredBank), "
+                   help="device-bank (the default DeviceBank), device/host (TieredBank), "
                         "mixed (weight on host, momentum on device)")
     p.add_argument("--storage", choices=sorted(_DTYPES), default="fp32", help="storage dtype of the states")
     p.add_argument("--compute", choices=["fp32", "bf16"], default="bf16",
                    help="dtype of the head's matrix products (default bf16)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per case (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones (default 2)")
-    p.add_argument("--nvme-dir", default=None, help="directory for NVMe bank files (default: a temp dir)")
-    p.add_argument("--nvme-block-rows", type=int, default=None, help="rows per NVMe block (default ~128 KiB)")
     p.add_argument("--prefetch", choices=["both", "on", "off"], default="both",
                    help="run each tier with the next step's rows prefetched, without, or both (default both)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -233,9 +225,7 @@ def main(argv=None) -> int:
                 case = {"tier": tier, "prefetch": prefetch, "window_ms": window, "window_kind": args.window_kind,
                         "classes": args.classes, "dim": args.dim, "batch": args.batch,
                         "sample_rate": args.sample_rate, "storage": args.storage, "compute": args.compute,
-                        "steps": args.steps, "warmup": args.warmup, "device": args.device,
-                        "nvme_dir": args.nvme_dir,
-                        "nvme_options": {"block_rows": args.nvme_block_rows} if args.nvme_block_rows else None}
+                        "steps": args.steps, "warmup": args.warmup, "device": args.device}
                 if tier == "mixed":
                     case["placements"] = {"weight": "host"}
                 cases.append(case)
@@ -270,12 +260,11 @@ def main(argv=None) -> int:
                      f"{extra * 1e3:+.0f}",
                      f"{r['bytes_per_step'] / 2**20:,.0f}",
                      "" if gbps is None or r["prefetch"] else f"{gbps:.1f}",
-                     f"{r['resident'].get('device', 0) / 2**20:,.0f}/{r['resident'].get('host', 0) / 2**20:,.0f}"
-                     f"/{r['resident'].get('nvme', 0) / 2**20:,.0f}",
+                     f"{r['resident'].get('device', 0) / 2**20:,.0f}/{r['resident'].get('host', 0) / 2**20:,.0f}",
                      f"{(r['peak_bytes'] - r['base_bytes']) / 2**20:,.0f}"])
     print()
     print(format_table(["tier", "prefetch", "window ms", "step ms [min-max]", "x device", "extra ms",
-                        "MiB moved/step", "GB/s (sync)", "resident MiB dev/host/nvme", "peak MiB"], rows))
+                        "MiB moved/step", "GB/s (sync)", "resident MiB dev/host", "peak MiB"], rows))
     for r in results:
         if "step" in r:
             print(f"{r['tier']} prefetch={r['prefetch']} window={r['window_ms']:.0f}: "

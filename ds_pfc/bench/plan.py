@@ -1,25 +1,28 @@
 """Memory and transfer planner for the class bank: ``ds-pfc-bench plan`` (``launch/bench.py plan``).
 
-For ``C`` classes of width ``d`` sharded over the ``k`` GPUs of one node (``C_q = ceil(C / k)``
-classes per rank) and a sample rate ``r``, it computes per rank, from formulas (nothing runs):
+For ``C`` classes of width ``d`` sharded over ``k`` GPUs (``C_q = ceil(C / k)`` classes per
+rank) on nodes of ``gpus_per_node`` GPUs, each with its own host memory, links and CPUs, and
+a sample rate ``r``, it computes per rank and per node, from formulas (nothing runs):
 
 * the bytes of each bank state (the centers and the row optimizer's state,
   :mod:`ds_pfc.core.optim`) in its storage dtype, and where they live for each way to place
-  the bank: ``device`` (every state in GPU memory), ``host`` (GPU-direct host tier: page-locked
-  host memory mapped into the GPU; GPU kernels gather the cold rows and write the stepped rows
-  back, no CPU work, host memory touched once per byte moved), ``host-cpu`` (what
-  :class:`~ds_pfc.bank.TieredBank` does today: CPU threads gather into pinned staging buffers
-  and scatter back, host memory touched ~3.5 times per byte moved) and ``nvme`` (a file per
-  state, whose 4 KiB pages holding moved rows are read and written every step);
-* the staged slots (:mod:`ds_pfc.bank.slots`): the active rows ``|S_q|`` of every state in its
-  logical dtype, twice (the slot in use and the prefetched one), the gradient of the staged
-  centers, the softmax's buffers and the sampler's keys;
-* the backbone's share of GPU memory (constants measured from :mod:`ds_pfc.models`, below);
-* per step: bytes over PCIe each way, host-memory traffic of the node, CPU-seconds, NVMe bytes
-  read and written, and how long each takes at the given rates; whether each tier fits and
-  whether its transfers hide behind the step; and for every limit the largest class count at
-  which it still holds (found by bisection on ``C``: every figure grows with ``C`` at fixed
-  ``r``).
+  the bank that the bank builds: ``device`` (every state in GPU memory), ``host`` (mapped
+  access: page-locked host memory mapped into the GPU; the row mover gathers the cold rows and
+  writes the stepped rows back, host memory touched once per byte moved), ``host-cpu``
+  (staged access: CPU threads gather into pinned staging buffers and scatter back, host memory
+  touched ~3.5 times per byte moved). A tier the bank refuses (8-bit rows in mapped host
+  memory, ``hbm_share`` with staged access) is marked not built and never suggested; NVMe is
+  not a tier (:data:`ds_pfc.bank.tiered.NVME_REFUSED`);
+* GPU memory: the staged slots (:mod:`ds_pfc.bank.slots`), a third slot set when the
+  write-back outlasts the next forward, the gradient of the staged centers, the softmax's
+  buffers, the sampler's keys, the fetch's temporaries, the backbone (counted by default),
+  and the peak at resume;
+* per step: bytes over PCIe each way, the bank's stream (one stream as built, or duplex), the
+  row mover's rate from its bytes in flight and the uplink's share, node host-memory traffic
+  at a read/write mix, CPU-seconds, the window (backbone plus the head's compute) and the
+  backbone's slowdown from the SMs the mover holds; margins for every check, and for every
+  limit the largest class count at which it still holds (found by bisection on ``C``: every
+  figure grows with ``C`` at fixed ``r``).
 
 The model's assumptions, sources and how to read the table: ``docs/planner.md``.
 """
@@ -33,26 +36,25 @@ import os
 import re
 import sys
 
-from ..bank.nvme import DEFAULT_STAGE_BYTES, SECTOR, TARGET_BLOCK_BYTES
-from ..bank.nvme_model import page_io
 from .._args import parser
 from ..core.softmax import COSINE_KEEP_BYTES, CUDA_BLOCK_BYTES
 
 __all__ = ["plan", "PlanArgumentError", "GPUS", "BACKBONES", "TIERS", "DEFAULTS", "build_parser", "main",
-           "format_plan", "format_sweep", "parse_classes"]
+           "format_plan", "format_sweep", "format_limits", "parse_classes", "mover_gbps", "refresh_docs"]
 
 # --------------------------------------------------------------------- constants
-TIERS = ("device", "host", "host-cpu", "nvme")
+TIERS = ("device", "host", "host-cpu")
 
 GB = 1e9            # every "GB" here is 10^9 bytes, as the data sheets count
 GPU_RESERVE_GB = 3.0  # CUDA context, cuBLAS/Triton workspaces, allocator fragmentation (assumed)
 
 # GPU memory per GPU in GB, from the data sheets (decimal GB; nvidia-smi shows somewhat more
-# bytes, e.g. 81559 MiB on an H100 80GB, so the decimal figure leaves a little extra margin).
+# bytes, e.g. 81559 MiB on an H100 80GB, so the decimal figure leaves a little extra margin),
+# and the streaming multiprocessors the row mover's programs take from the backbone.
 GPUS = {
-    "h100-80g": dict(name="H100 SXM 80GB", memory_gb=80.0, source="NVIDIA H100 data sheet: 80 GB HBM3"),
-    "h200": dict(name="H200 SXM 141GB", memory_gb=141.0, source="NVIDIA H200 data sheet: 141 GB HBM3e"),
-    "a100-40g": dict(name="A100 40GB", memory_gb=40.0, source="NVIDIA A100 data sheet: 40 GB HBM2"),
+    "h100-80g": dict(name="H100 SXM 80GB", memory_gb=80.0, sms=132, source="NVIDIA H100 data sheet: 80 GB HBM3"),
+    "h200": dict(name="H200 SXM 141GB", memory_gb=141.0, sms=132, source="NVIDIA H200 data sheet: 141 GB HBM3e"),
+    "a100-40g": dict(name="A100 40GB", memory_gb=40.0, sms=108, source="NVIDIA A100 data sheet: 40 GB HBM2"),
 }
 
 # Backbones at 112x112 in the precision of the paper configs in configs/ (IR50/IR100: fp16,
@@ -78,22 +80,51 @@ BACKBONE_BYTES_PER_PARAM = {"sgd": 16, "adamw": 20}
 HOST_TOUCHES = {"host": 1.0, "host-cpu": 3.5}   # host-memory bytes per byte moved (assumed)
 SAMPLER_BYTES_PER_CLASS = 14   # int64 keys, int32 buckets and two byte masks of the select (core/sampling.py)
 VERSION_BYTES = 8   # per row and state: the bank's int32 "issued" and the store's int32 "versions"
-NVME_VERSION_BYTES = 12   # the NVMe store keeps int64 versions, the bank int32 "issued"
 
-DEFAULTS = dict(optimizer="sgd", storage="fp32", backbone="none", batch=128, step_ms=300.0, host_gbps=450.0,
-                pcie_gbps=50.0, zero_copy_gbps=45.0, host_ram_gb=2048.0, nvme_drives=8, nvme_read_gbps=14.0,
-                nvme_write_gbps=10.0, nvme_tb=15.36, nvme_dwpd=1.0, cpu_gbps=6.0, cpu_cores=112, hbm_share=0.0,
-                block_bytes=CUDA_BLOCK_BYTES, keep_bytes=COSINE_KEEP_BYTES, momentum=0.9)
+#: The row mover as built (``ds_pfc/kernels/triton_rows.py``, ``_TILES["cuda"]``): 16
+#: programs of 4 warps, each warp with one 512-byte load in flight, so 32 KiB in flight per
+#: GPU. By Little's law its rate is bytes in flight / latency: 32 KiB / 1.5 us (a read of
+#: mapped host memory over PCIe, 1-2 us) = 21.8 GB/s, and 32 KiB / 0.6 us (HBM) = 54.6 GB/s
+#: for the device-to-device overlap patch. Stated defaults until a GPU measures them
+#: (``ds-pfc-bench rows``); ``--zero-copy-gbps`` / ``--patch-gbps`` override them.
+MOVER_INFLIGHT_KIB = 32
+ZERO_COPY_LATENCY_US = 1.5
+HBM_LATENCY_US = 0.6
+#: The head's effective matrix rate, TFLOP/s: one H200 step at S = 800k, N = 2048, d = 512
+#: (bf16 products, three GEMM-shaped passes of 2 N S d flops) took 25.8 ms (docs/gpu.md),
+#: 195 TFLOP/s; H100 SXM has the same bf16 tensor rate. A100: scaled by 312/989.
+HEAD_TFLOPS = {"h100-80g": 195.0, "h200": 195.0, "a100-40g": 61.5}
+#: The share of the backbone's step spent in its forward (backward is about twice the
+#: forward): the write-back of step t must land within the forward of t + 1 and the head's
+#: forward, else the bank takes a third slot set (``slots.py``: ``_empty_slot``).
+FORWARD_SHARE = 1.0 / 3.0
+#: fp32 ``[|S_q|, d]`` temporaries the torch int8 path keeps at its peak per coded state on
+#: the device (decode, scale, select in the overlap patch; ``bank/quantized.py``).
+INT8_TEMPORARIES = 3
+
+STREAMS = ("one", "duplex")
+DEVICE_ACCESS = ("staged", "mapped")
+
+DEFAULTS = dict(optimizer="sgd", storage="fp32", backbone="r100", batch=128, step_ms=300.0, head_ms=None,
+                host_gbps=370.0, pcie_gbps=50.0, zero_copy_gbps=None, patch_gbps=None,
+                mover_programs=16, gpus_per_node=8, gpus_per_uplink=1, streams="one", int8_in_mover=False,
+                device_access="staged", resume_chunk_mb=0.0, host_ram_gb=2048.0, cpu_gbps=6.0, cpu_cores=112,
+                hbm_share=0.0, block_bytes=CUDA_BLOCK_BYTES, keep_bytes=COSINE_KEEP_BYTES, momentum=0.9)
 
 # CLI spelling of each argument (errors name the option to change).
 FLAGS = {"classes": "--classes", "dim": "--dim", "gpus": "--gpus", "gpu": "--gpu", "sample_rate": "--sample_rate",
          "optimizer": "--optimizer", "storage": "--storage", "backbone": "--backbone", "batch": "--batch",
-         "step_ms": "--step-ms", "host_gbps": "--host-gbps", "pcie_gbps": "--pcie-gbps",
-         "zero_copy_gbps": "--zero-copy-gbps", "host_ram_gb": "--host-ram-gb", "nvme_drives": "--nvme-drives",
-         "nvme_read_gbps": "--nvme-read-gbps", "nvme_write_gbps": "--nvme-write-gbps", "nvme_tb": "--nvme-tb",
-         "nvme_dwpd": "--nvme-dwpd", "cpu_gbps": "--cpu-gbps", "cpu_cores": "--cpu-cores",
+         "step_ms": "--step-ms", "head_ms": "--head-ms", "host_gbps": "--host-gbps", "pcie_gbps": "--pcie-gbps",
+         "zero_copy_gbps": "--zero-copy-gbps", "patch_gbps": "--patch-gbps", "mover_programs": "--mover-programs",
+         "gpus_per_node": "--gpus-per-node", "gpus_per_uplink": "--gpus-per-uplink", "streams": "--streams",
+         "int8_in_mover": "--int8-in-mover", "device_access": "--device-access",
+         "resume_chunk_mb": "--resume-chunk-mb", "host_ram_gb": "--host-ram-gb",
+         "cpu_gbps": "--cpu-gbps", "cpu_cores": "--cpu-cores",
          "hbm_share": "--hbm-share", "block_bytes": "--block-bytes", "keep_bytes": "--keep-bytes",
          "momentum": "--momentum"}
+
+
+FLAGS_BY_OPTION = {flag: name for name, flag in FLAGS.items()}
 
 
 class PlanArgumentError(ValueError):
@@ -115,26 +146,57 @@ def _check_inputs(p: dict) -> dict:
             raise PlanArgumentError(name, f"must be {'>' if low_open else '>='} {low}, got {v!r}")
         if high is not None and v > high:
             raise PlanArgumentError(name, f"must be <= {high}, got {v!r}")
-    for name in ("classes", "dim", "gpus", "batch", "block_bytes", "cpu_cores"):
+    for name in ("classes", "dim", "gpus", "batch", "block_bytes", "cpu_cores", "mover_programs", "gpus_per_node",
+                 "gpus_per_uplink"):
         number(name, 1, integer=True)
-    number("nvme_drives", 0, integer=True)
     number("keep_bytes", 0, integer=True)
     number("sample_rate", 0.0, 1.0, low_open=True)
     number("hbm_share", 0.0, 1.0)
     number("momentum", 0.0, 1.0)
+    number("resume_chunk_mb", 0.0)
     if p["momentum"] >= 1.0:
         raise PlanArgumentError("momentum", f"must be < 1, got {p['momentum']!r}")
-    for name in ("step_ms", "host_gbps", "pcie_gbps", "zero_copy_gbps", "host_ram_gb", "nvme_read_gbps",
-                 "nvme_write_gbps", "nvme_tb", "nvme_dwpd", "cpu_gbps"):
+    if p["hbm_share"] >= 1.0:
+        raise PlanArgumentError("hbm_share", f"must be < 1 (the bank keeps a share of a host-tier state's rows in "
+                                             f"GPU memory; 1 is the device tier), got {p['hbm_share']!r}")
+    for name in ("step_ms", "host_gbps", "pcie_gbps", "host_ram_gb", "cpu_gbps"):
         number(name, 0.0, low_open=True)
+    for name in ("zero_copy_gbps", "patch_gbps"):
+        if p[name] is not None:
+            number(name, 0.0, low_open=True)
+    if p["head_ms"] is not None:
+        number("head_ms", 0.0)
+    if p["gpus_per_uplink"] > p["gpus_per_node"]:
+        raise PlanArgumentError("gpus_per_uplink", f"must be at most --gpus-per-node ({p['gpus_per_node']}), "
+                                                   f"got {p['gpus_per_uplink']}")
     if p["classes"] < p["gpus"]:
         raise PlanArgumentError("classes", f"must be at least --gpus ({p['gpus']}) so that every rank holds a "
                                            f"class, got {p['classes']}")
+    if not isinstance(p["int8_in_mover"], bool):
+        raise PlanArgumentError("int8_in_mover", f"must be True or False, got {p['int8_in_mover']!r}")
     for name, choices in (("gpu", GPUS), ("optimizer", BACKBONE_BYTES_PER_PARAM), ("storage", STORAGES),
-                          ("backbone", (*BACKBONES, "none"))):
+                          ("backbone", (*BACKBONES, "none")), ("streams", STREAMS),
+                          ("device_access", DEVICE_ACCESS)):
         if p[name] not in choices:
             raise PlanArgumentError(name, f"must be one of {', '.join(choices)}, got {p[name]!r}")
     return p
+
+
+def mover_gbps(p: dict) -> tuple[float, float, str]:
+    """(zero-copy GB/s per GPU and direction, device-to-device patch GB/s, how each was set)."""
+    inflight = MOVER_INFLIGHT_KIB * 1024 * p["mover_programs"] / 16
+    link = p["pcie_gbps"] / p["gpus_per_uplink"]
+    if p["zero_copy_gbps"] is None:
+        mover = inflight / (ZERO_COPY_LATENCY_US * 1e-6) / GB
+        how = (f"{inflight / 1024:g} KiB in flight / {ZERO_COPY_LATENCY_US:g} us = {mover:.1f} GB/s (Little's law, "
+               f"not measured)")
+    else:
+        mover, how = p["zero_copy_gbps"], f"--zero-copy-gbps {p['zero_copy_gbps']:g}"
+    rate = min(mover, link)
+    if rate < mover:
+        how += f", capped by the uplink: {p['pcie_gbps']:g} / {p['gpus_per_uplink']} GPUs = {link:.1f} GB/s"
+    patch = inflight / (HBM_LATENCY_US * 1e-6) / GB if p["patch_gbps"] is None else p["patch_gbps"]
+    return rate, patch, how
 
 
 #: Storage of the bank's floating states: all float32, all bfloat16, or bfloat16 with the
@@ -169,27 +231,19 @@ def _states(optimizer: str, momentum: float, dim: int, storage: str) -> list[dic
     return out
 
 
-def _nvme_layout(row_bytes: int, num_rows: int) -> tuple[int, int, int]:
-    """(rows per block, bytes per block, blocks) of a new NvmeStore (ds_pfc.bank.nvme, defaults:
-    ~128 KiB blocks aligned to 4 KiB)."""
-    align = SECTOR
-    br = max(1, TARGET_BLOCK_BYTES // row_bytes)
-    br = max(1, -(-(br * row_bytes) // align) * align // row_bytes)
-    br = min(br, max(num_rows, 1))
-    bb = -(-(br * row_bytes) // align) * align
-    return br, bb, -(-num_rows // br)
-
-
 # --------------------------------------------------------------------- the figures
 def _figures(p: dict, classes: int) -> dict:
     """Every number of the plan at ``classes`` (other inputs from ``p``)."""
     k, d, r, f, B = p["gpus"], p["dim"], p["sample_rate"], p["hbm_share"], p["batch"]
     cq = -(-classes // k)
+    ranks = min(k, p["gpus_per_node"])              # ranks on the busiest node
+    nodes = -(-k // p["gpus_per_node"])
     n_gathered = B * k
     states = _states(p["optimizer"], p["momentum"], d, p["storage"])
     row = sum(s["row_bytes"] for s in states)
     row_logical = sum(s["logical_row_bytes"] for s in states)
     nstates = len(states)
+    coded = [s for s in states if s["storage_dtype"] == "int8_rowwise"]
 
     # The active set (core/sampling.py): |S_q| = max(floor(r C_q), |P_q|); |P_q| <= N, so
     # |S_q| = floor(r C_q) exactly when that is at least N; else the expected distinct positives.
@@ -199,12 +253,23 @@ def _figures(p: dict, classes: int) -> dict:
     # A row of S(t+1) is in S(t) with probability |S_q| / C_q (uniform draws): the overlap is
     # copied on the GPU from the stepped slot, the rest ("cold") comes from the bank.
     cold = active * (1.0 - active / cq)
+    overlap = active - cold
     host_rows = (1.0 - f) * cq                 # rows outside GPU memory (--hbm-share)
     moved_in, moved_out = (1.0 - f) * cold, (1.0 - f) * active
 
+    # The step's window: the backbone's step and the head's own compute (three GEMM-shaped
+    # passes of 2 N |S_q| d flops), both of which the bank's stream overlaps.
+    head_s = (p["head_ms"] / 1e3 if p["head_ms"] is not None
+              else 3 * 2 * n_gathered * active * d / (HEAD_TFLOPS[p["gpu"]] * 1e12))
+    step_s = p["step_ms"] / 1e3
+    window = step_s + head_s
+    forward_window = FORWARD_SHARE * (step_s + head_s)
+    zero_copy, patch_rate, zero_copy_how = mover_gbps(p)
+    link = p["pcie_gbps"] / p["gpus_per_uplink"]
+
     # GPU memory besides the bank, per GPU.
     slot = active * row_logical
-    staged = 2 * slot + active * d * 4                        # two slots + the centers' float32 gradient
+    grad = active * d * 4                       # the float32 gradient of the staged centers
     # The Triton backend keeps the float16 cosines (G is then formed over them) within keep_bytes,
     # else one class block of G in bf16.
     cosines = n_gathered * active * 2
@@ -216,115 +281,137 @@ def _figures(p: dict, classes: int) -> dict:
     bb_params = bb["params"] if bb else 0
     bb_state = bb_params * BACKBONE_BYTES_PER_PARAM[p["optimizer"]]
     bb_act = (bb["saved_bytes_batch2"] / 2) * B if bb else 0.0
-    common_gpu = staged + softmax + sampler + bb_state + bb_act
+    common_gpu = 2 * slot + grad + softmax + sampler + bb_state + bb_act
     gpu_limit = GPUS[p["gpu"]]["memory_gb"] * GB - GPU_RESERVE_GB * GB
     host_limit = p["host_ram_gb"] * GB
-    step_s = p["step_ms"] / 1e3
 
     bank_storage = cq * row
     counters = VERSION_BYTES * nstates * cq
     per_state = [dict(s, bytes=cq * s["row_bytes"]) for s in states]
+    # Resume (checkpoint/shards.py, core/head.py): each state is read whole into host memory as
+    # float32 and moved whole to the GPU, unless --resume-chunk-mb bounds both by a chunk.
+    whole = max(cq * s["logical_row_bytes"] for s in states)
+    chunk = p["resume_chunk_mb"] * 1e6
+    resume_gpu = min(whole, chunk) if chunk else whole
+    resume_host_rank = min(cq * row_logical, chunk) if chunk else cq * row_logical
+    # fp32 temporaries of the torch int8 path for coded states on the device (none once the
+    # mover codes and decodes rows in its registers).
+    int8_temp = 0.0 if p["int8_in_mover"] else INT8_TEMPORARIES * active * d * 4 * len(coded)
+
+    def temporaries(tier: str) -> dict:
+        out = {}
+        if tier == "device":
+            if coded:
+                out["int8 decode/encode (torch ops)"] = int8_temp
+            if p["device_access"] == "staged":
+                # the staged device-tier fetch gathers the cold rows in storage dtype and
+                # widens them: one state at a time, the widest counts.
+                widest = max(s["row_bytes"] + s["logical_row_bytes"] for s in states if s not in coded)
+                out["staged fetch gather + float32 copy"] = cold * widest
+        elif f > 0 and coded:
+            out["int8 decode/encode (torch ops)"] = int8_temp
+        if tier == "host-cpu":
+            # the staged fetch lands the pinned cold rows on the GPU in the dtype they crossed
+            # PCIe in (8-bit rows decoded on the host: float32) and widens them to float32
+            def landed(s):
+                if s in coded and p["int8_in_mover"]:
+                    return 0                # the mover decodes the codes into the slot
+                moved = s["logical_row_bytes"] if s in coded else s["row_bytes"]
+                return moved + (s["logical_row_bytes"] if moved != s["logical_row_bytes"] else 0)
+            out["staged fetch landing + float32 copy"] = moved_in * max(landed(s) for s in states)
+        return {name: v for name, v in out.items() if v}
 
     tiers = {}
     # -- device: every state in GPU memory; the tiered bank keeps its version counters on the host.
-    gpu = bank_storage + common_gpu
+    temp = temporaries("device")
+    gpu = bank_storage + common_gpu + sum(temp.values())
+    at_resume = bank_storage + bb_state + resume_gpu
     tiers["device"] = dict(
-        gpu_bytes=gpu, gpu_bank_bytes=bank_storage, host_bytes_rank=counters, host_bytes_node=k * counters,
-        nvme_bytes_node=0, pcie_in=0.0, pcie_out=0.0, host_traffic_node=0.0, cpu_seconds_rank=0.0,
-        cpu_seconds_node=0.0, nvme_read_node=0.0, nvme_write_node=0.0, times={},
+        available=True, reason=None,
+        gpu_bytes=gpu, gpu_bank_bytes=bank_storage, temporaries=temp, third_slot_bytes=0.0,
+        gpu_resume_bytes=at_resume, host_bytes_rank=counters, host_bytes_node=ranks * counters,
+        host_resume_node=ranks * (counters + resume_host_rank),
+        pcie_in=0.0, pcie_out=0.0, host_traffic_node=0.0, cpu_seconds_rank=0.0, cpu_seconds_node=0.0,
+        times={}, stream_s=0.0, mover_busy=0.0, backbone_slowdown=0.0,
         checks=[("GPU memory per GPU", "memory", gpu, gpu_limit),
-                ("host RAM per node", "memory", k * counters, host_limit)])
+                ("GPU memory at resume", "memory", at_resume, gpu_limit),
+                ("host RAM per node", "memory", ranks * counters, host_limit),
+                ("host RAM per node at resume", "memory", ranks * (counters + resume_host_rank), host_limit)])
+
     # -- host tiers: the bank in host memory (a share --hbm-share of its rows in GPU memory).
     gpu_share = f * bank_storage
-    pcie_in, pcie_out = moved_in * row, moved_out * row
     for tier in ("host", "host-cpu"):
-        staging = 0.0 if tier == "host" else (moved_in + moved_out) * row   # pinned gather + write-back buffers
+        available, reason = True, None
+        if tier == "host" and coded and not p["int8_in_mover"]:
+            available, reason = False, ("8-bit rows in host memory are decoded by the host, so mapped access "
+                                        "cannot read them in place (the bank refuses it on CUDA); plan with "
+                                        "--int8-in-mover once the row mover codes rows, or use host-cpu")
+        if tier == "host-cpu" and f > 0:
+            available, reason = False, "--hbm-share needs mapped access (the bank refuses it with staged access)"
+        # Bytes per row over PCIe: as built the staged path decodes 8-bit rows on the host and
+        # moves float32 (slots.py); once the mover codes rows, both paths move the codes.
+        moved_row = sum(s["logical_row_bytes"] if (s in coded and tier == "host-cpu" and not p["int8_in_mover"])
+                        else s["row_bytes"] for s in states)
+        pcie_in, pcie_out = moved_in * moved_row, moved_out * moved_row
+        staging = 0.0 if tier == "host" else (moved_in + moved_out) * moved_row   # pinned gather + write-back
         host_rank = host_rows * row + counters + staging
-        gpu = gpu_share + common_gpu
-        traffic = HOST_TOUCHES[tier] * k * (pcie_in + pcie_out)
+        traffic = HOST_TOUCHES[tier] * ranks * (pcie_in + pcie_out)
         cpu_s = 0.0 if tier == "host" else (pcie_in + pcie_out) / (p["cpu_gbps"] * GB)
-        rate = (p["zero_copy_gbps"] if tier == "host" else p["pcie_gbps"]) * GB
-        times = {"PCIe in": pcie_in / rate, "PCIe out": pcie_out / rate, "host memory": traffic / (p["host_gbps"] * GB)}
+        rate = (zero_copy if tier == "host" else link) * GB
+        t_in, t_out = pcie_in / rate, pcie_out / rate
+        t_patch = overlap * row_logical / (patch_rate * GB)
+        # One stream: fetch, patch and write-back queue behind each other; duplex: the
+        # write-back has its own stream, ordered by events, and only the fetch waits on it.
+        stream = t_in + t_patch + t_out if p["streams"] == "one" else max(t_in + t_patch, t_out)
+        # write-back(t) lands after patch(t) (and, on one stream, in order with it); if that
+        # outlasts the forward of t + 1, the prefetch of t + 2 takes a third slot set.
+        wb = (t_patch + t_out) if p["streams"] == "one" else t_out
+        third = slot if wb > forward_window else 0.0
+        temp = temporaries(tier)
+        gpu = gpu_share + common_gpu + third + sum(temp.values())
+        at_resume = gpu_share + bb_state + resume_gpu
+        times = {"bank stream": stream, "host memory": traffic / (p["host_gbps"] * GB)}
         if tier == "host-cpu":
-            times["CPU"] = cpu_s / (p["cpu_cores"] / k)
+            times["CPU"] = cpu_s / (p["cpu_cores"] / ranks)
+        # The mover's programs hold SMs while they run (the host tier's row moves and every
+        # tier's overlap patch): a backbone kernel that needs every SM runs that much slower.
+        busy = min(1.0, (stream if tier == "host" else t_patch) / window)
+        slowdown = p["mover_programs"] / GPUS[p["gpu"]]["sms"] * busy
         tiers[tier] = dict(
-            gpu_bytes=gpu, gpu_bank_bytes=gpu_share, host_bytes_rank=host_rank, host_bytes_node=k * host_rank,
-            host_staging_rank=staging, nvme_bytes_node=0, pcie_in=pcie_in, pcie_out=pcie_out,
-            host_traffic_node=traffic, cpu_seconds_rank=cpu_s, cpu_seconds_node=k * cpu_s, nvme_read_node=0.0,
-            nvme_write_node=0.0, times=times,
-            checks=[("GPU memory per GPU", "memory", gpu, gpu_limit), ("host RAM per node", "memory", k * host_rank,
-                                                                      host_limit)]
-            + [(f"{name} time", "time", t, step_s) for name, t in times.items()])
-    # -- nvme: a file per state in NvmeStore blocks; a step reads and writes the 4 KiB pages of
-    # its moved rows (ds_pfc.bank.nvme_model: the store's own rules, gaps included).
-    n_rows = math.ceil(host_rows)
-    files = nvme_read = nvme_write = nvme_host = 0.0
-    floor_read = floor_write = 0.0
-    layouts = []
-    for s in states:
-        br, bbytes, blocks = _nvme_layout(s["row_bytes"], n_rows)
-        files += SECTOR + blocks * bbytes + 32 + 8 * n_rows
-        io = page_io(s["row_bytes"], n_rows, moved_in, moved_out)
-        nvme_read += io["read"]
-        nvme_write += io["write"]
-        stage_blocks = min(blocks, max(1, DEFAULT_STAGE_BYTES // bbytes))
-        nvme_host += NVME_VERSION_BYTES * n_rows + SECTOR + stage_blocks * bbytes
-        # The pages the moved rows touch, without the gaps read to join requests: the floor of page I/O.
-        page_bytes = io["pages"] * SECTOR
-        floor_read += page_bytes * (io["touched_in"] + io["touched_out"] - io["covered_out"])
-        floor_write += page_bytes * io["touched_out"]
-        layouts.append(dict(state=s["name"], block_rows=br, block_bytes=bbytes, blocks=blocks, pages=io["pages"],
-                            touched_in=io["touched_in"], touched_out=io["touched_out"],
-                            covered_out=io["covered_out"], read=io["read"], write=io["write"]))
-    staging = (moved_in + moved_out) * row
-    # version counters of the rows kept in GPU memory (--hbm-share) stay on the host too
-    host_rank = nvme_host + VERSION_BYTES * nstates * (cq - n_rows) + staging
-    gpu = gpu_share + common_gpu
-    drives = p["nvme_drives"]
-    traffic = HOST_TOUCHES["host-cpu"] * k * (pcie_in + pcie_out) + k * (nvme_read + nvme_write)
-    cpu_s = (pcie_in + pcie_out) / (p["cpu_gbps"] * GB)
-    times = {"PCIe in": pcie_in / (p["pcie_gbps"] * GB), "PCIe out": pcie_out / (p["pcie_gbps"] * GB),
-             "host memory": traffic / (p["host_gbps"] * GB), "CPU": cpu_s / (p["cpu_cores"] / k)}
-    capacity = drives * p["nvme_tb"] * 1e12
-    if drives:
-        times["NVMe"] = k * nvme_read / (drives * p["nvme_read_gbps"] * GB) + \
-            k * nvme_write / (drives * p["nvme_write_gbps"] * GB)
-    writes_day = k * nvme_write * 86400.0 / step_s
-    endurance = capacity * p["nvme_dwpd"]
-    checks = [("GPU memory per GPU", "memory", gpu, gpu_limit), ("host RAM per node", "memory", k * host_rank,
-                                                                 host_limit),
-              ("NVMe capacity per node", "memory", k * files, capacity)]
-    checks += [(f"{name} time", "time", t, step_s) for name, t in times.items()]
-    checks.append(("NVMe writes per day", "endurance", writes_day, endurance))
-    tiers["nvme"] = dict(
-        gpu_bytes=gpu, gpu_bank_bytes=gpu_share, host_bytes_rank=host_rank, host_bytes_node=k * host_rank,
-        host_staging_rank=staging, nvme_bytes_node=k * files, pcie_in=pcie_in, pcie_out=pcie_out,
-        host_traffic_node=traffic, cpu_seconds_rank=cpu_s, cpu_seconds_node=k * cpu_s,
-        nvme_read_node=k * nvme_read, nvme_write_node=k * nvme_write, nvme_writes_per_day=writes_day,
-        nvme_endurance_per_day=endurance, nvme_sector_read_node=k * floor_read,
-        nvme_sector_write_node=k * floor_write, nvme_layout=layouts, times=times, checks=checks,
-        available=drives > 0)
-
-    # Each state's bytes per rank, by where it lives, per tier (storage dtype; NVMe: its file).
-    nvme_files = {x["state"]: SECTOR + x["blocks"] * x["block_bytes"] for x in layouts}
+            available=available, reason=reason,
+            gpu_bytes=gpu, gpu_bank_bytes=gpu_share, temporaries=temp, third_slot_bytes=third,
+            gpu_resume_bytes=at_resume, host_bytes_rank=host_rank, host_bytes_node=ranks * host_rank,
+            host_resume_node=ranks * (host_rank + resume_host_rank), host_staging_rank=staging,
+            moved_row_bytes=moved_row, pcie_in=pcie_in, pcie_out=pcie_out, host_traffic_node=traffic,
+            cpu_seconds_rank=cpu_s, cpu_seconds_node=ranks * cpu_s,
+            pcie_in_s=t_in, pcie_out_s=t_out, patch_s=t_patch, write_back_s=wb, stream_s=stream,
+            times=times, mover_busy=busy, backbone_slowdown=slowdown,
+            checks=[("GPU memory per GPU", "memory", gpu, gpu_limit),
+                    ("GPU memory at resume", "memory", at_resume, gpu_limit),
+                    ("host RAM per node", "memory", ranks * host_rank, host_limit),
+                    ("host RAM per node at resume", "memory", ranks * (host_rank + resume_host_rank), host_limit)]
+            + [(f"{name} time", "time", t, window) for name, t in times.items()])
+    # Each state's bytes per rank, by where it lives, per tier (storage dtype).
     for tier, t in tiers.items():
         t["state_bytes"] = {
-            s["name"]: ({"gpu": s["bytes"], "host": 0, "nvme": 0} if tier == "device" else
-                        {"gpu": f * s["bytes"], "host": (1 - f) * s["bytes"] if tier != "nvme" else 0,
-                         "nvme": nvme_files[s["name"]] if tier == "nvme" else 0})
+            s["name"]: ({"gpu": s["bytes"], "host": 0} if tier == "device" else
+                        {"gpu": f * s["bytes"], "host": (1 - f) * s["bytes"]})
             for s in per_state}
 
     return dict(
-        classes=classes, classes_per_rank=cq, gathered_batch=n_gathered, active_rows=active, budget_rows=budget,
-        expected_positives=positives, cold_rows=cold, overlap_fraction=active / cq,
-        host_rows_fraction=1.0 - f, moved_rows_in=moved_in, moved_rows_out=moved_out,
-        states=per_state, row_bytes=row, logical_row_bytes=row_logical, bank_bytes_rank=bank_storage,
-        bank_bytes_node=k * bank_storage, version_bytes_rank=counters,
-        gpu=dict(slot_bytes=slot, slots=2, center_grad_bytes=active * d * 4, staged_bytes=staged,
+        classes=classes, classes_per_rank=cq, ranks_per_node=ranks, nodes=nodes, gathered_batch=n_gathered,
+        active_rows=active, budget_rows=budget, expected_positives=positives, cold_rows=cold,
+        overlap_rows=overlap, overlap_fraction=active / cq, host_rows_fraction=1.0 - f, moved_rows_in=moved_in,
+        moved_rows_out=moved_out, states=per_state, row_bytes=row, logical_row_bytes=row_logical,
+        bank_bytes_rank=bank_storage, bank_bytes_node=ranks * bank_storage, version_bytes_rank=counters,
+        gpu=dict(slot_bytes=slot, slots=2, center_grad_bytes=grad, staged_bytes=2 * slot + grad,
                  logits_block_bytes=logits, cosines_kept=kept, softmax_bytes=softmax, sampler_bytes=sampler,
                  backbone_state_bytes=bb_state, backbone_activation_bytes=bb_act, backbone_params=bb_params,
                  common_bytes=common_gpu, limit_bytes=gpu_limit, reserve_bytes=GPU_RESERVE_GB * GB,
-                 memory_bytes=GPUS[p["gpu"]]["memory_gb"] * GB),
+                 memory_bytes=GPUS[p["gpu"]]["memory_gb"] * GB, resume_state_bytes=resume_gpu),
+        window=dict(step_s=step_s, head_s=head_s, window_s=window, forward_s=forward_window,
+                    head_estimated=p["head_ms"] is None),
+        rates=dict(zero_copy_gbps=zero_copy, zero_copy_how=zero_copy_how, patch_gbps=patch_rate, link_gbps=link),
         host_limit_bytes=host_limit, step_s=step_s, tiers=tiers)
 
 
@@ -364,26 +451,31 @@ def _summarise(p: dict, fig: dict, stops: bool) -> dict:
     for tier, t in fig["tiers"].items():
         checks = []
         for name, kind, value, limit in t["checks"]:
-            entry = dict(name=name, kind=kind, value=value, limit=limit, ok=_ok(value, limit))
+            entry = dict(name=name, kind=kind, value=value, limit=limit, ok=_ok(value, limit), margin=limit - value)
             if stops:
-                entry["max_classes"] = _max_classes(p, tier, name, cache)
+                entry["max_classes"] = _max_classes(p, tier, name, cache) if t["available"] else 0
             checks.append(entry)
         t["checks"] = checks
-        available = t.get("available", True)
-        t["available"] = available
+        available = t["available"]
         t["fits"] = available and all(c["ok"] for c in checks if c["kind"] == "memory")
         t["hides"] = available and all(c["ok"] for c in checks if c["kind"] == "time")
-        t["endurance_ok"] = available and all(c["ok"] for c in checks if c["kind"] == "endurance")
         t["transfer_s"] = max(t["times"].values(), default=0.0)
+        gpu = [c for c in checks if c["kind"] == "memory" and c["name"].startswith("GPU")]
+        host = [c for c in checks if c["kind"] == "memory" and c["name"].startswith("host")]
+        time = [c for c in checks if c["kind"] == "time"]
+        t["gpu_margin_bytes"] = min(c["margin"] for c in gpu)
+        t["host_margin_bytes"] = min(c["margin"] for c in host)
+        t["time_margin_s"] = min((c["margin"] for c in time), default=None)
         if stops:
-            for kind in ("memory", "time", "endurance"):
+            for kind, key in (("memory", "max_classes_fit"), ("time", "max_classes_hide")):
                 own = [c for c in checks if c["kind"] == kind]
                 limits = [c["max_classes"] for c in own if c["max_classes"] is not None]
                 best = min(limits) if limits else None
-                key = {"memory": "max_classes_fit", "time": "max_classes_hide", "endurance": "max_classes_endurance"}
-                t[key[kind]] = (best if available else 0) if own else None
-                t[key[kind] + "_by"] = next((c["name"] for c in own if c["max_classes"] == best), None) \
+                t[key] = (best if available else 0) if own else None
+                t[key + "_by"] = next((c["name"] for c in own if c["max_classes"] == best), None) \
                     if own and limits else None
+            both = [v for v in (t["max_classes_fit"], t["max_classes_hide"]) if v is not None]
+            t["max_classes_usable"] = min(both) if both else None
     return fig
 
 
@@ -392,16 +484,22 @@ def plan(classes: int, dim: int, gpus: int, gpu: str, sample_rate: float, *, hin
          stops: bool = True, **options) -> dict:
     """The plan for ``classes`` classes of width ``dim`` on ``gpus`` GPUs of kind ``gpu`` (a key
     of :data:`GPUS`) at ``sample_rate``; ``options`` override :data:`DEFAULTS` (``optimizer``,
-    ``storage``, ``backbone``, ``batch``, ``step_ms``, ``host_gbps``, ``pcie_gbps``,
-    ``zero_copy_gbps``, ``host_ram_gb``, ``nvme_*``, ``cpu_gbps``, ``cpu_cores``, ``hbm_share``,
-    ``block_bytes``, ``keep_bytes``, ``momentum``).
+    ``storage``, ``backbone`` (counted by default: ``"r100"``), ``batch``, ``step_ms`` (the
+    backbone's step), ``head_ms`` (None: estimated), ``host_gbps``, ``pcie_gbps``,
+    ``zero_copy_gbps`` / ``patch_gbps`` (None: the mover's rates by Little's law),
+    ``mover_programs``, ``gpus_per_node``, ``gpus_per_uplink``, ``streams`` ("one" or
+    "duplex"), ``int8_in_mover``, ``device_access``, ``resume_chunk_mb``, ``host_ram_gb``,
+    ``cpu_gbps``, ``cpu_cores``, ``hbm_share``, ``block_bytes``, ``keep_bytes``, ``momentum``).
 
-    Returns a dict: ``inputs``; per rank the classes, active and cold rows, each state's bytes;
-    ``gpu`` (staged slots, softmax buffers, sampler, backbone); ``tiers`` (per tier: memory per
-    GPU / node, bytes and times per step, ``checks`` each with ``value``, ``limit``, ``ok`` and
-    ``max_classes``, ``fits``, ``hides``, ``max_classes_fit``, ``max_classes_hide``);
-    ``fits_any``; ``refused`` (None, or why no tier fits and which arguments to change).
-    Raises :class:`PlanArgumentError` (a ValueError naming the argument) for bad arguments."""
+    Returns a dict: ``inputs``; per rank the classes, active, cold and overlap rows, each
+    state's bytes; ``gpu`` (staged slots, softmax buffers, sampler, backbone); ``window``
+    (backbone, head); ``rates``; ``tiers`` (per tier: ``available`` and, if not, ``reason``
+    (what the bank refuses); memory per GPU / node, temporaries, bytes and times per step,
+    ``checks`` each with ``value``, ``limit``, ``margin``, ``ok`` and ``max_classes``;
+    ``fits``, ``hides``, margins, ``max_classes_fit``, ``max_classes_hide``,
+    ``max_classes_usable``); ``fits_any``; ``usable``; ``refused`` (None, or why no tier fits
+    and which arguments to change). Raises :class:`PlanArgumentError` (a ValueError naming the
+    argument) for bad arguments."""
     unknown = sorted(set(options) - set(DEFAULTS))
     if unknown:
         raise TypeError(f"plan() got unexpected arguments {unknown}; it takes {sorted(DEFAULTS)}")
@@ -410,13 +508,16 @@ def plan(classes: int, dim: int, gpus: int, gpu: str, sample_rate: float, *, hin
     out = _summarise(p, _figures(p, classes), stops)
     out["inputs"] = dict(p)
     out["fits_any"] = any(t["fits"] for t in out["tiers"].values())
-    out["usable"] = [name for name, t in out["tiers"].items() if t["fits"] and t["hides"] and t["endurance_ok"]]
+    out["usable"] = [name for name, t in out["tiers"].items() if t["fits"] and t["hides"]]
     out["refused"] = None if out["fits_any"] else _refusal(p, out, hints)
     return out
 
 
 def _alternatives(p: dict) -> list[tuple[str, dict]]:
-    """Single changes of one argument that may make a tier fit: (how to say it, overrides)."""
+    """Single changes of one argument that may make a tier fit: (how to say it, overrides).
+    Only what the bank builds today: no NVMe tier, --hbm-share only where mapped access has it,
+    none of the options that model work not yet in the bank (--streams duplex,
+    --int8-in-mover, --resume-chunk-mb)."""
     alts = []
     if p["storage"] == "fp32":
         alts.append(("--storage bf16", dict(storage="bf16")))
@@ -426,20 +527,16 @@ def _alternatives(p: dict) -> list[tuple[str, dict]]:
         alts.append((f"--sample_rate {r:g}", dict(sample_rate=r)))
     for k in (p["gpus"] * 2, p["gpus"] * 4):
         if k <= p["classes"]:
-            alts.append((f"--gpus {k}", dict(gpus=k)))
+            alts.append((f"--gpus {k} ({-(-k // p['gpus_per_node'])} nodes)", dict(gpus=k)))
     bigger = sorted((g for g in GPUS if GPUS[g]["memory_gb"] > GPUS[p["gpu"]]["memory_gb"]),
                     key=lambda g: GPUS[g]["memory_gb"])
     alts += [(f"a bigger --gpu {g}", dict(gpu=g)) for g in bigger]
-    for share in (0.0, 0.25, 0.5, 0.75):
+    for share in (0.0, 0.25, 0.5):
         if share != p["hbm_share"]:
             alts.append((f"--hbm-share {share:g}", dict(hbm_share=share)))
     if p["backbone"] != "none" and p["batch"] > 1:
         alts.append((f"--batch {p['batch'] // 2}", dict(batch=p["batch"] // 2)))
     alts.append((f"--host-ram-gb {p['host_ram_gb'] * 2:g}", dict(host_ram_gb=p["host_ram_gb"] * 2)))
-    if p["nvme_drives"]:
-        alts.append((f"--nvme-drives {p['nvme_drives'] * 2}", dict(nvme_drives=p["nvme_drives"] * 2)))
-    else:
-        alts.append(("--nvme-drives 8", dict(nvme_drives=8)))
     return alts
 
 
@@ -447,7 +544,7 @@ def _refusal(p: dict, out: dict, hints: bool) -> str:
     lines = ["no tier fits:"]
     for name, t in out["tiers"].items():
         if not t["available"]:
-            lines.append(f"  {name}: --nvme-drives is 0")
+            lines.append(f"  {name}: not built: {t['reason']}")
             continue
         bad = [c for c in t["checks"] if c["kind"] == "memory" and not c["ok"]]
         lines.append(f"  {name}: " + "; ".join(f"{c['name']} {c['value'] / GB:,.1f} GB > {c['limit'] / GB:,.1f} GB"
@@ -462,15 +559,17 @@ def _refusal(p: dict, out: dict, hints: bool) -> str:
                 alt = plan(**inputs, **rest, hints=False, stops=False)
             except PlanArgumentError:
                 continue
-            fitting = [n for n, t in alt["tiers"].items() if t["fits"]]
+            fitting = [(n, t) for n, t in alt["tiers"].items() if t["available"] and t["fits"]]
             if fitting:
-                fixes.append(f"{text} (then {', '.join(fitting)} " + ("fits)" if len(fitting) == 1 else "fit)"))
+                fixes.append(f"{text} (then " + ", ".join(f"{n} fits" + (" and hides" if t["hides"] else
+                                                                          " but does not hide")
+                                                          for n, t in fitting) + ")")
         if fixes:
             lines.append("change one of: " + "; ".join(fixes))
         else:
-            lines.append("no single change of --storage bf16, --sample_rate, --gpus, --gpu, --hbm-share, --batch, "
-                         "--host-ram-gb or --nvme-drives makes a tier fit: combine them (e.g. --storage bf16 with "
-                         "a lower --sample_rate and more --gpus)")
+            lines.append("no single change of --storage, --sample_rate, --gpus, --gpu, --hbm-share, --batch "
+                         "or --host-ram-gb makes a tier fit: combine them (e.g. --storage bf16 "
+                         "with a lower --sample_rate and more --gpus)")
     return "\n".join(lines)
 
 
@@ -481,6 +580,14 @@ def _gb(b: float) -> str:
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:,.1f}"
+
+
+def _signed_gb(b: float) -> str:
+    return f"{b / GB:+,.1f}"
+
+
+def _signed_ms(s) -> str:
+    return "-" if s is None else f"{s * 1e3:+,.0f}"
 
 
 def _classes(c) -> str:
@@ -496,7 +603,7 @@ def _classes(c) -> str:
 
 
 def _numeric(text: str) -> bool:
-    text = text.replace(",", "").rstrip("xKMB")
+    text = text.replace(",", "").lstrip("+").rstrip("xKMB%")
     try:
         float(text)
     except ValueError:
@@ -516,17 +623,57 @@ def _table(headers, rows) -> str:
 
 
 def _describe(p: dict) -> str:
-    bb = "no backbone" if p["backbone"] == "none" else f"{p['backbone']} at batch {p['batch']}"
-    return (f"C = {p['classes']:,} classes, d = {p['dim']}, {p['gpus']} x {p['gpu']} "
-            f"({GPUS[p['gpu']]['memory_gb'] - GPU_RESERVE_GB:g} GB usable each), r = {p['sample_rate']:g}, "
-            f"{p['optimizer']}, {p['storage']} storage, {bb} (N = {p['batch'] * p['gpus']}), "
-            f"step {p['step_ms']:g} ms, hbm-share {p['hbm_share']:g}")
+    bb = ("no backbone (--backbone none: the head alone)" if p["backbone"] == "none"
+          else f"backbone {p['backbone']} at batch {p['batch']} counted")
+    nodes = -(-p["gpus"] // p["gpus_per_node"])
+    where = (f"{p['gpus']} x {p['gpu']}" if nodes == 1 else
+             f"{p['gpus']} x {p['gpu']} on {nodes} nodes of {p['gpus_per_node']}")
+    return (f"{bb}; C = {p['classes']:,} classes, d = {p['dim']}, {where} "
+            f"({GPUS[p['gpu']]['memory_gb'] - GPU_RESERVE_GB:g} GB usable each, {p['gpus_per_uplink']} per PCIe "
+            f"uplink), r = {p['sample_rate']:g}, {p['optimizer']}, {p['storage']} storage, "
+            f"N = {p['batch'] * p['gpus']}, backbone step {p['step_ms']:g} ms, {p['streams']} stream"
+            f"{'s' if p['streams'] == 'duplex' else ''}, hbm-share {p['hbm_share']:g}")
+
+
+def _assumptions(out: dict) -> list[str]:
+    p, w, rates = out["inputs"], out["window"], out["rates"]
+    head = (f"{w['head_s'] * 1e3:.1f} ms estimated: 3 x 2 N |S_q| d flops at {HEAD_TFLOPS[p['gpu']]:g} TFLOP/s "
+            f"(--head-ms to set it)" if w["head_estimated"] else f"{w['head_s'] * 1e3:g} ms (--head-ms)")
+    streams = ("one stream: fetch, overlap patch and write-back queue behind each other (the bank as built; "
+               "--streams duplex when write-back has its own stream)" if p["streams"] == "one" else
+               "duplex: the write-back on its own stream, the window bound by max(fetch + patch, write-back)")
+    temps = ["2 slot sets, a third whenever the write-back outlasts the next forward "
+             f"({FORWARD_SHARE:.2f} of backbone + head = {w['forward_s'] * 1e3:.0f} ms)"]
+    if p["storage"] == "bf16-int8m":
+        temps.append("8-bit rows: " + ("coded in the mover, d + 4 bytes moved" if p["int8_in_mover"] else
+                                       f"torch ops over |S_q| rows ({INT8_TEMPORARIES} float32 [|S_q|, d] at peak) "
+                                       "on the device, float32 over PCIe with staged access, refused in mapped "
+                                       "host memory"))
+    if p["device_access"] == "staged":
+        temps.append("device tier with staged access: the fetch's gather and float32 copy of the cold rows")
+    temps.append("resume: " + (f"chunks of {p['resume_chunk_mb']:g} MB" if p["resume_chunk_mb"] else
+                               "a whole float32 state moved to the GPU, all states in host memory "
+                               "(--resume-chunk-mb once resume streams)"))
+    return [
+        f"  window: backbone {p['step_ms']:g} ms + head {head} = {w['window_s'] * 1e3:.0f} ms per step",
+        f"  bank stream: {streams}",
+        f"  row mover (host tier): {rates['zero_copy_how']}; overlap patch on the GPU at "
+        f"{rates['patch_gbps']:.1f} GB/s; {p['mover_programs']} programs hold "
+        f"{p['mover_programs']}/{GPUS[p['gpu']]['sms']} SMs while they run",
+        f"  copy engines (host-cpu): {p['pcie_gbps']:g} GB/s per uplink and direction / {p['gpus_per_uplink']} "
+        f"GPU(s) = {rates['link_gbps']:.1f} GB/s per GPU",
+        f"  host memory: {p['host_gbps']:g} GB/s per node at the bank's mix of random row reads and writes; "
+        f"{p['host_ram_gb']:g} GB per node; {out['ranks_per_node']} ranks per node",
+        "  GPU memory counts: " + "; ".join(temps) + f"; a {GPU_RESERVE_GB:g} GB reserve",
+        "  not a tier: nvme (refused by the bank: random row I/O every step); none of the rates is measured "
+        "on a GPU yet",
+    ]
 
 
 def format_plan(out: dict) -> str:
     """The readable report of one plan."""
     p, g = out["inputs"], out["gpu"]
-    lines = [f"Bank plan: {_describe(p)}", ""]
+    lines = [f"Bank plan: {_describe(p)}", "", "Assumptions:", *_assumptions(out), ""]
     lines.append(f"Per rank: C_q = {out['classes_per_rank']:,} classes; active rows |S_q| = {out['active_rows']:,}; "
                  f"cold rows per step {out['cold_rows']:,.0f} ({out['cold_rows'] / max(out['active_rows'], 1):.1%} "
                  f"of |S_q|); rows outside GPU memory {out['host_rows_fraction']:.0%}")
@@ -537,7 +684,7 @@ def format_plan(out: dict) -> str:
     rows.append(["version counters", "int32 x 2", "", 8 * len(out["states"]), _gb(out["version_bytes_rank"])])
     lines.append(_table(["state (per rank)", "storage", "shape", "B/row", "GB"], rows))
     lines.append("  device: all in GPU memory; host, host-cpu: in host memory (a share --hbm-share in GPU memory); "
-                 "nvme: one file per state; version counters in host memory for every tier")
+                 "version counters in host memory for every tier")
     lines.append("")
     bb = BACKBONES.get(p["backbone"])
     rows = [["staged slots", f"2 x {out['active_rows']:,} rows x {out['logical_row_bytes']} B (logical dtype)",
@@ -565,80 +712,95 @@ def format_plan(out: dict) -> str:
         return [label] + [fn(tiers[n]) if tiers[n]["available"] else "n/a" for n in names]
 
     def t(key):
-        return lambda x: _ms(x["times"][key]) if key in x["times"] else "-"
-
-    def yes(v):
-        return "yes" if v else "NO"
+        return lambda x: _ms(x[key]) if x.get(key) is not None and x["times"] else "-"
     rows = [
         row("GPU memory per GPU (GB)", lambda x: _gb(x["gpu_bytes"])),
         row("  of which bank rows (GB)", lambda x: _gb(x["gpu_bank_bytes"])),
+        row("  of which temporaries (GB)", lambda x: _gb(sum(x["temporaries"].values()))),
+        row("  of which a third slot set (GB)", lambda x: _gb(x["third_slot_bytes"])),
+        row("GPU memory at resume (GB)", lambda x: _gb(x["gpu_resume_bytes"])),
         row("host RAM per node (GB)", lambda x: _gb(x["host_bytes_node"])),
-        row("NVMe files per node (TB)",
-            lambda x: f"{x['nvme_bytes_node'] / 1e12:,.3f}" if x["nvme_bytes_node"] else "-"),
+        row("host RAM per node at resume (GB)", lambda x: _gb(x["host_resume_node"])),
         row("PCIe in per rank per step (GB)", lambda x: _gb(x["pcie_in"])),
         row("PCIe out per rank per step (GB)", lambda x: _gb(x["pcie_out"])),
         row("host memory traffic per node per step (GB)", lambda x: _gb(x["host_traffic_node"])),
         row("CPU-seconds per rank per step", lambda x: f"{x['cpu_seconds_rank']:.3f}"),
-        row("NVMe read per node per step (GB)", lambda x: _gb(x["nvme_read_node"]) if x["nvme_read_node"] else "-"),
-        row("NVMe written per node per step (GB)",
-            lambda x: _gb(x["nvme_write_node"]) if x["nvme_write_node"] else "-"),
-        row("NVMe written per day / endurance",
-            lambda x: f"{x['nvme_writes_per_day'] / x['nvme_endurance_per_day']:,.1f}x"
-            if x.get("nvme_endurance_per_day") else "-"),
-        row("time PCIe in (ms)", t("PCIe in")),
-        row("time PCIe out (ms)", t("PCIe out")),
-        row("time host memory (ms)", t("host memory")),
-        row(f"time CPU, {p['cpu_cores'] / p['gpus']:g} cores per rank (ms)", t("CPU")),
-        row("time NVMe (ms)", t("NVMe")),
-        row("fits", lambda x: yes(x["fits"])),
-        row(f"hides behind {p['step_ms']:g} ms", lambda x: yes(x["hides"])),
-        row("verdict", _verdict),
+        row("time fetch in (ms)", t("pcie_in_s")),
+        row("time overlap patch (ms)", t("patch_s")),
+        row("time write-back out (ms)", t("pcie_out_s")),
+        row(f"time bank stream, {p['streams']} (ms)", lambda x: _ms(x["times"]["bank stream"])
+            if "bank stream" in x["times"] else "-"),
+        row("time host memory (ms)", lambda x: _ms(x["times"]["host memory"]) if "host memory" in x["times"]
+            else "-"),
+        row(f"time CPU, {p['cpu_cores'] / out['ranks_per_node']:g} cores per rank (ms)",
+            lambda x: _ms(x["times"]["CPU"]) if "CPU" in x["times"] else "-"),
+        row("backbone slowdown, mover SMs", lambda x: f"{x['backbone_slowdown']:.1%}"),
+        row("GPU memory margin (GB)", lambda x: _signed_gb(x["gpu_margin_bytes"])),
+        row("host RAM margin per node (GB)", lambda x: _signed_gb(x["host_margin_bytes"])),
+        row(f"time margin in the {out['window']['window_s'] * 1e3:.0f} ms window (ms)",
+            lambda x: _signed_ms(x["time_margin_s"])),
     ]
     if "max_classes_fit" in tiers["device"]:
         rows += [row("fits up to (classes)", lambda x: _classes(x["max_classes_fit"])),
                  row("  limited by", lambda x: x["max_classes_fit_by"] or "-"),
                  row("hides up to (classes)",
                      lambda x: _classes(x["max_classes_hide"]) if x["times"] else "no transfers"),
-                 row("  limited by", lambda x: x["max_classes_hide_by"] or "-"),
-                 row("within NVMe endurance up to (classes)", lambda x: _classes(x["max_classes_endurance"])
-                     if x.get("nvme_endurance_per_day") else "-")]
+                 row("  limited by", lambda x: x["max_classes_hide_by"] or "-")]
     lines.append(_table(["per tier"] + names, rows))
+    for n in names:
+        if not tiers[n]["available"]:
+            lines.append(f"  {n}: not built: {tiers[n]['reason']}")
     lines.append("")
     if out["refused"]:
         lines.append("REFUSED: " + out["refused"])
     else:
-        usable = out["usable"]
         fit = [n for n in names if tiers[n]["fits"]]
-        lines.append("fits: " + ", ".join(fit) + "; fits and hides behind the step"
-                     + (" (and within NVMe endurance)" if "nvme" in usable else "") + ": "
-                     + (", ".join(usable) if usable else "none"))
+        lines.append("fits: " + ", ".join(fit) + "; fits and hides behind the window: "
+                     + (", ".join(out["usable"]) if out["usable"] else "none"))
     return "\n".join(lines)
 
 
 def _verdict(t: dict) -> str:
     if not t["available"]:
-        return "n/a (--nvme-drives 0)"
+        return "not built"
     if not t["fits"]:
-        return "does not fit"
-    words = ["fits", "hides" if t["hides"] else "slow"]
-    if t.get("nvme_endurance_per_day"):
-        ratio = t["nvme_writes_per_day"] / t["nvme_endurance_per_day"]
-        words.append(f"{ratio:,.0f}x endurance" if ratio > 1 else f"{ratio:.0%} of endurance")
+        short = [f"{where} {_signed_gb(m)} GB" for where, m in (("GPU", t["gpu_margin_bytes"]),
+                                                             ("host RAM", t["host_margin_bytes"])) if m < 0]
+        return "short: " + ", ".join(short)
+    words = [f"fits ({_signed_gb(t['gpu_margin_bytes'])} GB GPU)"]
+    if t["time_margin_s"] is not None:
+        words.append(f"{'hides' if t['hides'] else 'slow'} ({_signed_ms(t['time_margin_s'])} ms)")
     return ", ".join(words)
 
 
 def format_sweep(outs: list[dict]) -> str:
     """Per class count and tier: GPU memory per GPU, host RAM per node, the slowest
-    transfer per step, and the verdict."""
+    transfer per step, and the margins."""
     rows = []
     for out in outs:
         for i, (name, t) in enumerate(out["tiers"].items()):
             slowest = max(t["times"].items(), key=lambda kv: kv[1]) if t["times"] else None
             rows.append([_classes(out["classes"]) if i == 0 else "", _classes(out["active_rows"]) if i == 0 else "",
-                         name, _gb(t["gpu_bytes"]), _gb(t["host_bytes_node"]),
-                         f"{slowest[0]} {_ms(slowest[1])}" if slowest else "-", _verdict(t)])
-    return _table(["classes", "|S_q|", "tier", "GPU GB per GPU", "host GB per node", "slowest transfer, ms per step",
-                   "verdict"], rows)
+                         name, _gb(t["gpu_bytes"]) if t["available"] else "n/a",
+                         _gb(t["host_bytes_node"]) if t["available"] else "n/a",
+                         f"{slowest[0]} {_ms(slowest[1])}" if slowest and t["available"] else "-",
+                         f"{out['window']['window_s'] * 1e3:,.0f}" if i == 0 else "", _verdict(t)])
+    return _table(["classes", "|S_q|", "tier", "GPU GB per GPU", "host GB per node", "slowest, ms per step",
+                   "window ms", "verdict (margin)"], rows)
+
+
+def format_limits(out: dict) -> str:
+    """Per tier, the largest class count that fits, that hides and that does both."""
+    rows = []
+    for name, t in out["tiers"].items():
+        if not t["available"]:
+            rows.append([name, "not built", "", "", ""])
+            continue
+        rows.append([name, _classes(t["max_classes_fit"]),
+                     _classes(t["max_classes_hide"]) if t["times"] else "no transfers",
+                     _classes(t["max_classes_usable"]),
+                     " / ".join(x for x in (t["max_classes_fit_by"], t["max_classes_hide_by"]) if x)])
+    return _table(["tier", "fits up to", "hides up to", "fits and hides up to", "limited by (fit / hide)"], rows)
 
 
 # --------------------------------------------------------------------- CLI
@@ -685,7 +847,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--classes", type=parse_classes, required=True,
                     help="C: the global class count (128000000, 128M, 1B; a comma list prints one line per count)")
     ap.add_argument("--dim", type=_typed(int, 1), required=True, help="d: the embedding width")
-    ap.add_argument("--gpus", type=_typed(int, 1), required=True, help="k: GPUs of the node (ranks)")
+    ap.add_argument("--gpus", type=_typed(int, 1), required=True,
+                    help="k: GPUs of the job, one rank each (over --gpus-per-node GPUs per node)")
+    ap.add_argument("--gpus-per-node", "--gpus_per_node", dest="gpus_per_node", type=_typed(int, 1),
+                    default=d["gpus_per_node"], help="GPUs per node: each node has its own host RAM, host memory "
+                    "bandwidth, CPU cores and PCIe links (default %(default)s)")
+    ap.add_argument("--gpus-per-uplink", "--gpus_per_uplink", dest="gpus_per_uplink", type=_typed(int, 1),
+                    default=d["gpus_per_uplink"], help="GPUs sharing one PCIe x16 uplink to the host, e.g. 2 behind "
+                    "one switch port: they move rows at the same moments, so each gets the link / this "
+                    "(default %(default)s)")
     ap.add_argument("--gpu", choices=list(GPUS), required=True, help="the GPU kind (its memory)")
     ap.add_argument("--sample_rate", "--sample-rate", dest="sample_rate", type=_typed(float, 0.0, 1.0, True),
                     required=True, help="r in (0, 1]")
@@ -695,29 +865,42 @@ def build_parser() -> argparse.ArgumentParser:
                     help="storage of the bank: fp32, bf16, or bf16 with the first moment in 8 bits (bf16-int8m)")
     ap.add_argument("--backbone", choices=[*BACKBONES, "none"], default=d["backbone"],
                     help="the backbone whose weights, optimizer states and activations share GPU memory with the "
-                         "bank (none: the head alone; default %(default)s)")
+                         "bank (counted by default: %(default)s; none: the head alone)")
     ap.add_argument("--batch", type=_typed(int, 1), default=d["batch"], help="B: the per-GPU batch (N = B k)")
     ap.add_argument("--step-ms", "--step_ms", dest="step_ms", type=_typed(float, 0.0, None, True), default=d["step_ms"],
-                    help="the step time the transfers must hide behind")
+                    help="the backbone's forward and backward per step, ms; the bank's stream also overlaps the "
+                         "head's compute (--head-ms)")
+    ap.add_argument("--head-ms", "--head_ms", dest="head_ms", type=_typed(float, 0.0), default=d["head_ms"],
+                    help="the head's own compute per step, ms (default: estimated from its flops)")
+    ap.add_argument("--streams", choices=list(STREAMS), default=d["streams"],
+                    help="one: fetch, overlap patch and write-back on one stream (the bank as built); duplex: "
+                         "the write-back on a stream of its own (default %(default)s)")
     ap.add_argument("--host-gbps", "--host_gbps", dest="host_gbps", type=_typed(float, 0.0, None, True),
-                    default=d["host_gbps"], help="host-memory bandwidth of the node, GB/s")
+                    default=d["host_gbps"], help="host-memory bandwidth of a node at the bank's mix of random row "
+                    "reads and writes, GB/s (default %(default)s: about 60%% of two sockets' DDR5 peak)")
     ap.add_argument("--pcie-gbps", "--pcie_gbps", dest="pcie_gbps", type=_typed(float, 0.0, None, True),
-                    default=d["pcie_gbps"], help="copy-engine rate per GPU and direction, GB/s")
+                    default=d["pcie_gbps"], help="rate of one PCIe uplink per direction, GB/s (copy engines)")
     ap.add_argument("--zero-copy-gbps", "--zero_copy_gbps", dest="zero_copy_gbps",
                     type=_typed(float, 0.0, None, True), default=d["zero_copy_gbps"],
-                    help="rate of GPU kernels reading/writing mapped host rows, per GPU and direction, GB/s")
+                    help="rate of the row mover reading/writing mapped host rows, per GPU and direction, GB/s "
+                         "(default: its bytes in flight / 1.5 us, until measured)")
+    ap.add_argument("--patch-gbps", "--patch_gbps", dest="patch_gbps", type=_typed(float, 0.0, None, True),
+                    default=d["patch_gbps"], help="rate of the mover's device-to-device overlap patch, GB/s "
+                    "(default: its bytes in flight / 0.6 us)")
+    ap.add_argument("--mover-programs", "--mover_programs", dest="mover_programs", type=_typed(int, 1),
+                    default=d["mover_programs"], help="programs (SMs) of the row mover; its bytes in flight "
+                    "scale with them (default %(default)s)")
+    ap.add_argument("--int8-in-mover", "--int8_in_mover", dest="int8_in_mover", action="store_true",
+                    help="8-bit rows coded and decoded in the mover's registers on every tier and access (d + 4 "
+                         "bytes moved, no float32 temporaries, mapped host tier allowed); default: the bank as built")
+    ap.add_argument("--device-access", "--device_access", dest="device_access", choices=list(DEVICE_ACCESS),
+                    default=d["device_access"], help="host_access of the device tier's bank (staged: its fetch "
+                    "keeps a gather and float32 copy of the cold rows; default %(default)s)")
+    ap.add_argument("--resume-chunk-mb", "--resume_chunk_mb", dest="resume_chunk_mb", type=_typed(float, 0.0),
+                    default=d["resume_chunk_mb"], help="resume's chunk, MB (0: a whole float32 state at once, "
+                    "as built)")
     ap.add_argument("--host-ram-gb", "--host_ram_gb", dest="host_ram_gb", type=_typed(float, 0.0, None, True),
                     default=d["host_ram_gb"], help="host RAM of the node, GB")
-    ap.add_argument("--nvme-drives", "--nvme_drives", dest="nvme_drives", type=_typed(int, 0),
-                    default=d["nvme_drives"], help="NVMe drives of the node (0: no NVMe tier)")
-    ap.add_argument("--nvme-read-gbps", "--nvme_read_gbps", dest="nvme_read_gbps",
-                    type=_typed(float, 0.0, None, True), default=d["nvme_read_gbps"], help="per drive, GB/s")
-    ap.add_argument("--nvme-write-gbps", "--nvme_write_gbps", dest="nvme_write_gbps",
-                    type=_typed(float, 0.0, None, True), default=d["nvme_write_gbps"], help="per drive, GB/s")
-    ap.add_argument("--nvme-tb", "--nvme_tb", dest="nvme_tb", type=_typed(float, 0.0, None, True),
-                    default=d["nvme_tb"], help="capacity per drive, TB")
-    ap.add_argument("--nvme-dwpd", "--nvme_dwpd", dest="nvme_dwpd", type=_typed(float, 0.0, None, True),
-                    default=d["nvme_dwpd"], help="rated drive writes per day")
     ap.add_argument("--cpu-gbps", "--cpu_gbps", dest="cpu_gbps", type=_typed(float, 0.0, None, True),
                     default=d["cpu_gbps"], help="row gather/scatter rate of one CPU core, GB/s")
     ap.add_argument("--cpu-cores", "--cpu_cores", dest="cpu_cores", type=_typed(int, 1), default=d["cpu_cores"],
@@ -729,6 +912,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep-bytes", "--keep_bytes", dest="keep_bytes", type=_typed(int, 0),
                     default=d["keep_bytes"], help="the head's keep_bytes: float16 cosines kept for backward "
                     "when they fit (default 4 GiB, the triton backend's)")
+    ap.add_argument("--limits", action="store_true",
+                    help="print only, per tier, the largest class counts that fit, hide, and do both")
     ap.add_argument("--json", default=None, help="also write the inputs, the date and every number here")
     return ap
 
@@ -736,17 +921,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k not in ("classes", "json")}
+    options = {k: v for k, v in vars(args).items() if k not in ("classes", "json", "limits")}
     outs = []
     for c in args.classes:
         try:
             outs.append(plan(c, **options))
         except PlanArgumentError as err:
             ap.error(f"argument {err}")     # exits 2, naming the option
-    if len(outs) == 1:
+    if args.limits:
+        for out in outs:
+            print(f"Largest class counts: {_describe(out['inputs']).split('; C = ', 1)[0]}; "
+                  f"{_describe(out['inputs']).split(' classes, ', 1)[1]}")
+            print(format_limits(out))
+    elif len(outs) == 1:
         print(format_plan(outs[0]))
     else:
-        print(f"Bank plans: {_describe(dict(outs[0]['inputs'], classes=0)).split(', ', 1)[1]}")
+        desc = _describe(outs[0]["inputs"])
+        print(f"Bank plans: {desc.split('; C = ', 1)[0]}; {desc.split(' classes, ', 1)[1]}")
         print(format_sweep(outs))
         for out in outs:
             if out["refused"]:
@@ -756,7 +947,10 @@ def main(argv=None) -> int:
                "inputs": dict(vars(args)), "plans": outs,
                "constants": {"gpus": GPUS, "gpu_reserve_gb": GPU_RESERVE_GB, "backbones": BACKBONES,
                              "backbone_bytes_per_param": BACKBONE_BYTES_PER_PARAM, "host_touches": HOST_TOUCHES,
-                             "sampler_bytes_per_class": SAMPLER_BYTES_PER_CLASS}}
+                             "sampler_bytes_per_class": SAMPLER_BYTES_PER_CLASS,
+                             "mover_inflight_kib": MOVER_INFLIGHT_KIB, "zero_copy_latency_us": ZERO_COPY_LATENCY_US,
+                             "hbm_latency_us": HBM_LATENCY_US, "head_tflops": HEAD_TFLOPS,
+                             "forward_share": FORWARD_SHARE, "int8_temporaries": INT8_TEMPORARIES}}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
@@ -770,6 +964,42 @@ def main(argv=None) -> int:
             print(f"ds-pfc-bench plan: {len(refused)} of {len(outs)} plans refused (no tier fits)", file=sys.stderr)
         return 2
     return 0
+
+
+# --------------------------------------------------------------------- docs
+_BLOCK = re.compile(r"(<!-- ds-pfc-bench plan (?P<args>[^>]*?) -->\n```\n)(?P<body>.*?)(```)", re.S)
+
+
+def refresh_text(text: str) -> str:
+    """``text`` with every block that follows a ``<!-- ds-pfc-bench plan ARGS -->`` marker
+    replaced by what ``ds-pfc-bench plan ARGS`` prints."""
+    import contextlib
+    import io
+    import shlex
+
+    def run(m):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+            main(shlex.split(m.group("args")))
+        return m.group(1) + buf.getvalue() + m.group(4)
+    return _BLOCK.sub(run, text)
+
+
+def refresh_docs(paths=None) -> list[str]:
+    """Rewrite the planner's output blocks in ``paths`` (default: the checkout's README.md and
+    docs/planner.md); returns the paths that changed."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = paths or [os.path.join(root, "README.md"), os.path.join(root, "docs", "planner.md")]
+    changed = []
+    for path in paths:
+        with open(path) as f:
+            old = f.read()
+        new = refresh_text(old)
+        if new != old:
+            with open(path, "w") as f:
+                f.write(new)
+            changed.append(path)
+    return changed
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from .functional import CrossEntropyOutput, check_filter_threshold
 from .margins import ArcFace, Margin
 from .optim import RowOptimizer, make_row_optimizer
 from .partition import Partition
-from .sampling import activation_budget, remap_labels, sample_active
+from .sampling import remap_labels, sample_active
 from .softmax import (BACKENDS, check_block_bytes, check_keep_bytes, default_compute_dtype, margin_softmax_cross_entropy,
                       resolve_backend)
 
@@ -133,7 +133,7 @@ class PartialFC(nn.Module):
             gradients).
         bank: a factory ``(num_rows, device, class_start=...) -> ClassBank`` (default:
             DeviceBank); one with ``takes_owner = True`` (``TieredBank.factory``) also
-            gets ``owner="rank<global rank>"``, which names its NVMe files.
+            gets ``owner="rank<global rank>"``, which names it in messages.
         block_bytes: bytes of float32 logits per class block of the softmax, and of
             rows per chunk of the row optimizer (None: 256 MiB on CUDA, 2 MiB on CPU).
             Torch backend: logits larger than one block are recomputed in backward.
@@ -282,12 +282,6 @@ class PartialFC(nn.Module):
         self.bank = factory(self.num_rows, self.device, class_start=start, **owner)
         specs = [(name, embedding_size if width == "d" else width, dtype if state_dtype == torch.float32
                   else state_dtype) for name, width, state_dtype in row_optimizer.state_specs]
-        if isinstance(self.bank, TieredBank):
-            # Before any file exists; with the largest shard, so that every rank decides alike.
-            largest = self.partition.num_local(0)
-            self.bank.check_nvme_tier([("weight", embedding_size, dtype), *specs],
-                                      activation_budget(largest, self.sample_rate) * sub_centers,
-                                      num_rows=largest * sub_centers)
         self.bank.add_state("weight", embedding_size, dtype, init=lambda lo, hi: initial_centers(
             seed, start + lo, hi - lo, embedding_size, init_std, device=self.device))
         for name, width, state_dtype in specs:
@@ -785,7 +779,7 @@ class PartialFC(nn.Module):
             self.bank.flush()
 
     def close(self) -> None:
-        """Finish write-backs and release the bank (NVMe files are flushed and closed).
+        """Finish write-backs and release the bank.
         The head cannot train afterwards."""
         if self._stager is not None and not self._closed:
             try:
@@ -796,7 +790,7 @@ class PartialFC(nn.Module):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this PartialFC is closed; build a new one (resume=True reopens NVMe banks)")
+            raise RuntimeError("this PartialFC is closed; build a new one and load its checkpoint")
 
     def _finite_verdict(self, device: torch.device, hook) -> torch.Tensor | None:
         """The tensor a training forward's backward ANDs its gradient's finiteness into, under
@@ -872,8 +866,7 @@ class PartialFC(nn.Module):
         """Everything but the bank: class range, sampler state, step counters and the
         margin's running state (``margin_state``).
 
-        With an NVMe bank the bank files are the checkpoint of the rows; this small
-        dict completes it (``TieredBank.factory(..., resume=True)`` reopens them)."""
+        The bank's rows are saved apart, as streamed shards (:mod:`ds_pfc.checkpoint`)."""
         self._judge_late()
         state = dict(zip(self._META_FIELDS, self._meta().tolist()))
         state["margin_state"] = self.margin.state_dict()
