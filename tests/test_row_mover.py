@@ -1,0 +1,206 @@
+"""The row mover's launch parameters and its 8-bit rows, in Triton's interpreter.
+
+References, independent of the code under test:
+
+* every launch parameter the mover exposes (warps per program, whole rows per pass, the
+  grid cap, columns per tile, whole rows or tiles) against plain torch indexing, bitwise;
+* 8-bit rowwise codes encoded, decoded and round-tripped in the kernel against
+  ``ds_pfc.bank.quantized`` (today's rounding) and against a float64 quantizer written
+  here from the definition, which rounds to float32 after every operation as float32
+  arithmetic does (a float64 quotient or product of float32 values rounded once to
+  float32 is the float32 result);
+* the stated defaults against the Little's-law arithmetic they claim.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ds_pfc.bank.quantized import dequantize_rows, quantize_rows
+from ds_pfc.kernels import triton_rows as tr
+
+pytestmark = pytest.mark.skipif(not tr.available() or not tr._INTERPRET,
+                                reason="triton is not installed or TRITON_INTERPRET=1 was not set before import "
+                                       "(these tests run the kernel in the interpreter)")
+
+CONFIGS = [tr.MoverConfig(w, r, p, b) for w, r, p, b in itertools.product((1, 4), (1, 4, 64), (1, 3), (0, 8))]
+
+
+def _ref_move(src, src_idx, dst, dst_idx, mask, round_dtype=None):
+    out = dst.clone()
+    n = src_idx.numel() if src_idx is not None else (dst_idx.numel() if dst_idx is not None else src.shape[0])
+    for i in range(n):
+        if mask is not None and not bool(mask[i]):
+            continue
+        v = src[int(src_idx[i]) if src_idx is not None else i]
+        if round_dtype is not None:
+            v = v.to(round_dtype)
+        out[int(dst_idx[i]) if dst_idx is not None else i] = v.to(dst.dtype)
+    return out
+
+
+def _case(use, g, width=21, rows=53, n=37):
+    table = torch.randn(rows, width, generator=g) * torch.logspace(-4, 4, rows)[:, None]
+    if use == "gather":         # fetch: bf16 table rows -> float32 slot, where cold
+        return (table.to(torch.bfloat16), torch.randperm(rows, generator=g)[:n], torch.full((n, width), -3.0),
+                None, torch.rand(n, generator=g) < 0.6, None)
+    if use == "scatter":        # write-back: float32 slot -> bf16 table rows
+        return (table[:n].clone(), None, torch.full((rows, width), 5.0, dtype=torch.bfloat16),
+                torch.randperm(rows, generator=g)[:n], None, None)
+    return (table, torch.randint(0, rows, (n,), generator=g), torch.full((n, width), 7.0),   # patch
+            None, torch.rand(n, generator=g) < 0.5, torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("use", ["gather", "scatter", "patch"])
+def test_every_launch_parameter_moves_rows_as_torch_indexing(config, use):
+    g = torch.Generator().manual_seed(hash((use, tuple(config))) % 1000)
+    src, src_idx, dst, dst_idx, mask, rnd = _case(use, g)
+    expected = _ref_move(src, src_idx, dst, dst_idx, mask, rnd)
+    got = tr.move_rows_(src, src_idx, dst.clone(), dst_idx, mask, rnd, config=config)
+    assert torch.equal(got, expected), f"{config} {use}"
+
+
+# ---------------------------------------------------------------------- 8-bit rows
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """float64 values rounded to float32 and held in float64."""
+    return x.to(torch.float32).to(torch.float64)
+
+
+def _quantize_f64(v: torch.Tensor):
+    """Rowwise int8 codes from the definition: s = max|v| / 127, q = round-half-even(v / s)
+    clamped to +-127 (s = 0: q = 0), every quotient rounded to float32 once."""
+    v = v.to(torch.float64)
+    scale = _f32(v.abs().amax(dim=1) / 127.0)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(_f32(v / safe[:, None])).clamp(-127, 127)
+    return q.to(torch.int8), scale.to(torch.float32)
+
+
+def _dequantize_f64(q, scale):
+    return _f32(q.to(torch.float64) * scale.to(torch.float64)[:, None]).to(torch.float32)
+
+
+def _hard_rows(g, rows=45, width=19) -> torch.Tensor:
+    """Rows whose codes are hard: exact ties (max|v| = 127 makes s = 1, and k + 0.5 is a
+    tie), an all-zero row, signed zeros, subnormals, the largest floats, one huge entry
+    among tiny ones, then random rows over 16 decades."""
+    v = torch.randn(rows, width, generator=g) * torch.logspace(-8, 8, rows)[:, None]
+    v[0] = torch.arange(width) - width / 2 + 0.5
+    v[0, 0] = 127.0
+    v[1] = 0.0
+    v[2] = -0.0
+    v[2, 3] = 1e-40
+    v[3] = torch.finfo(torch.float32).max * torch.linspace(-1, 1, width)
+    v[4] = 1e-30
+    v[4, 7] = 1e30
+    v[5] = -torch.arange(width) - 0.5
+    v[5, 0] = -127.0
+    return v
+
+
+def test_the_float64_reference_is_todays_rounding():
+    g = torch.Generator().manual_seed(1)
+    v = _hard_rows(g)
+    q, s = quantize_rows(v)
+    rq, rs = _quantize_f64(v)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
+    assert torch.equal(dequantize_rows(q, s), _dequantize_f64(rq, rs))
+    assert int((q[0].abs() % 2 == 0).sum()) > 0          # ties went to even
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")     # 127 x (max / 127) rounds to inf, as in torch
+@pytest.mark.parametrize("config", [None, tr.MoverConfig(1, 1, 1, 0), tr.MoverConfig(4, 4, 3, 8),
+                                    tr.MoverConfig(8, 64, 2, 0), tr.MoverConfig(2, 16, 2, 4)], ids=str)
+def test_int8_rows_encode_decode_and_round_in_the_kernel_bitwise(config):
+    g = torch.Generator().manual_seed(2)
+    v = _hard_rows(g)
+    n, width = v.shape
+    rq, rs = _quantize_f64(v)
+    ref_q, ref_s = quantize_rows(v)
+    # write-back: slot rows -> table rows at dst_idx, codes made in the kernel
+    at = torch.randperm(60, generator=g)[:n]
+    q = torch.full((60, width), 9, dtype=torch.int8)
+    s = torch.full((60,), 2.5)
+    tr.encode_rows_(v, None, q, s, at, config=config)
+    assert torch.equal(q[at], rq) and torch.equal(s[at], rs) and torch.equal(q[at], ref_q)
+    untouched = torch.ones(60, dtype=torch.bool)
+    untouched[at] = False
+    assert bool((q[untouched] == 9).all()) and bool((s[untouched] == 2.5).all())
+    # masked write-back: masked-off rows keep their codes and scale
+    keep = torch.rand(n, generator=g) < 0.5
+    q2, s2 = q.clone(), s.clone()
+    tr.encode_rows_(-v, None, q2, s2, at, keep, config=config)
+    nq, ns = _quantize_f64(-v)
+    assert torch.equal(q2[at[keep]], nq[keep]) and torch.equal(s2[at[keep]], ns[keep])
+    assert torch.equal(q2[at[~keep]], q[at[~keep]]) and torch.equal(s2[at[~keep]], s[at[~keep]])
+    # fetch: table codes -> float32 slot where cold, decoded in the kernel
+    rows = torch.randperm(60, generator=g)[:30]
+    cold = torch.rand(30, generator=g) < 0.7
+    dst = torch.full((30, width), -1.0)
+    tr.decode_rows_(q, s, rows, dst, None, cold, config=config)
+    want = torch.where(cold[:, None], _dequantize_f64(q[rows], s[rows]), torch.full_like(dst, -1.0))
+    assert torch.equal(dst, want)
+    # decode straight to bfloat16
+    dst16 = torch.zeros(30, width, dtype=torch.bfloat16)
+    tr.decode_rows_(q, s, rows, dst16, None, config=config)
+    assert torch.equal(dst16, _dequantize_f64(q[rows], s[rows]).to(torch.bfloat16))
+    # overlap patch: slot rows rounded as a write-back and a read would leave them
+    pos = torch.randint(0, n, (n,), generator=g)
+    hit = torch.rand(n, generator=g) < 0.5
+    out = torch.full((n, width), 4.0)
+    tr.move_rows_(v, pos, out, None, hit, tr.INT8_ROWWISE, config=config)
+    rt = _dequantize_f64(rq, rs)[pos]
+    assert torch.equal(out, torch.where(hit[:, None], rt, torch.full_like(out, 4.0)))
+
+
+def test_int8_error_is_at_most_half_a_code_per_row():
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(40, 33, generator=g) * torch.logspace(-6, 6, 40)[:, None]
+    out = torch.empty_like(v)
+    tr.move_rows_(v, None, out, None, None, tr.INT8_ROWWISE)
+    half_code = v.abs().amax(dim=1, keepdim=True) / 127 / 2
+    assert bool(((out - v).abs() <= half_code * (1 + 1e-5)).all())
+
+
+def test_bad_arguments_are_named_and_change_nothing():
+    q = torch.zeros(8, 4, dtype=torch.int8)
+    s = torch.zeros(8)
+    dst = torch.full((8, 4), 3.0)
+    for kwargs, words in (({"config": tr.MoverConfig(3, 4, 1)}, "num_warps"),
+                          ({"config": tr.MoverConfig(4, 6, 1)}, "rows_per_pass"),
+                          ({"config": tr.MoverConfig(4, 4, 0)}, "max_programs"),
+                          ({"config": tr.MoverConfig(4, 4, 1, 12)}, "block_w"),
+                          ({"config": (4, 4, 1, 0)}, "config"),
+                          ({"kind": "h2d"}, "kind")):
+        with pytest.raises((ValueError, TypeError), match=words):
+            tr.decode_rows_(q, s, None, dst, None, **kwargs)
+    with pytest.raises(ValueError, match="scale"):
+        tr.decode_rows_(q, torch.zeros(7), None, dst, None)
+    with pytest.raises(TypeError, match="q must"):
+        tr.decode_rows_(q.float(), s, None, dst, None)
+    with pytest.raises(TypeError, match="dst"):
+        tr.decode_rows_(q, s, None, q.clone(), None)
+    with pytest.raises(TypeError, match="src"):
+        tr.encode_rows_(q, None, q.clone(), s, None)
+    with pytest.raises(ValueError, match="round_dtype"):
+        tr.move_rows_(torch.zeros(8), None, torch.zeros(8), None, None, tr.INT8_ROWWISE)
+    assert bool((dst == 3.0).all())
+
+
+@pytest.mark.parametrize("kind", tr.KINDS)
+@pytest.mark.parametrize("d", [128, 256, 512, 1024])
+@pytest.mark.parametrize("bytes_per_value,extra", [(2, 0), (4, 0), (1, 4)], ids=["bf16", "fp32", "int8"])
+def test_defaults_keep_the_stated_bytes_in_flight(kind, d, bytes_per_value, extra):
+    """Little's law: bytes in flight >= rate x latency, for host reads from every program's
+    rows of one pass (writes and device moves: their stated grid), within the register cap."""
+    row_bytes = d * bytes_per_value + extra
+    cfg = tr.default_config(kind, row_bytes, d)
+    assert cfg.rows_per_pass & (cfg.rows_per_pass - 1) == 0
+    assert cfg.rows_per_pass * min(d, tr.WHOLE_ROW_MAX) <= tr.MAX_VALUES_PER_PASS
+    assert cfg.max_programs == tr.MAX_PROGRAMS[kind]
+    if kind == "host_read":
+        need = tr.TARGET_GBPS[kind] * 1e9 * tr.ASSUMED_LATENCY_US[kind] * 1e-6
+        assert tr.bytes_in_flight(cfg, row_bytes) >= need, (cfg, row_bytes)
