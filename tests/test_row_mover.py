@@ -204,3 +204,55 @@ def test_defaults_keep_the_stated_bytes_in_flight(kind, d, bytes_per_value, extr
     if kind == "host_read":
         need = tr.TARGET_GBPS[kind] * 1e9 * tr.ASSUMED_LATENCY_US[kind] * 1e-6
         assert tr.bytes_in_flight(cfg, row_bytes) >= need, (cfg, row_bytes)
+
+
+# ---------------------------------------------------------------------- the 8-bit store
+def _codec():
+    from ds_pfc.bank.quantized import RowCodec
+    return RowCodec(tr.decode_rows_, tr.encode_rows_, tr.move_rows_)
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_int8_store_moves_codes_with_and_without_the_codec_alike(tier):
+    """Every way the bank reads and writes an 8-bit store, with the kernel's codec and with
+    torch ops, against the float64 reference: write-back, fetch where cold, fetch into
+    positions, the overlap patch, and the staged path's codes crossing as codes."""
+    from ds_pfc.bank.quantized import RowwiseInt8Store
+    g = torch.Generator().manual_seed(4)
+    width, n = 23, 40
+    v = _hard_rows(g, rows=n, width=width)
+    rows = torch.randperm(97, generator=g)[:n].sort().values
+    cold = torch.rand(n, generator=g) < 0.6
+    positions = torch.randperm(n + 5, generator=g)[:n]
+    pos = torch.randint(0, n, (n,), generator=g)
+    rq, rs = _quantize_f64(v)
+    want = _dequantize_f64(rq, rs)
+    results = []
+    for codec in (None, _codec()):
+        store = RowwiseInt8Store(97, width, tier, "cpu")
+        store.write_rows(rows, v, codec)
+        assert torch.equal(store.q[rows], rq) and torch.equal(store.scale[rows], rs)
+        got = torch.full((n, width), -2.0)
+        store.fetch_into(rows, got, None, cold, codec)
+        assert torch.equal(got, torch.where(cold[:, None], want, torch.full_like(got, -2.0)))
+        at = torch.zeros(n + 5, width)
+        store.fetch_into(rows, at, positions, None, codec)
+        assert torch.equal(at[positions], want)
+        patched = torch.full((n, width), 6.0)
+        store.round_into(v, pos, patched, None, cold, codec)
+        assert torch.equal(patched, torch.where(cold[:, None], want[pos], torch.full_like(patched, 6.0)))
+        q, s = store.gather_codes(rows)                 # staged: d + 4 bytes a row cross
+        assert q.dtype == torch.int8 and s.dtype == torch.float32
+        landed = torch.zeros(n + 5, width)
+        store.land_codes(landed, positions, q, s, codec)
+        assert torch.equal(landed[positions], want)
+        cq, cs = torch.empty(n, width, dtype=torch.int8), torch.empty(n)
+        store.code_rows(-v, cq, cs, codec)
+        store.scatter_codes(rows, cq, cs)
+        nq, ns = _quantize_f64(-v)
+        assert torch.equal(store.q[rows], nq) and torch.equal(store.scale[rows], ns)
+        assert int(store.versions[rows].min()) == 1
+        results.append((store.q.clone(), store.scale.clone(), patched))
+        store.close()
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -278,6 +278,7 @@ class PartialFC(nn.Module):
         specs = [(name, embedding_size if width == "d" else width, dtype if state_dtype == torch.float32
                   else state_dtype) for name, width, state_dtype in row_optimizer.state_specs]
         if isinstance(self.bank, TieredBank):
+            self.bank.row_codec = _row_codec(self.bank)
             # Before any file exists; with the largest shard, so that every rank decides alike.
             largest = self.partition.num_local(0)
             self.bank.check_nvme_tier([("weight", embedding_size, dtype), *specs],
@@ -947,6 +948,16 @@ def _row_mover(bank):
     if {bank._logical[n] for n in bank.state_names()} <= {torch.float32, torch.int32, torch.int64}:
         return triton_rows.move_rows_
     return None
+
+
+def _row_codec(bank):
+    """The kernels that code and decode a bank's 8-bit rows in registers: Triton's on CUDA
+    (and on CPU tensors under ``TRITON_INTERPRET=1``); None otherwise (torch ops)."""
+    from ..bank.quantized import RowCodec
+    from ..kernels import triton_rows
+    if not triton_rows.available() or (bank.device.type != "cuda" and not triton_rows._INTERPRET):
+        return None
+    return RowCodec(triton_rows.decode_rows_, triton_rows.encode_rows_, triton_rows.move_rows_)
 
 
 def _in_backward() -> bool:

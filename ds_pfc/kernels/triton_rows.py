@@ -37,7 +37,9 @@ Under ``TRITON_INTERPRET=1`` (set before import) the kernel runs on CPU tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -105,6 +107,11 @@ class MoverConfig(NamedTuple):
 INTERPRETER_CONFIG = MoverConfig(num_warps=1, rows_per_pass=16, max_programs=2, block_w=16)
 
 _TL_DTYPES = None
+
+#: Triton's interpreter patches ``triton.language`` for the length of a launch, for the
+#: whole process: two threads interpreting at once (the bank's I/O worker and the
+#: training thread) would unpatch it under each other. Interpreted launches take turns.
+_INTERPRET_LOCK = threading.Lock()
 
 
 def available() -> bool:
@@ -385,6 +392,9 @@ def launch_config(src: torch.Tensor, dst: torch.Tensor, kind: str | None = None,
     return default_config(kind or _kind(src, dst), row_bytes, width)
 
 
+_NO_LOCK = contextlib.nullcontext()
+
+
 def _launch(src, src_idx, dst, dst_idx, mask, count, round_dtype, src_scale, dst_scale, kind, config,
             max_programs) -> None:
     if not _INTERPRET and dst.device.type != "cuda":
@@ -412,7 +422,7 @@ def _launch(src, src_idx, dst, dst_idx, mask, count, round_dtype, src_scale, dst
     round_bf16 = rnd and _bf16_from_f32(value_dtype, round_dtype)
     dst_bf16 = dst.is_floating_point() and _bf16_from_f32(value_dtype, dst.dtype)
     dummy = dst if mask is None else mask
-    with on_device(dst.device):
+    with on_device(dst.device), (_INTERPRET_LOCK if _INTERPRET else _NO_LOCK):
         _move_rows_kernel[grid](
             s2, src_idx if src_idx is not None else s2, d2, dst_idx if dst_idx is not None else d2,
             mask.view(torch.uint8) if mask is not None else dummy,
