@@ -256,3 +256,52 @@ def test_int8_store_moves_codes_with_and_without_the_codec_alike(tier):
         results.append((store.q.clone(), store.scale.clone(), patched))
         store.close()
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+# ---------------------------------------------------------------------- the benchmark's harness
+def test_rows_benchmark_sweeps_and_tier_check_run_dry(tmp_path):
+    """``ds-pfc-bench rows`` at toy sizes on the CPU: the sweep over launch parameters (each
+    entry carries its launch and bytes in flight), the GEMM beside a move, two devices at
+    once, 8-bit rows; and the tier check's JSON with every planner default the planner reads."""
+    import json
+    from ds_pfc.bench import rows
+    out = tmp_path / "rows.json"
+    assert rows.main(["--dry", "--row-bytes", "256", "--huge", "no", "--repeats", "1", "--programs", "1,3",
+                      "--warps", "4", "--rows-per-pass", "2,8", "--gemm", "--two-gpus", "--int8", "--out",
+                      str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    gathers = [r for r in res if r.get("kind") == "host_read" and r["what"].startswith("gather")]
+    launches = {(r["config"]["num_warps"], r["config"]["rows_per_pass"], r["config"]["max_programs"]) for r in gathers}
+    assert {(4, 2, 1), (4, 8, 1), (4, 2, 3), (4, 8, 3)} <= launches
+    assert all(r["bytes_in_flight"] == r["config"]["max_programs"] * r["config"]["rows_per_pass"] * 256
+               for r in gathers)
+    assert {r.get("kind") for r in res if "gbps" in r} == {"host_read", "host_write", "d2d"}
+    assert any(r["what"].startswith("int8 decode") and r["row_bytes"] == 128 + 4 for r in res)
+    assert any("slowdown" in r for r in res) and any("gbps_sum_together" in r for r in res)
+    out = tmp_path / "tier.json"
+    assert rows.main(["--dry", "--tier-check", "--repeats", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    defaults = doc["planner_defaults"]
+    for key in ("zero_copy_read_gbps", "zero_copy_write_gbps", "int8_read_gbps", "int8_write_gbps", "d2d_gbps",
+                "register_gbps", "gemm_slowdown_beside_move", "fetch_busy_ms_per_step", "step_ms_beside_load"):
+        assert defaults[key] is not None and defaults[key] > 0, key
+    step = next(r for r in doc["results"] if r["what"].startswith("mapped bank step"))
+    assert step["bytes_per_step"] > 0 and step["fetch_busy_ms"] > 0
+
+
+def test_rows_benchmark_refuses_bad_sweeps(capsys):
+    from ds_pfc.bench import rows
+    for argv in (["--dry", "--warps", "3"], ["--dry", "--rows-per-pass", "x"], ["--dry", "--programs", "0"]):
+        with pytest.raises(SystemExit):
+            rows.main(argv)
+    assert "powers of two" in capsys.readouterr().err
+
+
+def test_int8_momentum_study_tracks_float32_and_is_exact_without_codes():
+    from ds_pfc.bench.rows import int8_momentum_study
+    same = int8_momentum_study(steps=30, classes=16, dim=8, batch=32, seeds=1, every=10, quantize=False)
+    assert same["summary"]["weight_rel_dist"] == 0.0 and same["summary"]["momentum_rel_dist"] == 0.0
+    coded = int8_momentum_study(steps=30, classes=16, dim=8, batch=32, seeds=1, every=10)
+    s = coded["summary"]
+    assert 0 < s["momentum_rel_dist"] < 0.05 and 0 < s["weight_rel_dist"] < 0.05
+    assert s["write_backs_per_row"] == 30
