@@ -305,3 +305,56 @@ def test_int8_momentum_study_tracks_float32_and_is_exact_without_codes():
     s = coded["summary"]
     assert 0 < s["momentum_rel_dist"] < 0.05 and 0 < s["weight_rel_dist"] < 0.05
     assert s["write_backs_per_row"] == 30
+
+
+def test_the_codec_makes_no_float32_copy_of_a_set():
+    """With the codec an 8-bit store's write-back, fetch and patch run no torch op that
+    makes float32 values (the kernel decodes and codes in registers); without it they do
+    (the torch path's set-sized temporaries), which shows the counter sees them. The
+    interpreter's own argument copies are not counted: only arithmetic and gathers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from ds_pfc.bank.quantized import RowwiseInt8Store
+    value_ops = {"aten._to_copy.default", "aten.abs.default", "aten.amax.default", "aten.div.Tensor",
+                 "aten.mul.Tensor", "aten.round.default", "aten.where.self", "aten.index_select.default"}
+
+    class FloatOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if str(func) in value_ops:
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 2:
+                        self.made.append((str(func), tuple(t.shape)))
+            return out
+    store = RowwiseInt8Store(500, 64, "host", "cpu")
+    rows, values = torch.arange(0, 400, 2), torch.randn(200, 64)
+    dst, cold = torch.zeros(200, 64), torch.rand(200) < 0.5
+    made = {}
+    for name, codec in (("torch", None), ("kernel", _codec())):
+        with FloatOps() as mode:
+            store.write_rows(rows, values, codec)
+            store.fetch_into(rows, dst, None, cold, codec)
+            store.round_into(values, torch.arange(200), dst, None, cold, codec)
+        made[name] = mode.made
+    assert made["kernel"] == []
+    assert (200, 64) in {shape for _, shape in made["torch"]}
+
+
+def test_each_move_takes_its_own_cap():
+    """Host tables are CPU tensors mapped into the GPU: a move from one to a device tensor
+    reads the host, the other way writes it, device to device is neither (meta tensors
+    stand in for device memory). With the GPU's tiles the launch is the stated default."""
+    from ds_pfc.kernels import _target
+    host, dev = torch.empty(4, 512, dtype=torch.bfloat16), torch.empty(4, 512, device="meta")
+    assert tr._kind(host, dev) == "host_read"
+    assert tr._kind(dev, host) == "host_write"
+    assert tr._kind(dev, dev) == "d2d"
+    with _target.gpu_tiles(sms=132):
+        assert tr.launch_config(host, dev) == tr.default_config("host_read", 1024, 512)
+        assert tr.launch_config(dev, host) == tr.default_config("host_write", 2048, 512)
+        codes = torch.empty(4, 512, dtype=torch.int8)
+        assert tr.launch_config(codes, dev).rows_per_pass == 16          # 516 B rows: 8 KiB a pass
+    assert tr.launch_config(host, dev) == tr.INTERPRETER_CONFIG
