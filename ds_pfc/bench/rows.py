@@ -90,7 +90,16 @@ def mapped_table(num_rows: int, width: int, dtype: torch.dtype, huge: bool = Fal
 
 
 def _time(fn, device, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up."""
+    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up, timed by events on
+    ``device``'s current stream (made the current device, so that a second GPU's launches
+    and its events share a stream)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return _time_here(fn, device, repeats)
+    return _time_here(fn, device, repeats)
+
+
+def _time_here(fn, device, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
