@@ -28,7 +28,8 @@ SMs, not the whole GPU.
 move as 8 bits: :func:`decode_rows_` reads ``d + 4`` bytes per row and decodes them in
 registers, :func:`encode_rows_` finds each row's scale and writes its codes, and
 ``round_dtype="int8_rowwise"`` rounds rows as a write-back and a read would, with no float32
-copy of a whole set anywhere.
+copy of a whole set anywhere. Codes are bitwise those of ``quantize_rows`` for finite rows
+(a row holding a NaN has no meaningful codes either way).
 
 :func:`ds_pfc.bank.rows.move_rows_torch_` does the same with torch ops; it is the bank's
 path off CUDA and without Triton.
