@@ -147,9 +147,11 @@ class RowwiseInt8Store(RowStore):
             dst.index_copy_(0, dst_idx.index_select(0, keep), values.index_select(0, keep))
 
     # ------------------------------------------------- staged: codes cross PCIe as codes
-    def gather_codes(self, rows_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(host tier) the codes and scales of ``rows_cpu``: ``d + 4`` bytes a row."""
-        return self.q.index_select(0, rows_cpu), self.scale.index_select(0, rows_cpu)
+    def gather_codes(self, rows_cpu: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host tier) the codes and scales of ``rows_cpu``: ``d + 4`` bytes a row (the codes
+        into ``out``, a page-locked staging buffer, where given)."""
+        q = self.q.index_select(0, rows_cpu) if out is None else torch.index_select(self.q, 0, rows_cpu, out=out)
+        return q, self.scale.index_select(0, rows_cpu)
 
     @staticmethod
     def land_codes(dst: torch.Tensor, positions: torch.Tensor | None, q: torch.Tensor, scale: torch.Tensor,

@@ -244,7 +244,7 @@ class Stager:
                 rt.run(self._fetch_stream, _gather_rows, dst, positions, store.data, rows_cpu,
                        reads=(store.data,), writes=(dst,))
             elif isinstance(store, RowwiseInt8Store):       # host: codes cross as codes
-                q, scale = store.gather_codes(rows_cpu)
+                q, scale = store.gather_codes(rows_cpu, self._staging(name, rows_cpu.numel()))
                 rt.keep_alive(q, self._fetch_stream)
                 rt.keep_alive(scale, self._fetch_stream)
                 rt.run(self._fetch_stream, store.land_codes, dst, positions, q, scale, self._codec,
