@@ -144,11 +144,11 @@ def test_int8_storage_is_refused_where_it_does_not_belong(tmp_path):
     head.close()
 
 
-def test_int8_rows_in_host_memory_are_not_mapped_on_cuda():
-    """On CUDA, mapped access would need the GPU to decode host rows in place; the bank
-    refuses before allocating anything (no CUDA device is needed to see it)."""
+def test_int8_rows_in_host_memory_are_not_mapped_on_cuda_without_the_kernel():
+    """On CUDA, mapped access needs the GPU to decode host rows in place (the row-move kernel); a bank
+    without it refuses before allocating anything (no CUDA device is needed to see it)."""
     bank = TieredBank(10, torch.device("cuda"), placements={"momentum_buffer": Placement("host", INT8_ROWWISE)},
                       default=Placement("host"), host_access="mapped")
-    with pytest.raises(ValueError, match="place them on the device tier or use host_access='staged'"):
+    with pytest.raises(ValueError, match="row-move kernel .* place them on the device tier or use host_access=.staged."):
         bank.add_state("momentum_buffer", 4, torch.float32)
     assert bank.state_names() == []

@@ -11,6 +11,13 @@ momentum in 8 bits are 1.5 KiB per class at d = 512 instead of 2 KiB. The slots 
 float32 as for every state; the rounding happens at every write-back, and the overlap
 rows of a prefetched slot are rounded the same way (as a write-back and a read would).
 
+Rows move as 8 bits on every tier and access mode: ``d + 4`` bytes per row cross PCIe or
+HBM, and with a :class:`RowCodec` (the row-move kernel's, which the head passes on CUDA
+and under Triton's interpreter) they are decoded into the slot and coded from it in the
+kernel's registers, with no float32 copy of the set. Without one the same codes are made
+with torch ops (:func:`quantize_rows`, the reference the kernel matches bitwise) on the
+device that holds the rows.
+
 Every row has its own scale, so a row's error is at most half a code of its own largest
 entry, whatever the other rows hold. Meant for momentum-like states; the weight keeps
 a floating storage dtype (``TieredBank`` refuses 8-bit centers), and AdamW's second moment
@@ -18,14 +25,26 @@ spans too many orders of magnitude within a row for a linear code.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from .stores import RowStore, pinned_table, unregister_table
 
-__all__ = ["INT8_ROWWISE", "RowwiseInt8Store", "quantize_rows", "dequantize_rows"]
+__all__ = ["INT8_ROWWISE", "RowCodec", "RowwiseInt8Store", "quantize_rows", "dequantize_rows"]
 
 #: The placement dtype that selects this storage (``Placement(tier, INT8_ROWWISE)``).
 INT8_ROWWISE = "int8_rowwise"
+
+
+class RowCodec(NamedTuple):
+    """Row moves that code and decode 8-bit rows in registers (signatures of
+    ``ds_pfc.kernels.triton_rows``): ``decode(q, scale, src_idx, dst, dst_idx, mask)``,
+    ``encode(src, src_idx, q, scale, dst_idx, mask)``, and ``move(src, src_idx, dst,
+    dst_idx, mask, "int8_rowwise")`` that rounds rows as a write-back and a read would."""
+    decode: Callable
+    encode: Callable
+    move: Callable
 
 
 def quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,10 +63,11 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
 class RowwiseInt8Store(RowStore):
     """Rows of a ``[num_rows, width]`` float state as int8 codes and a float32 scale per
     row, in device memory (``tier="device"``) or page-locked host memory (``"host"``).
-    Codes are read and written with torch ops on the tables' own device: on CUDA a host
-    table is coded on the host (the staged path), a device table on the GPU."""
+    Codes move as codes (``d + 4`` bytes a row) and are made and decoded on the GPU: by a
+    :class:`RowCodec` where the bank has one, else by torch ops on the tables' device
+    (mapped access to a host table on CUDA needs the codec; ``mapped=True`` maps it)."""
 
-    def __init__(self, num_rows: int, width: int, tier: str, device):
+    def __init__(self, num_rows: int, width: int, tier: str, device, mapped: bool = False):
         if width < 1:
             raise ValueError(f"8-bit rowwise storage needs rows of at least one value, got width {width}")
         if tier not in ("device", "host"):
@@ -60,8 +80,10 @@ class RowwiseInt8Store(RowStore):
             self.q = torch.zeros(num_rows, width, dtype=torch.int8, device=self.device)
             self.scale = torch.zeros(num_rows, dtype=torch.float32, device=self.device)
         else:
-            self.q, reg_q = pinned_table((num_rows, width), torch.int8)
-            self.scale, reg_s = pinned_table((num_rows,), torch.float32)
+            # ``mapped``: also mapped into the GPU's address space, for the codec kernels.
+            near = torch.device(device) if mapped else None
+            self.q, reg_q = pinned_table((num_rows, width), torch.int8, mapped=mapped, near=near)
+            self.scale, reg_s = pinned_table((num_rows,), torch.float32, mapped=mapped, near=near)
             self.q.zero_()
             self.scale.zero_()
             self._registered = [t for t, reg in ((self.q, reg_q), (self.scale, reg_s)) if reg]
@@ -82,12 +104,84 @@ class RowwiseInt8Store(RowStore):
         rows = rows.to(self.q.device)
         return dequantize_rows(self.q.index_select(0, rows), self.scale.index_select(0, rows))
 
-    def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantize ``values`` into ``rows`` on the current stream (no version count)."""
+    def write_rows(self, rows: torch.Tensor, values: torch.Tensor, codec: RowCodec | None = None) -> None:
+        """Code ``values`` into ``rows`` on the current stream (no version count): in the
+        codec's registers (``values`` on the GPU, the tables there or mapped into it),
+        else with torch ops on the tables' device."""
+        if codec is not None:
+            codec.encode(values, None, self.q, self.scale, rows.to(values.device))
+            return
         q, scale = quantize_rows(values.to(self.q.device))
         rows = rows.to(self.q.device)
         self.q.index_copy_(0, rows, q)
         self.scale.index_copy_(0, rows, scale)
+
+    def fetch_into(self, rows: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None, codec: RowCodec | None = None) -> None:
+        """``dst[positions[i]] = row rows[i]`` decoded, where ``mask[i]`` (``positions`` None:
+        ``i``), on the current stream of ``dst``'s device."""
+        if codec is not None:
+            codec.decode(self.q, self.scale, rows.to(dst.device), dst,
+                         None if positions is None else positions.to(dst.device), mask)
+            return
+        values = self.read_rows(rows).to(dst.device)
+        if mask is not None:
+            values = torch.where(mask[:, None], values, dst if positions is None else dst.index_select(0, positions))
+        if positions is None:
+            dst.copy_(values)
+        else:
+            dst.index_copy_(0, positions.to(dst.device), values)
+
+    def round_into(self, src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor | None,
+                   mask: torch.Tensor, codec: RowCodec | None = None) -> None:
+        """``dst[dst_idx[i]] = src[src_idx[i]]`` as a write-back and a read would leave it,
+        where ``mask[i]`` (the overlap patch of a prefetched slot)."""
+        if codec is not None:
+            codec.move(src, src_idx, dst, dst_idx, mask, INT8_ROWWISE)
+            return
+        values = self.round_trip(src.index_select(0, src_idx))
+        if dst_idx is None:
+            dst.copy_(torch.where(mask[:, None], values, dst))
+        else:
+            keep = torch.nonzero(mask).squeeze(1)
+            dst.index_copy_(0, dst_idx.index_select(0, keep), values.index_select(0, keep))
+
+    # ------------------------------------------------- staged: codes cross PCIe as codes
+    def gather_codes(self, rows_cpu: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host tier) the codes and scales of ``rows_cpu``: ``d + 4`` bytes a row (the codes
+        into ``out``, a page-locked staging buffer, where given)."""
+        q = self.q.index_select(0, rows_cpu) if out is None else torch.index_select(self.q, 0, rows_cpu, out=out)
+        return q, self.scale.index_select(0, rows_cpu)
+
+    @staticmethod
+    def land_codes(dst: torch.Tensor, positions: torch.Tensor | None, q: torch.Tensor, scale: torch.Tensor,
+                   codec: RowCodec | None = None) -> None:
+        """Host codes ``q, scale`` copied to ``dst``'s device as codes and decoded into
+        ``dst`` (rows ``positions``, or all of it), on the current stream."""
+        q, scale = q.to(dst.device, non_blocking=True), scale.to(dst.device, non_blocking=True)
+        pos = None if positions is None else positions.to(dst.device, non_blocking=True)
+        if codec is not None:
+            codec.decode(q, scale, None, dst, pos)
+        elif pos is None:
+            dst.copy_(dequantize_rows(q, scale))
+        else:
+            dst.index_copy_(0, pos, dequantize_rows(q, scale))
+
+    @staticmethod
+    def code_rows(values: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, codec: RowCodec | None = None) -> None:
+        """``values`` coded into ``q, scale`` (same device), on the current stream."""
+        if codec is not None:
+            codec.encode(values, None, q, scale, None)
+        else:
+            cq, cs = quantize_rows(values)
+            q.copy_(cq)
+            scale.copy_(cs)
+
+    def scatter_codes(self, rows_cpu: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """(host tier) codes made elsewhere into ``rows_cpu``, versions counted."""
+        self.q.index_copy_(0, rows_cpu, q)
+        self.scale.index_copy_(0, rows_cpu, scale)
+        self.versions[rows_cpu] += 1
 
     # ---------------------------------------------------------------- RowStore
     def gather(self, rows):

@@ -182,6 +182,8 @@ class Stager:
             raise ValueError("host_access='mapped' on CUDA needs a row-move kernel (Triton: pip install "
                              "ds_pfc[triton]); or use host_access='staged'")
         self._move = (mover or move_rows_torch_) if self.mapped else None
+        # 8-bit rows are coded and decoded by the bank's codec kernels where it has them.
+        self._codec = getattr(bank, "row_codec", None)
         # The worker makes the head's GPU current before any CUDA call: a new thread
         # starts on device 0 and would create a context there on every rank.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_pfc-bank-io",
@@ -236,15 +238,17 @@ class Stager:
             store = self.bank.store(name)
             self.bank.check_versions(name, rows_cpu)
             if isinstance(store, RowwiseInt8Store) and store.tier == "device":
-                rt.run(self._fetch_stream, _read_coded, dst, positions, store, rows_cpu,
+                rt.run(self._fetch_stream, _read_coded, dst, positions, store, rows_cpu, self._codec,
                        reads=store.tables(), writes=(dst,))
             elif store.tier == "device":
                 rt.run(self._fetch_stream, _gather_rows, dst, positions, store.data, rows_cpu,
                        reads=(store.data,), writes=(dst,))
-            elif isinstance(store, RowwiseInt8Store):       # host: decoded on this worker
-                values = store.gather(rows_cpu)
-                rt.keep_alive(values, self._fetch_stream)
-                rt.run(self._fetch_stream, _land_rows, dst, positions, values, reads=(values,), writes=(dst,))
+            elif isinstance(store, RowwiseInt8Store):       # host: codes cross as codes
+                q, scale = store.gather_codes(rows_cpu, self._staging(name, rows_cpu.numel()))
+                rt.keep_alive(q, self._fetch_stream)
+                rt.keep_alive(scale, self._fetch_stream)
+                rt.run(self._fetch_stream, store.land_codes, dst, positions, q, scale, self._codec,
+                       reads=(q, scale), writes=(dst,))
             else:
                 staging = self._staging(name, rows_cpu.numel())
                 values = store.gather_into(rows_cpu, staging)
@@ -389,7 +393,7 @@ class Stager:
                 values = src.states[name]
                 rt.keep_alive(values, self._fetch_stream)
                 rt.run(self._fetch_stream, _patch_from, move, dst, slot.rows, values, src.rows,
-                       self.bank.store(name), exclusive, reads=(values, src.rows, slot.rows), writes=(dst,))
+                       self.bank.store(name), exclusive, self._codec, reads=(values, src.rows, slot.rows), writes=(dst,))
             patched.append(src)
         slot._event = rt.record(self._fetch_stream)
         for src in patched:
@@ -428,7 +432,7 @@ class Stager:
         for name, store in self._tables():
             dst = slot.states[name]
             if isinstance(store, RowwiseInt8Store):
-                rt.run(self._fetch_stream, _fetch_coded, store, rows, dst, cold,
+                rt.run(self._fetch_stream, store.fetch_into, rows, dst, None, cold, self._codec,
                        reads=(*store.tables(), *index), writes=(dst,))
             elif isinstance(store, SplitStore):
                 rt.run(self._fetch_stream, _fetch_split, self._move, store, rows, dst, cold,
@@ -472,7 +476,7 @@ class Stager:
         for name, store in self._tables():
             values = updated.states[name]
             if isinstance(store, RowwiseInt8Store):
-                rt.run(self._fetch_stream, store.write_rows, updated.rows, values,
+                rt.run(self._fetch_stream, store.write_rows, updated.rows, values, self._codec,
                        reads=(values, updated.rows), writes=store.tables())
             elif isinstance(store, SplitStore):
                 rt.run(self._fetch_stream, _write_split, self._move, store, updated.rows, values,
@@ -512,7 +516,7 @@ class Stager:
             for name in device_names:
                 store = self.bank.store(name)
                 if isinstance(store, RowwiseInt8Store):
-                    rt.run(self._fetch_stream, store.write_rows, updated.rows, updated.states[name],
+                    rt.run(self._fetch_stream, store.write_rows, updated.rows, updated.states[name], self._codec,
                            reads=(updated.states[name], updated.rows), writes=store.tables())
                 else:
                     rt.run(self._fetch_stream, _scatter_rows, store.data, updated.rows, updated.states[name],
@@ -524,8 +528,18 @@ class Stager:
             rt.wait(self._write_stream, stepped)
             for name in host_names:
                 store, values = self.bank.store(name), updated.states[name]
-                dtype = values.dtype if isinstance(store, RowwiseInt8Store) else store.dtype
-                host[name] = rt.empty(values.shape, dtype, "cpu", users=(self._write_stream,), pin=True)
+                if isinstance(store, RowwiseInt8Store):     # coded on the device: d + 4 bytes cross
+                    codes = [rt.empty(shape, dtype, where, users=(self._write_stream,), pin=where == "cpu")
+                             for where in (values.device, "cpu")
+                             for shape, dtype in ((values.shape, torch.int8), (values.shape[:1], torch.float32))]
+                    rt.wait(self._write_stream, rt.record(rt.compute()))    # after the allocation
+                    rt.run(self._write_stream, store.code_rows, values, codes[0], codes[1], self._codec,
+                           reads=(values,), writes=codes[:2])
+                    for out, made in ((codes[2], codes[0]), (codes[3], codes[1])):
+                        rt.run(self._write_stream, _copy_out, out, made, reads=(made,), writes=(out,))
+                    host[name] = tuple(codes[2:])
+                    continue
+                host[name] = rt.empty(values.shape, store.dtype, "cpu", users=(self._write_stream,), pin=True)
                 rt.run(self._write_stream, _copy_out, host[name], values, reads=(values,), writes=(host[name],))
             copied = rt.record(self._write_stream)
             updated.readers.append(copied)
@@ -549,7 +563,10 @@ class Stager:
             self.bank.store(name).count_landed(rows_cpu)
         self.runtime.synchronize(copied)
         for name, values in host.items():
-            self.bank.store(name).scatter(rows_cpu, values)
+            if isinstance(values, tuple):
+                self.bank.store(name).scatter_codes(rows_cpu, *values)
+            else:
+                self.bank.store(name).scatter(rows_cpu, values)
 
     def drain(self) -> None:
         """Wait for every write-back and for the prefetch in flight (the stores are
@@ -638,16 +655,8 @@ def _write_split(move, store, rows, values) -> None:
         move(values, None, store.host_part.data, high_ids, high, None)
 
 
-def _read_coded(dst, positions, store, rows_cpu) -> None:
-    _land_rows(dst, positions, store.read_rows(rows_cpu.to(store.q.device, non_blocking=True)))
-
-
-def _fetch_coded(store, rows, dst, cold) -> None:
-    """(mapped access) decoded rows of an 8-bit store into ``dst`` where ``cold``."""
-    values = store.read_rows(rows).to(dst.device)
-    if cold is not None:
-        values = torch.where(cold[:, None], values, dst)
-    dst.copy_(values)
+def _read_coded(dst, positions, store, rows_cpu, codec) -> None:
+    store.fetch_into(rows_cpu.to(store.q.device, non_blocking=True), dst, positions, None, codec)
 
 
 def _scatter_rows(data, rows, values) -> None:
@@ -680,7 +689,7 @@ def _positions_in(sorted_set: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(sorted_set, rows).clamp_(max=sorted_set.numel() - 1)
 
 
-def _patch_from(move, dst, dst_rows, src, src_rows, store, exclusive: bool = False) -> None:
+def _patch_from(move, dst, dst_rows, src, src_rows, store, exclusive: bool = False, codec=None) -> None:
     """(fetch stream) ``dst``'s rows that ``src`` holds, from ``src``, rounded through the
     store's storage as a write-back and a read would round them."""
     pos = _positions_in(src_rows, dst_rows)
@@ -692,11 +701,6 @@ def _patch_from(move, dst, dst_rows, src, src_rows, store, exclusive: bool = Fal
     # other rows with their own values.
     at = torch.arange(dst_rows.numel(), device=dst.device) if exclusive else None
     if isinstance(store, RowwiseInt8Store):
-        values = store.round_trip(src.index_select(0, pos))
-        if at is None:
-            dst.copy_(torch.where(hit[:, None], values, dst))
-        else:
-            keep = torch.nonzero(hit).squeeze(1)
-            dst.index_copy_(0, keep, values.index_select(0, keep))
+        store.round_into(src, pos, dst, at, hit, codec)
         return
     move(src, pos, dst, at, hit, store.dtype if src.is_floating_point() else None)

@@ -117,6 +117,9 @@ class TieredBank(ClassBank):
         self.on_device_write: Callable[[list[torch.Tensor]], None] | None = None
         self.host_access = host_access
         self.mapped = host_access == "mapped"
+        #: The kernels that code and decode 8-bit rows in registers (a ``RowCodec``), set by
+        #: the head before its states are added; None: torch ops.
+        self.row_codec = None
 
     @classmethod
     def factory(cls, placements: dict | None = None, *, default="device", host_access: str = "staged",
@@ -153,11 +156,11 @@ class TieredBank(ClassBank):
             if name == "weight" or not dtype.is_floating_point or width == 0:
                 raise ValueError(f"state {name!r} cannot be stored as {INT8_ROWWISE!r}: 8-bit rows with a scale are "
                                  f"for optimizer moments (the centers keep a floating storage dtype)")
-            if self.mapped and place.tier == "host" and self.device.type == "cuda":
-                raise ValueError(f"state {name!r}: 8-bit rows in host memory are coded by the host, so they cannot "
-                                 f"be read in place by the GPU; place them on the device tier or use "
-                                 f"host_access='staged'")
-            store = RowwiseInt8Store(self.num_rows, width, place.tier, self.device)
+            if self.mapped and place.tier == "host" and self.device.type == "cuda" and self.row_codec is None:
+                raise ValueError(f"state {name!r}: 8-bit rows in mapped host memory are coded and decoded by the "
+                                 f"row-move kernel (Triton), which is not available here; place them on the device "
+                                 f"tier or use host_access='staged'")
+            store = RowwiseInt8Store(self.num_rows, width, place.tier, self.device, mapped=self.mapped)
             if init is not None:
                 _write_init(store, init, self.num_rows)
             self._stores[name] = store

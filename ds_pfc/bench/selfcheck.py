@@ -16,7 +16,8 @@ On a CUDA machine it runs, in order:
 4. each kernel of a head step at the standard case (scaled to fit one GPU) timed against
    the GPU model's prediction (:mod:`ds_pfc.bench.model`; fails beyond 2x, writes
    ``benchmarks/results/selfcheck-<gpu>-<date>.json``), then the head and bank benchmarks
-   (``launch/bench.py head`` / ``bank`` on the GPU);
+   (``launch/bench.py head`` / ``bank`` on the GPU) and the mapped tier's check
+   (``launch/bench.py rows --tier-check``, whose ``planner_defaults`` the planner reads);
 5. with two or more GPUs, a 5-step ``deepspeed --num_gpus 2`` run of the training app.
 
 It prints a pass/fail table and writes ``benchmarks/results/<gpu>-<date>.json`` (and
@@ -321,7 +322,9 @@ def check_benchmarks(results_dir: str, stamp: str, gpu: str) -> str:
     _run([sys.executable, "launch/bench.py", "head", "--device", "cuda:0", "--classes", "1000000,8000000,32000000",
           "--extra-rate", "0.0125", "--out", head], timeout=3600)
     _run([sys.executable, "launch/bench.py", "bank", "--device", "cuda:0", "--out", bank], timeout=3600)
-    return f"wrote {os.path.relpath(head, ROOT)} and {os.path.relpath(bank, ROOT)}"
+    tier = os.path.join(results_dir, f"tier-check-{gpu}-{stamp}.json")
+    _run([sys.executable, "launch/bench.py", "rows", "--tier-check", "--out", tier], timeout=900)
+    return f"wrote {os.path.relpath(head, ROOT)}, {os.path.relpath(bank, ROOT)} and {os.path.relpath(tier, ROOT)}"
 
 
 def check_two_gpu_app() -> str:

@@ -282,6 +282,8 @@ class PartialFC(nn.Module):
         self.bank = factory(self.num_rows, self.device, class_start=start, **owner)
         specs = [(name, embedding_size if width == "d" else width, dtype if state_dtype == torch.float32
                   else state_dtype) for name, width, state_dtype in row_optimizer.state_specs]
+        if isinstance(self.bank, TieredBank):
+            self.bank.row_codec = _row_codec(self.bank)
         self.bank.add_state("weight", embedding_size, dtype, init=lambda lo, hi: initial_centers(
             seed, start + lo, hi - lo, embedding_size, init_std, device=self.device))
         for name, width, state_dtype in specs:
@@ -969,6 +971,16 @@ def _row_mover(bank):
     if {bank._logical[n] for n in bank.state_names()} <= {torch.float32, torch.int32, torch.int64}:
         return triton_rows.move_rows_
     return None
+
+
+def _row_codec(bank):
+    """The kernels that code and decode a bank's 8-bit rows in registers: Triton's on CUDA
+    (and on CPU tensors under ``TRITON_INTERPRET=1``); None otherwise (torch ops)."""
+    from ..bank.quantized import RowCodec
+    from ..kernels import triton_rows
+    if not triton_rows.available() or (bank.device.type != "cuda" and not triton_rows._INTERPRET):
+        return None
+    return RowCodec(triton_rows.decode_rows_, triton_rows.encode_rows_, triton_rows.move_rows_)
 
 
 def _in_backward() -> bool:
