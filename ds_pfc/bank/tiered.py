@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,7 +26,7 @@ from .nvme import DEFAULT_GAP_BYTES, SECTOR
 from .nvme_model import NvmeBudget, NvmeTierError, check_step
 from .quantized import INT8_ROWWISE, RowwiseInt8Store
 from .split import SplitStore
-from .stores import DeviceStore, HostStore, RowStore
+from .stores import PIN_FAILURE, DeviceStore, HostRegisterError, HostStore, RowStore
 
 __all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS", "HOST_ACCESS", "NvmeBudget", "NvmeTierError"]
 
@@ -92,13 +93,24 @@ class TieredBank(ClassBank):
     or its fields as a dict): before any NVMe file is made, :meth:`check_nvme_tier` counts
     the step's NVMe I/O from the store's layout and refuses a per-step NVMe tier that does
     not hide behind the step or writes more than the drive's rated writes per day.
+    ``pin_failure`` (:data:`~ds_pfc.bank.stores.PIN_FAILURE`): what a host table that
+    cannot be page-locked does: ``"refuse"`` (the default) raises
+    :class:`~ds_pfc.bank.stores.HostRegisterError`, naming the limit that likely caused
+    it, and the tables already registered are released; ``"fallback"`` keeps the table in
+    pageable memory and, with ``host_access="mapped"``, switches the bank to staged
+    access (a warning says so; :attr:`host_access` tells). With ``hbm_share > 0`` a
+    failure is always refused. :meth:`start_up` reports what each host table got.
     """
 
     def __init__(self, num_rows: int, device, *, placements: dict[str, Placement] | None = None,
                  default: Placement = Placement(), nvme_dir: str | None = None, class_start: int = 0,
                  resume: bool = False, nvme_options: dict | None = None, owner: str | None = None,
-                 host_access: str = "staged", hbm_share: float = 0.0, nvme_budget=None):
+                 host_access: str = "staged", hbm_share: float = 0.0, nvme_budget=None,
+                 pin_failure: str = "refuse"):
         super().__init__(num_rows, device)
+        if pin_failure not in PIN_FAILURE:
+            raise ValueError(f"pin_failure must be one of {PIN_FAILURE}, got {pin_failure!r}")
+        self.pin_failure = pin_failure
         self.nvme_budget = NvmeBudget.parse(nvme_budget)
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
@@ -133,7 +145,7 @@ class TieredBank(ClassBank):
     def factory(cls, placements: dict | None = None, *, default="device", nvme_dir: str | None = None,
                 resume: bool = False, nvme_options: dict | None = None,
                 host_access: str = "staged", hbm_share: float = 0.0,
-                nvme_budget=None) -> Callable[..., "TieredBank"]:
+                nvme_budget=None, pin_failure: str = "refuse") -> Callable[..., "TieredBank"]:
         """A ``bank=`` argument for :class:`~ds_pfc.PartialFC`.
 
         ``placements`` maps state names (``"weight"``, ``"momentum_buffer"``,
@@ -141,8 +153,11 @@ class TieredBank(ClassBank):
         ``default``. Example: ``TieredBank.factory({"weight": ("host", torch.bfloat16)},
         default="device")``. ``host_access``: how rows move (:data:`HOST_ACCESS`);
         ``hbm_share``: the share of host-tier rows kept in device memory (mapped access);
-        ``nvme_budget``: what a per-step NVMe tier may cost (:class:`NvmeBudget`).
+        ``nvme_budget``: what a per-step NVMe tier may cost (:class:`NvmeBudget`);
+        ``pin_failure``: what a host table that cannot be page-locked does (see the class).
         """
+        if pin_failure not in PIN_FAILURE:
+            raise ValueError(f"pin_failure must be one of {PIN_FAILURE}, got {pin_failure!r}")
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
         _check_share(hbm_share, host_access)
@@ -155,7 +170,8 @@ class TieredBank(ClassBank):
         def make(num_rows, device, class_start=0, owner=None):
             return cls(num_rows, device, placements=parsed, default=default, nvme_dir=nvme_dir,
                        class_start=class_start, resume=resume, nvme_options=nvme_options, owner=owner,
-                       host_access=host_access, hbm_share=hbm_share, nvme_budget=nvme_budget)
+                       host_access=host_access, hbm_share=hbm_share, nvme_budget=nvme_budget,
+                       pin_failure=pin_failure)
         make.takes_owner = True
         return make
 
@@ -194,8 +210,18 @@ class TieredBank(ClassBank):
             store = SplitStore(self.num_rows, width, storage, self.device,
                                n_device=int(round(self.hbm_share * self.num_rows)))
         elif place.tier == "host":
-            store = HostStore(self.num_rows, width, storage, mapped=self.mapped,
-                              near=self.device if self.mapped else None)
+            try:
+                store = HostStore(self.num_rows, width, storage, mapped=self.mapped,
+                                  near=self.device if self.mapped else None, pin_failure=self.pin_failure)
+            except HostRegisterError:
+                self.close()            # a refused bank releases the tables it registered, now
+                raise
+            if self.mapped and store.start_up.get("pin_failure"):
+                # The GPU cannot read pageable memory in place: every state moves staged.
+                self.host_access, self.mapped = "staged", False
+                warnings.warn(f"ds_pfc: state {name!r}: its host table could not be page-locked, so the bank "
+                              "uses host_access='staged' instead of 'mapped' (pin_failure='fallback')",
+                              RuntimeWarning, stacklevel=2)
         else:
             from .nvme import NvmeStore
             path = self.nvme_path(name)
@@ -209,6 +235,17 @@ class TieredBank(ClassBank):
         self._stores[name] = store
         self._logical[name] = dtype
         self._issued[name] = store.versions.clone()
+
+    def start_up(self) -> dict[str, dict]:
+        """What start-up did for each host-tier state's table: ``{"placement": NUMA
+        placement of a mapped table (CPUs used, pages per node, a fallback's reason) or None,
+        "registered", "pinned", "pin_failure": the message of a failure that fell back}``."""
+        out = {}
+        for name, store in self._stores.items():
+            part = store.host_part if isinstance(store, SplitStore) else store
+            if isinstance(part, HostStore):
+                out[name] = dict(part.start_up)
+        return out
 
     def _storage(self, name: str, dtype: torch.dtype) -> tuple[Placement, torch.dtype]:
         """The placement and storage dtype of a (non-int8) state of logical ``dtype``."""
