@@ -372,6 +372,21 @@ class TieredBank(ClassBank):
         store.versions.copy_(self._issued[name])
         self._device_written(name)
 
+    def load_rows(self, name, lo, values):
+        """Rows ``[lo, lo + len(values))`` of ``name`` replaced, as :meth:`load` replaces
+        all rows: written through the store a block at a time (the store converts to its
+        storage dtype and codes 8-bit rows block by block), the rows' versions counted as
+        issued and landed."""
+        store = self.store(name)
+        hi = lo + values.shape[0]
+        if not 0 <= lo <= hi <= self.num_rows:
+            raise IndexError(f"rows [{lo}, {hi}) of state {name!r} are not within [0, {self.num_rows})")
+        ids = torch.arange(lo, hi)
+        self._issued[name][lo:hi] += 1
+        store.scatter(ids, values)
+        store.versions[lo:hi] = self._issued[name][lo:hi]
+        self._device_written(name)
+
     def _device_written(self, name: str) -> None:
         store = self.store(name)
         if self.on_device_write is None:
