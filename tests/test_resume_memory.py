@@ -163,3 +163,21 @@ def test_a_file_that_changes_during_the_load_is_reported(tmp_path, monkeypatch):
         ckpt.load_head_shard(head, str(tmp_path), chunk_bytes=CHUNK)
     with pytest.raises(ValueError, match="chunk_bytes must be a positive integer"):
         ckpt.load_head_shard(head, str(tmp_path), chunk_bytes=0)
+
+
+@pytest.mark.parametrize("bank", ["device", "host-bf16-int8"])
+def test_a_resharded_load_streams_too(bank, tmp_path):
+    """Loading from shards of another world size (2 -> 1 here) reads the head's classes a
+    block at a time: one block of every state, the bank's block work, never the shard."""
+    source = _trained(BANKS[bank])
+    ckpt.save_head_shard(source, str(tmp_path / "one"))
+    ckpt.reshard(str(tmp_path / "one"), str(tmp_path / "two"), 2)
+    saved = _saved_states(source)
+    head = _head(BANKS[bank])
+    shards = ckpt.open_shards(str(tmp_path / "two"))
+    torch_peak, python_peak = _peak(lambda: ckpt.load_resharded(head, shards, chunk_bytes=CHUNK))
+    # two states: one block of each read, plus the bank's work on one block
+    assert torch_peak + python_peak <= BOUND + CHUNK < C * D * 4, (torch_peak, python_peak)
+    for key, value in saved.items():
+        assert torch.equal(head.state_dict()[key], value), key
+    assert head.training_state() == source.training_state()

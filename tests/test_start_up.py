@@ -219,3 +219,20 @@ def test_pin_limits_read_the_processs_cgroup(tmp_path):
     (tmp_path / "root" / "memory" / "slurm" / "uid_1" / "job_7" / "memory.limit_in_bytes").write_text("1073741824")
     assert stores.pin_limits(cgroup=str(tmp_path / "cgroup"), cgroup_root=str(tmp_path / "root"))["cgroup"] == 1 << 30
     assert "memlock" in limits
+
+
+def test_the_job_config_chooses_the_page_lock_failure(fake_cuda, monkeypatch):
+    from ds_pfc.app.config import BankConfig, ConfigError
+    _, runtime = fake_cuda
+    runtime.fail = {1}
+    monkeypatch.setattr(stores, "pin_limits", lambda: {"memlock": None, "cgroup": None})
+    bank = BankConfig(default="host", pin_failure="fallback").build()(100, "cpu")
+    with pytest.warns(RuntimeWarning, match="kept in pageable memory"):
+        bank.add_state("weight", 5, torch.float32)
+    assert bank.start_up()["weight"]["pin_failure"]
+    bank.close()
+    runtime.calls = 0
+    with pytest.raises(HostRegisterError):
+        BankConfig(default="host").build()(100, "cpu").add_state("weight", 5, torch.float32)
+    with pytest.raises(ConfigError, match="ds_pfc.head.bank.pin_failure must be one of"):
+        BankConfig(default="host", pin_failure="ignore")

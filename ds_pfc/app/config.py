@@ -251,6 +251,10 @@ class BankConfig:
     read_gbps (14), write_gbps (10), drive_tb (15.36), dwpd (1) and check ("refuse", "warn"
     or "off"). A tier whose page I/O per step does not hide behind the step, or that writes
     more per day than the drive is rated for, is refused with the numbers."""
+    pin_failure: str = "refuse"
+    """What a host table that cannot be page-locked (cudaHostRegister) does: refuse (stop, naming the
+    limit that caused it: ulimit -l, the cgroup's memory limit) or fallback (pageable memory; mapped
+    access becomes staged)."""
 
     def _placement(self, value, where):
         from ..bank.tiered import TIERS
@@ -276,6 +280,10 @@ class BankConfig:
         if self.host_access not in HOST_ACCESS:
             raise ConfigError(f"ds_pfc.head.bank.host_access must be one of {list(HOST_ACCESS)}, "
                               f"got {self.host_access!r}")
+        from ..bank.stores import PIN_FAILURE
+        if self.pin_failure not in PIN_FAILURE:
+            raise ConfigError(f"ds_pfc.head.bank.pin_failure must be one of {list(PIN_FAILURE)}, "
+                              f"got {self.pin_failure!r}")
         _number(self.hbm_share, "ds_pfc.head.bank.hbm_share", 0.0, 1.0)
         if self.hbm_share >= 1.0 or (self.hbm_share > 0 and self.host_access != "mapped"):
             raise ConfigError(f"ds_pfc.head.bank.hbm_share must be in [0, 1) and needs host_access 'mapped', got "
@@ -298,7 +306,8 @@ class BankConfig:
             return TieredBank.factory(
                 {n: self._placement(v, n) for n, v in self.placements.items()},
                 default=self._placement(self.default, "default"), nvme_dir=self.nvme_dir, resume=self.resume,
-                host_access=self.host_access, hbm_share=self.hbm_share, nvme_budget=self.nvme_budget)
+                host_access=self.host_access, hbm_share=self.hbm_share, nvme_budget=self.nvme_budget,
+                pin_failure=self.pin_failure)
         except (TypeError, ValueError, FileNotFoundError) as err:
             raise ConfigError(f"ds_pfc.head.bank: {err}") from None
 

@@ -12,7 +12,7 @@ resharding is exact and offline: concatenate the shards in ``class_start`` order
 re-split with ``num_local = C // W + (r < C % W)`` (:func:`reshard`). A reader of
 another world size needs only the shards that overlap its classes, and of them only
 those rows: :func:`open_shards` checks a checkpoint's shards from their headers and
-:meth:`ShardSet.read_rows` reads a class range through safetensors slices, so the
+:meth:`ShardSet.read_rows` reads a class range by positional reads of those rows, so the
 memory a reshard needs is that of the range read, never the whole head.
 
 Writes are atomic: a temporary file in the same directory, ``fsync``, ``os.replace``
@@ -36,7 +36,7 @@ from .files import atomic_file as _atomic_file, fsync_dir as _fsync_dir
 
 __all__ = ["save_head_shard", "load_head_shard", "merge_shards", "reshard", "export_classifier",
            "shard_file_name", "SubcenterCounter", "class_rows", "FORMAT", "open_shards", "ShardSet", "verify_shard",
-           "ShardChecksumError", "ShardReadError"]
+           "ShardChecksumError", "ShardReadError", "load_resharded"]
 
 FORMAT = "ds_pfc.head_shard/1"
 CRC_KEY = "crc32"
@@ -476,8 +476,8 @@ class ShardSet:
     def read_rows(self, start: int, end: int, *, verify: bool = True) -> dict[str, torch.Tensor]:
         """Every state's rows of classes ``[start, end)`` (``K`` rows per class), as
         new CPU tensors: only the shards holding them are opened and only those rows
-        read (safetensors slices, ``READ_CHUNK_BYTES`` at a time), so the memory this
-        needs is the returned rows plus one chunk. With ``verify`` each shard read
+        read (straight into the returned tensors), so the memory this needs is the
+        returned rows plus a checksum pass's chunk. With ``verify`` each shard read
         from is checked against its checksums: one read in whole from the rows read,
         one read in part first, by a pass over the file (:func:`verify_shard`); pass
         False only when every shard of the set was verified already."""
@@ -500,6 +500,54 @@ class ShardSet:
         return out
 
 
+def load_resharded(head, shards: ShardSet, *, verify: bool = True, chunk_bytes: int | None = None) -> None:
+    """Load ``head``'s classes from ``shards``, a checkpoint of another world size
+    (:func:`open_shards`), streamed: the classes are read ``chunk_bytes`` worth at a time
+    (default :data:`READ_CHUNK_BYTES` per state; read from only the shards that hold
+    them) and each block goes to the bank as rows (``bank.load_rows``), so the
+    memory this needs is one block of every state, never the head's own shard.
+    ``verify``: check the shards read from against their checksums first (a streamed
+    pass; False when the caller checked every shard already). Everything is checked
+    before the head changes: C, d, sub-centers, the states the head holds."""
+    if chunk_bytes is None:
+        chunk_bytes = READ_CHUNK_BYTES
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    meta = shards.meta
+    for key in ("num_classes", "embedding_size", "sub_centers"):
+        if meta[key] != getattr(head, key):
+            raise ValueError(f"{shards.directory}: head {shards.name!r} has {key}={meta[key]} but the model's has "
+                             f"{getattr(head, key)}")
+    names = head.bank.state_names()
+    if sorted(names) != sorted(shards.states):
+        raise ValueError(f"{shards.directory}: head {shards.name!r} holds states {sorted(shards.states)} "
+                         f"({meta['optimizer']}) but this head holds {sorted(names)} (optimizer {head.optimizer})")
+    empty = torch.zeros(0, dtype=torch.long, device=head.device)
+    for key in names:
+        want = tuple(head.bank.read(key, empty).shape[1:])
+        if tuple(shards.row_shapes[key]) != want:
+            raise ValueError(f"{shards.directory}: state {key!r} has rows of {tuple(shards.row_shapes[key])}, this "
+                             f"head holds rows of {want}")
+    lo, hi = head.class_start, head.class_end
+    state = {"num_classes": head.num_classes, "embedding_size": head.embedding_size, "class_start": lo,
+             "num_local": hi - lo, "sub_centers": head.sub_centers, "seed": meta["seed"],
+             "sample_step": meta["sample_step"], "step_count": meta["step_count"]}
+    state["margin_state"] = head._margin_state_from(head.margin_state_tensor(json.loads(meta["margin_state"])))
+    if verify:
+        for r in shards.sources(lo, hi):
+            verify_shard(shards.files[r], chunk_bytes=chunk_bytes)
+    head.load_training_state(state)
+    k = head.sub_centers
+    row_bytes = max(max(1, torch.Size(shards.row_shapes[key]).numel()) *
+                    torch.empty((), dtype=shards.dtypes[key]).element_size() for key in names)
+    per = max(1, chunk_bytes // (row_bytes * k))
+    for c in range(lo, hi, per):
+        part = shards.read_rows(c, min(hi, c + per), verify=False)
+        for key in names:
+            head.bank.load_rows(key, (c - lo) * k, part[key])
+        del part
+
+
 def _check_rows(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Every tensor of shard ``path``, as read into ``tensors``, against the CRC-32s
     its save recorded (``meta``: its parsed metadata)."""
@@ -516,22 +564,31 @@ def _check_rows(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None
 
 
 def _copy_rows(path: str, key: str, a: int, b: int, dst: torch.Tensor) -> None:
-    """Rows ``[a, b)`` of tensor ``key`` of ``path`` into ``dst``, through
-    safetensors slices of at most ``READ_CHUNK_BYTES``. The file is opened anew for
-    each slice: safetensors maps the whole file, and the pages a slice touched count
-    as this process's memory until that mapping is closed."""
-    row_bytes = max(1, dst[:1].numel() * dst.element_size())
-    step = max(1, READ_CHUNK_BYTES // row_bytes)
-    for i in range(a, b, step):
-        j = min(b, i + step)
-        with safetensors.safe_open(path, framework="pt") as f:
-            part = f.get_slice(key)[i:j]
-            if part.dtype != dst.dtype or tuple(part.shape) != tuple(dst[i - a:j - a].shape):
-                raise ShardReadError(f"{path}: rows [{i}, {j}) of {key!r} read as {part.dtype} "
-                                     f"{tuple(part.shape)}, its header said {dst.dtype} rows of "
-                                     f"{tuple(dst.shape[1:])} (the file changed while being read)")
-            dst[i - a:j - a].copy_(part)
-            del part
+    """Rows ``[a, b)`` of tensor ``key`` of ``path`` into ``dst``, read from the bytes
+    at the offsets the file's header gives, straight into ``dst`` (one positional read,
+    no mapping of the file, no intermediate copy: the memory this needs is ``dst``)."""
+    _, specs = _read_header(path)
+    if key not in specs:
+        raise ShardReadError(f"{path}: holds no tensor {key!r} (the file changed while being read)")
+    shape, dtype, begin, _ = specs[key]
+    if dtype != dst.dtype or tuple(shape[1:]) != tuple(dst.shape[1:]) or not 0 <= a <= b <= shape[0] \
+            or dst.shape[0] != b - a:
+        raise ShardReadError(f"{path}: rows [{a}, {b}) of {key!r} are not in its {dtype} {tuple(shape)} as its "
+                             f"header says now, expected {dst.dtype} rows of {tuple(dst.shape[1:])} (the file "
+                             "changed while being read)")
+    target = dst if dst.is_contiguous() else torch.empty_like(dst, memory_format=torch.contiguous_format)
+    row_bytes = max(1, torch.Size(shape[1:]).numel()) * dst.element_size()
+    view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+    with open(path, "rb") as f:
+        f.seek(begin + a * row_bytes)
+        got = 0
+        while got < len(view):
+            step = f.readinto(view[got:])
+            if not step:
+                raise ShardReadError(f"{path}: ends inside tensor {key!r} (truncated while being read)")
+            got += step
+    if target is not dst:
+        dst.copy_(target)
 
 
 def open_shards(directory: str, *, name: str = "head", world_size: int | None = None) -> ShardSet:
