@@ -236,3 +236,20 @@ def test_the_job_config_chooses_the_page_lock_failure(fake_cuda, monkeypatch):
         BankConfig(default="host").build()(100, "cpu").add_state("weight", 5, torch.float32)
     with pytest.raises(ConfigError, match="ds_pfc.head.bank.pin_failure must be one of"):
         BankConfig(default="host", pin_failure="ignore")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: a real failed cudaHostRegister, cleared "
+                                                          "from the runtime torch uses, before a kernel launch")
+def test_on_cuda_a_failed_registration_leaves_no_error_behind():
+    table = torch.empty(1 << 22)                            # 16 MiB
+    runtime, nbytes = torch.cuda.cudart(), table.numel() * table.element_size()
+    assert int(runtime.cudaHostRegister(table.data_ptr(), nbytes, 0)) == 0
+    try:
+        err = int(runtime.cudaHostRegister(table.data_ptr(), nbytes, 0))     # already registered: fails
+        assert err != 0
+        assert stores._clear_cuda_error() == err, "cudaGetLastError of torch's runtime was not reached"
+        x = torch.ones(4, device="cuda") * 2               # the launch check after it sees no error
+        torch.cuda.synchronize()
+        assert float(x.sum()) == 8.0
+    finally:
+        runtime.cudaHostUnregister(table.data_ptr())
