@@ -18,7 +18,11 @@
 - Large host tables that a GPU reads in place are placed near it: :func:`local_cpus`
   finds the CPUs of the GPU's NUMA node, :func:`place_host_table` asks for huge pages
   and touches every page first from those CPUs, so that the kernel's default
-  first-touch policy allocates them on that node.
+  first-touch policy allocates them on that node. Only CPUs the job may run on are
+  used (the node's CPUs intersected with ``os.sched_getaffinity``): a job whose cpuset
+  excludes the node gets a warning and an unbound touch, never an error; the placement
+  achieved (pages per node, from ``/proc/self/numa_maps``) is reported
+  (:func:`host_placement`), since a ``numactl`` policy may override the touch.
 - Half-precision products on a CPU run at speed only with the CPU's bf16/fp16
   instructions (:func:`cpu_native_half`); elsewhere torch emulates them, many times
   slower than float32, and the head warns.
@@ -29,12 +33,13 @@ import ctypes
 import mmap
 import os
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["normalize_device", "group_uses_nccl", "head_device", "collective_device", "bind_local_device",
-           "set_thread_device", "local_cpus", "place_host_table"]
+           "set_thread_device", "local_cpus", "place_host_table", "host_placement"]
 
 
 def normalize_device(device) -> torch.device:
@@ -159,22 +164,47 @@ def _advise_huge_pages(table: torch.Tensor) -> bool:
         return False
 
 
-def place_host_table(table: torch.Tensor, cpus: set[int] | None = None, huge_pages: bool = True) -> dict:
+def place_host_table(table: torch.Tensor, cpus: set[int] | None = None, huge_pages: bool = True, *,
+                     allowed: set[int] | None = None, numa_maps: str = "/proc/self/numa_maps",
+                     maps: str = "/proc/self/maps") -> dict:
     """Zero a new (untouched) host ``table`` so that its pages land near a GPU: asks for
     huge pages first (``huge_pages``), then touches every page from a thread bound to
-    ``cpus`` (the GPU's :func:`local_cpus`; None: the caller's CPUs). Returns what was
-    done: ``{"huge_pages": bool, "cpus": n or None}``."""
-    done = {"huge_pages": _advise_huge_pages(table) if huge_pages else False, "cpus": None}
+    ``cpus`` (the GPU's :func:`local_cpus`; None: the caller's CPUs).
+
+    Only CPUs this job may run on are used: ``cpus`` is intersected with ``allowed``
+    (None: ``os.sched_getaffinity(0)``, the job's cpuset). When nothing is left (a
+    container or a scheduler's per-task binding that excludes the GPU's node), or the
+    kernel refuses the binding, the table is touched unbound, from the caller's CPUs,
+    with a warning: a slower placement, never a job that cannot start.
+
+    Returns what was done: ``{"huge_pages": bool, "cpus": n or None, "requested_cpus":
+    n or None, "fallback": reason or None, "nodes": {node: pages} or None}``, where
+    ``nodes`` is the placement achieved (:func:`host_placement` over ``numa_maps`` and
+    ``maps``; None where the system does not say)."""
+    done = {"huge_pages": _advise_huge_pages(table) if huge_pages else False, "cpus": None,
+            "requested_cpus": len(cpus) if cpus else None, "fallback": None, "nodes": None}
     flat = table.view(-1).view(torch.uint8) if table.numel() else None
     if flat is None:
         return done
+    bind = None
+    if cpus and hasattr(os, "sched_setaffinity"):
+        if allowed is None:
+            allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(cpus)
+        bind = set(cpus) & set(allowed)
+        if not bind:
+            done["fallback"] = (f"none of the GPU's {len(cpus)} NUMA-local CPUs ({_cpulist(cpus)}) is in this job's "
+                                f"CPU set ({_cpulist(allowed)})")
+            bind = None
     errors: list[BaseException] = []
 
     def touch():
         try:
-            if cpus and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, cpus)          # this thread only
-                done["cpus"] = len(cpus)
+            if bind:
+                try:
+                    os.sched_setaffinity(0, bind)          # this thread only
+                    done["cpus"] = len(bind)
+                except OSError as err:
+                    done["fallback"] = f"binding the touch to CPUs {_cpulist(bind)} failed ({err})"
             flat.numpy().fill(0)                      # one thread: the pages follow its CPUs
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller
             errors.append(err)
@@ -184,7 +214,60 @@ def place_host_table(table: torch.Tensor, cpus: set[int] | None = None, huge_pag
     worker.join()
     if errors:
         raise errors[0]
+    if done["fallback"]:
+        warnings.warn(f"ds_pfc: host table of {flat.numel()} bytes placed without NUMA binding: {done['fallback']}; "
+                      "its pages follow the caller's CPUs (GPU reads may cross sockets)", RuntimeWarning, stacklevel=2)
+    done["nodes"] = host_placement(table, numa_maps=numa_maps, maps=maps)
     return done
+
+
+def _cpulist(cpus) -> str:
+    """{0, 1, 2, 3, 8} -> ``"0-3,8"``."""
+    out, run = [], []
+    for cpu in sorted(cpus):
+        if run and cpu == run[-1] + 1:
+            run.append(cpu)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [cpu]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def host_placement(table: torch.Tensor, *, numa_maps: str = "/proc/self/numa_maps",
+                   maps: str = "/proc/self/maps") -> dict[int, int] | None:
+    """Pages of host ``table``'s mapping per NUMA node, ``{node: pages}``, read from
+    ``numa_maps`` (the ``N<node>=<pages>`` fields of the mapping that holds the table,
+    found through ``maps``); None where unknown (no such files, the table shares a mapping
+    with nothing to say, a kernel without NUMA)."""
+    if not table.numel():
+        return None
+    ptr = table.data_ptr()
+    try:
+        with open(maps) as f:
+            start = None
+            for line in f:
+                lo, _, hi = line.split(" ", 1)[0].partition("-")
+                if int(lo, 16) <= ptr < int(hi, 16):
+                    start = lo.lstrip("0") or "0"
+                    break
+        if start is None:
+            return None
+        with open(numa_maps) as f:
+            for line in f:
+                fields = line.split()
+                if fields and (fields[0].lstrip("0") or "0") == start:
+                    nodes = {}
+                    for field in fields[1:]:
+                        key, eq, value = field.partition("=")
+                        if eq and key[:1] == "N" and key[1:].isdigit():
+                            nodes[int(key[1:])] = int(value)
+                    return nodes or None
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 _HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}

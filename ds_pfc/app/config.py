@@ -242,6 +242,10 @@ class BankConfig:
     kernels read and write the tables in place; device and host tiers only)."""
     hbm_share: float = 0.0
     """With mapped access: the share of each host-tier state's rows kept in GPU memory."""
+    pin_failure: str = "refuse"
+    """What a host table that cannot be page-locked (cudaHostRegister) does: refuse (stop, naming the
+    limit that caused it: ulimit -l, the cgroup's memory limit) or fallback (pageable memory; mapped
+    access becomes staged)."""
 
     def _placement(self, value, where):
         from ..bank.tiered import NVME_REFUSED, TIERS
@@ -269,6 +273,10 @@ class BankConfig:
         if self.host_access not in HOST_ACCESS:
             raise ConfigError(f"ds_pfc.head.bank.host_access must be one of {list(HOST_ACCESS)}, "
                               f"got {self.host_access!r}")
+        from ..bank.stores import PIN_FAILURE
+        if self.pin_failure not in PIN_FAILURE:
+            raise ConfigError(f"ds_pfc.head.bank.pin_failure must be one of {list(PIN_FAILURE)}, "
+                              f"got {self.pin_failure!r}")
         _number(self.hbm_share, "ds_pfc.head.bank.hbm_share", 0.0, 1.0)
         if self.hbm_share >= 1.0 or (self.hbm_share > 0 and self.host_access != "mapped"):
             raise ConfigError(f"ds_pfc.head.bank.hbm_share must be in [0, 1) and needs host_access 'mapped', got "
@@ -286,7 +294,7 @@ class BankConfig:
             return TieredBank.factory(
                 {n: self._placement(v, n) for n, v in self.placements.items()},
                 default=self._placement(self.default, "default"), host_access=self.host_access,
-                hbm_share=self.hbm_share)
+                hbm_share=self.hbm_share, pin_failure=self.pin_failure)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"ds_pfc.head.bank: {err}") from None
 

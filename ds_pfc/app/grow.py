@@ -275,9 +275,9 @@ def _check_id_tensors(old_ids, new_ids) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _read_classes(shards, start: int, end: int, states) -> dict[str, torch.Tensor]:
-    """The rows of old classes ``[start, end)`` of ``states``, read through safetensors
-    slices from the shards that hold them (:meth:`ShardSet.read_rows` for a subset of
-    the states; the shards were verified already)."""
+    """The rows of old classes ``[start, end)`` of ``states``, read from the shards that
+    hold them (:meth:`ShardSet.read_rows` for a subset of the states; the shards were
+    verified already)."""
     from ..checkpoint.shards import _copy_rows, class_rows
     rows = class_rows(shards.meta, start, end)
     lo, hi = rows.start, rows.stop

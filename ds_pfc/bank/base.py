@@ -65,6 +65,14 @@ class ClassBank(ABC):
         """Replace all rows of ``name``."""
         self.write(name, None, tensor)
 
+    def load_rows(self, name: str, lo: int, values: torch.Tensor) -> None:
+        """Replace rows ``[lo, lo + len(values))`` of ``name`` with ``values`` (any
+        device, the state's dtype), as :meth:`load` would: a resume streams a state in
+        row blocks through this, so that no whole state is ever in host or device memory.
+        The bank moves the block to its tier; its memory is that of the block."""
+        rows = torch.arange(lo, lo + values.shape[0], device=self.device)
+        self.write(name, rows, values.to(self.device))
+
 
 def initial_centers(seed: int, class_start: int, num: int, dim: int, std: float,
                     dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:

@@ -52,6 +52,10 @@ class DeviceBank(ClassBank):
         else:
             state.index_copy_(0, rows, values.to(state.dtype))
 
+    def load_rows(self, name, lo, values):
+        state = self._get(name)
+        state[lo:lo + values.shape[0]].copy_(values)      # one block moves and converts, no full-size temporary
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The live state tables (for in-place fused updates)."""
         return dict(self._states)

@@ -8,8 +8,11 @@ dtypes. Row ids passed to a store are sorted, unique, int64 on the CPU.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
+import warnings
+import weakref
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +21,8 @@ import torch
 from ..devices import local_cpus, place_host_table
 
 __all__ = ["RowStore", "DeviceStore", "HostStore", "pinned_empty", "pinned_table", "unregister_table",
-           "default_threads", "REGISTER_MIN_BYTES", "THREADS_ENV", "CHUNK_BYTES"]
+           "default_threads", "REGISTER_MIN_BYTES", "THREADS_ENV", "CHUNK_BYTES", "PIN_FAILURE", "HostRegisterError",
+           "pin_limits"]
 
 # Tables at least this large are page-locked with cudaHostRegister instead of the
 # caching host allocator, which rounds every block up to a power of two (a 2.56 GB
@@ -29,6 +33,13 @@ REGISTER_MIN_BYTES = 64 << 20
 # the pages are mapped into the devices' address space (kernels read and write them).
 HOST_REGISTER_PORTABLE = 1
 HOST_REGISTER_MAPPED = 2
+
+#: What a failed page-lock (``cudaHostRegister``) of a large host table does
+#: (``pin_failure=``): ``"refuse"`` (the default) raises :class:`HostRegisterError`, with
+#: nothing left registered; ``"fallback"`` keeps the table in pageable memory, warns once
+#: (the same one-line reason) and carries on: slower staged copies, and a bank with
+#: mapped access falls back to staged access (the GPU cannot read pageable memory).
+PIN_FAILURE = ("refuse", "fallback")
 
 #: Environment variable with the default number of threads of a :class:`HostStore`.
 THREADS_ENV = "DS_PFC_BANK_THREADS"
@@ -65,39 +76,212 @@ def _numel(shape) -> int:
     return n
 
 
-def pinned_table(shape, dtype, mapped: bool = False, near=None) -> tuple[torch.Tensor, bool]:
+class HostRegisterError(RuntimeError):
+    """``cudaHostRegister`` of a host table failed; the message is one line with the size,
+    the CUDA error and the limits that likely caused it (:func:`pin_limits`)."""
+
+
+def _cgroup_memory_limit(cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """This process's cgroup memory limit in bytes (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``), None when unlimited or unknown."""
+    candidates = []
+    try:
+        with open(cgroup) as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                path = path.lstrip("/")
+                if controllers == "":                              # cgroup v2
+                    candidates.append(os.path.join(root, path, "memory.max"))
+                elif "memory" in controllers.split(","):           # cgroup v1
+                    candidates.append(os.path.join(root, "memory", path, "memory.limit_in_bytes"))
+    except (OSError, ValueError):
+        pass
+    candidates += [os.path.join(root, "memory.max"), os.path.join(root, "memory", "memory.limit_in_bytes")]
+    for path in candidates:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            continue
+        return None if value >= 1 << 60 else value      # v1 writes "no limit" as a huge number
+    return None
+
+
+def pin_limits(*, cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> dict[str, int | None]:
+    """The limits on how much host memory this process may page-lock, in bytes (None:
+    unlimited or unknown): ``memlock`` (``RLIMIT_MEMLOCK``, ``ulimit -l``) and ``cgroup``
+    (the memory limit of this process's cgroup)."""
+    memlock = None
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        memlock = None if soft == resource.RLIM_INFINITY else int(soft)
+    except (ImportError, OSError, ValueError, AttributeError):
+        pass
+    return {"memlock": memlock, "cgroup": _cgroup_memory_limit(cgroup, cgroup_root)}
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in the largest binary unit that keeps a number of at least 1."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.3g} {unit}"
+    return f"{nbytes} B"
+
+
+def _register_failure_message(nbytes: int, flags: int, err: int, limits: dict) -> str:
+    """One line: what failed, and which limit likely caused it."""
+    found = []
+    likely = []
+    for name, what, fix in (("memlock", "memlock (ulimit -l)", "raise it (ulimit -l unlimited; in a container "
+                                                                "--ulimit memlock=-1)"),
+                            ("cgroup", "cgroup memory limit", "raise the job's memory limit")):
+        value = limits.get(name)
+        found.append(f"{what} {'unlimited' if value is None else _size(value)}")
+        if value is not None and value < nbytes:
+            likely.append(f"{what} {_size(value)} is below the table: {fix}")
+    cause = "; likely cause: " + "; ".join(likely) if likely else \
+        " (no memlock or cgroup limit below it: pinnable memory of the node or an IOMMU limit)"
+    return (f"cudaHostRegister of a {nbytes}-byte host table ({_size(nbytes)}, flags {flags}) failed with CUDA "
+            f"error {err}; limits: {', '.join(found)}{cause}")
+
+
+_LIBCUDART = None
+
+
+def _clear_cuda_error() -> int | None:
+    """Clear the CUDA runtime's last error on this thread (``cudaGetLastError``), so that a
+    failed call is not reported again by the next unrelated launch check; returns the
+    error cleared, or None when no runtime function could be reached."""
+    runtime = torch.cuda.cudart()
+    fn = getattr(runtime, "cudaGetLastError", None)
+    if fn is None:                      # torch's bindings lack it: the runtime library torch loaded
+        global _LIBCUDART
+        if _LIBCUDART is None:
+            _LIBCUDART = _loaded_cudart() or False
+        fn = getattr(_LIBCUDART, "cudaGetLastError", None) if _LIBCUDART else None
+    if fn is None:
+        return None
+    try:
+        return int(fn())
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def _loaded_cudart(maps: str = "/proc/self/maps"):
+    """The CUDA runtime library already loaded in this process (ctypes), or None."""
+    try:
+        with open(maps) as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+    return None
+
+
+# Registered tables by address: the finalizer that unregisters each. A table is
+# unregistered by :func:`unregister_table` or, if its owner never calls it (a bank that
+# failed half-built, one dropped without close()), when the table is collected.
+_REGISTERED: dict[int, weakref.finalize] = {}
+_REGISTERED_LOCK = threading.Lock()
+
+
+def _unregister(ptr: int) -> int:
+    with _REGISTERED_LOCK:
+        _REGISTERED.pop(ptr, None)
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        _clear_cuda_error()
+    return err
+
+
+def _track(table: torch.Tensor) -> None:
+    ptr = table.data_ptr()
+    # The finalizer holds the address, not the table: it runs when the table is collected,
+    # before its memory is freed, and never at interpreter exit (the driver is gone then).
+    fin = weakref.finalize(table, _unregister, ptr)
+    fin.atexit = False
+    with _REGISTERED_LOCK:
+        _REGISTERED[ptr] = fin
+
+
+def registered_tables() -> int:
+    """How many host tables are registered now (through :func:`pinned_table`)."""
+    with _REGISTERED_LOCK:
+        return len(_REGISTERED)
+
+
+def pinned_table(shape, dtype, mapped: bool = False, near=None, *, pin_failure: str = "refuse",
+                 report: dict | None = None) -> tuple[torch.Tensor, bool]:
     """A long-lived host table, page-locked when CUDA is available; returns it and
-    whether it was registered (then :func:`unregister_table` must release it).
+    whether it was registered (then :func:`unregister_table` releases it; a table never
+    released is unregistered when it is collected).
 
     ``mapped=True``: the table is also mapped into the GPUs' address space, for kernels
     that read and write it directly. A large table is then pre-faulted (every page
     touched, as zeros) and registered with ``cudaHostRegisterPortable |
     cudaHostRegisterMapped``; a small one (below :data:`REGISTER_MIN_BYTES`) comes from
     the pinned allocator (``cudaHostAlloc``), whose memory is portable and mapped under
-    unified addressing. Without CUDA the table is plain memory either way. A failed
-    registration raises and leaves nothing registered. ``near``: the CUDA device that will
-    read a large mapped table; its pages are asked to be huge and are touched first from
-    that GPU's NUMA node (:func:`ds_pfc.devices.place_host_table`).
+    unified addressing. Without CUDA the table is plain memory either way. ``near``: the
+    CUDA device that will read a large mapped table; its pages are asked to be huge and
+    are touched first from that GPU's NUMA node where the job's CPU set allows
+    (:func:`ds_pfc.devices.place_host_table`).
+
+    A failed registration clears the CUDA error it left and is reported in one line
+    with the page-lock limits that likely caused it (:func:`pin_limits`); then
+    ``pin_failure`` (:data:`PIN_FAILURE`) decides: ``"refuse"`` raises
+    :class:`HostRegisterError` (nothing registered), ``"fallback"`` warns and returns the
+    table unregistered, in pageable memory. ``report``: a dict filled with what happened
+    (``"placement"``: the NUMA placement of a mapped table, ``"registered"``,
+    ``"pinned"``, ``"pin_failure"``: the message of a failure that fell back).
     """
+    if pin_failure not in PIN_FAILURE:
+        raise ValueError(f"pin_failure must be one of {PIN_FAILURE}, got {pin_failure!r}")
+    report = {} if report is None else report
+    cuda = torch.cuda.is_available()
+    report.update(placement=None, registered=False, pinned=cuda, pin_failure=None)
     nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-    if not torch.cuda.is_available() or nbytes < REGISTER_MIN_BYTES:
+    if not cuda or nbytes < REGISTER_MIN_BYTES:
         return pinned_empty(shape, dtype), False
     table = torch.empty(shape, dtype=dtype)
     flags = 0
     if mapped:
-        place_host_table(table, local_cpus(near) if near is not None else None)     # zeroed, near the GPU
+        report["placement"] = place_host_table(table, local_cpus(near) if near is not None else None)  # zeroed
         flags = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
-    err = torch.cuda.cudart().cudaHostRegister(table.data_ptr(), nbytes, flags)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte host table (flags {flags}) failed with CUDA "
-                           f"error {int(err)}")
+    err = int(torch.cuda.cudart().cudaHostRegister(table.data_ptr(), nbytes, flags))
+    if err != 0:
+        _clear_cuda_error()
+        message = _register_failure_message(nbytes, flags, err, pin_limits())
+        if pin_failure == "refuse":
+            raise HostRegisterError(f"{message}; pin_failure='fallback' would keep it in pageable memory")
+        message += "; kept in pageable memory (pin_failure='fallback')"
+        report.update(pin_failure=message, pinned=False)
+        warnings.warn(f"ds_pfc: {message}", RuntimeWarning, stacklevel=2)
+        return table, False
+    _track(table)
+    report["registered"] = True
     return table, True
 
 
 def unregister_table(table: torch.Tensor) -> None:
-    err = torch.cuda.cudart().cudaHostUnregister(table.data_ptr())
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostUnregister of a host table failed with CUDA error {int(err)}")
+    """Release a table that :func:`pinned_table` registered (a second call does nothing)."""
+    with _REGISTERED_LOCK:
+        fin = _REGISTERED.get(table.data_ptr())
+    if fin is None or not fin.alive:
+        return
+    err = fin()
+    if err:
+        raise RuntimeError(f"cudaHostUnregister of a host table failed with CUDA error {err}")
 
 
 def _count(versions: torch.Tensor, rows: torch.Tensor) -> None:
@@ -228,13 +412,16 @@ class HostStore(_MemoryStore):
 
     ``mapped=True``: the table is also mapped into the GPUs' address space (see
     :func:`pinned_table`), for kernels that access it in place; :attr:`mapped` says
-    whether it was asked for.
+    whether it was asked for. ``pin_failure``: what a failed page-lock does
+    (:data:`PIN_FAILURE`); :attr:`pinned` says whether the table is page-locked (or from
+    the pinned allocator), :attr:`start_up` what start-up did (NUMA placement,
+    registration, a failure that fell back).
     """
 
     tier = "host"
 
     def __init__(self, num_rows, width, dtype, init: torch.Tensor | None = None, *, threads: int | None = None,
-                 mapped: bool = False, chunk_rows: int | None = None, near=None):
+                 mapped: bool = False, chunk_rows: int | None = None, near=None, pin_failure: str = "refuse"):
         super().__init__(num_rows, width, dtype)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -245,15 +432,23 @@ class HostStore(_MemoryStore):
             raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
         self.chunk_rows = int(chunk_rows)
         self._mapped = bool(mapped)
-        self.data, self._registered = pinned_table(self.shape, dtype, mapped=self._mapped, near=near)
+        self.start_up: dict = {}
+        self.data, self._registered = pinned_table(self.shape, dtype, mapped=self._mapped, near=near,
+                                                   pin_failure=pin_failure, report=self.start_up)
         # Rows are moved as words of this dtype (None: element by element).
         self._word = _word_dtype(self.data, self.row_bytes()) if width else None
         if init is not None:
             self.data.copy_(init)
-        elif not (self._registered and self._mapped):      # a mapped registered table is zeroed already
+        elif self.start_up.get("placement") is None:       # a placed table is zeroed already
             self.data.zero_()
 
     # ---------------------------------------------------------------- threads
+    @property
+    def pinned(self) -> bool:
+        """Whether the table is page-locked: registered, or from the pinned allocator
+        (False without CUDA, and after a registration failure that fell back)."""
+        return bool(self.start_up.get("pinned"))
+
     @property
     def mapped(self) -> bool:
         """Whether the table was asked to be mapped into the GPUs' address space

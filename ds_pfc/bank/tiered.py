@@ -14,6 +14,7 @@ torn one) and raises :class:`StaleRowError` instead.
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,7 +23,7 @@ import torch
 from .base import ClassBank
 from .quantized import INT8_ROWWISE, RowwiseInt8Store
 from .split import SplitStore
-from .stores import DeviceStore, HostStore, RowStore
+from .stores import PIN_FAILURE, DeviceStore, HostRegisterError, HostStore, RowStore
 
 __all__ = ["Placement", "TieredBank", "StaleRowError", "TIERS", "HOST_ACCESS", "NVME_REFUSED"]
 
@@ -90,12 +91,22 @@ class TieredBank(ClassBank):
     path only. ``hbm_share`` (mapped access only): the share of each host-tier state's
     rows kept in device memory (:class:`~ds_pfc.bank.split.SplitStore`); host traffic
     scales by ``1 - hbm_share``.
+    ``pin_failure`` (:data:`~ds_pfc.bank.stores.PIN_FAILURE`): what a host table that
+    cannot be page-locked does: ``"refuse"`` (the default) raises
+    :class:`~ds_pfc.bank.stores.HostRegisterError`, naming the limit that likely caused
+    it, and the tables already registered are released; ``"fallback"`` keeps the table in
+    pageable memory and, with ``host_access="mapped"``, switches the bank to staged
+    access (a warning says so; :attr:`host_access` tells). With ``hbm_share > 0`` a
+    failure is always refused. :meth:`start_up` reports what each host table got.
     """
 
     def __init__(self, num_rows: int, device, *, placements: dict[str, Placement] | None = None,
                  default: Placement = Placement(), class_start: int = 0, owner: str | None = None,
-                 host_access: str = "staged", hbm_share: float = 0.0):
+                 host_access: str = "staged", hbm_share: float = 0.0, pin_failure: str = "refuse"):
         super().__init__(num_rows, device)
+        if pin_failure not in PIN_FAILURE:
+            raise ValueError(f"pin_failure must be one of {PIN_FAILURE}, got {pin_failure!r}")
+        self.pin_failure = pin_failure
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
         _check_share(hbm_share, host_access)
@@ -123,15 +134,18 @@ class TieredBank(ClassBank):
 
     @classmethod
     def factory(cls, placements: dict | None = None, *, default="device", host_access: str = "staged",
-                hbm_share: float = 0.0) -> Callable[..., "TieredBank"]:
+                hbm_share: float = 0.0, pin_failure: str = "refuse") -> Callable[..., "TieredBank"]:
         """A ``bank=`` argument for :class:`~ds_pfc.PartialFC`.
 
         ``placements`` maps state names (``"weight"``, ``"momentum_buffer"``,
         ``"exp_avg"``, ``"exp_avg_sq"``, ``"step"``) to a placement; others get
         ``default``. Example: ``TieredBank.factory({"weight": ("host", torch.bfloat16)},
         default="device")``. ``host_access``: how rows move (:data:`HOST_ACCESS`);
-        ``hbm_share``: the share of host-tier rows kept in device memory (mapped access).
+        ``hbm_share``: the share of host-tier rows kept in device memory (mapped access);
+        ``pin_failure``: what a host table that cannot be page-locked does (see the class).
         """
+        if pin_failure not in PIN_FAILURE:
+            raise ValueError(f"pin_failure must be one of {PIN_FAILURE}, got {pin_failure!r}")
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
         _check_share(hbm_share, host_access)
@@ -140,7 +154,7 @@ class TieredBank(ClassBank):
 
         def make(num_rows, device, class_start=0, owner=None):
             return cls(num_rows, device, placements=parsed, default=default, class_start=class_start, owner=owner,
-                       host_access=host_access, hbm_share=hbm_share)
+                       host_access=host_access, hbm_share=hbm_share, pin_failure=pin_failure)
         make.takes_owner = True
         return make
 
@@ -174,13 +188,34 @@ class TieredBank(ClassBank):
             store = SplitStore(self.num_rows, width, storage, self.device,
                                n_device=int(round(self.hbm_share * self.num_rows)))
         else:
-            store = HostStore(self.num_rows, width, storage, mapped=self.mapped,
-                              near=self.device if self.mapped else None)
+            try:
+                store = HostStore(self.num_rows, width, storage, mapped=self.mapped,
+                                  near=self.device if self.mapped else None, pin_failure=self.pin_failure)
+            except HostRegisterError:
+                self.close()            # a refused bank releases the tables it registered, now
+                raise
+            if self.mapped and store.start_up.get("pin_failure"):
+                # The GPU cannot read pageable memory in place: every state moves staged.
+                self.host_access, self.mapped = "staged", False
+                warnings.warn(f"ds_pfc: state {name!r}: its host table could not be page-locked, so the bank "
+                              "uses host_access='staged' instead of 'mapped' (pin_failure='fallback')",
+                              RuntimeWarning, stacklevel=2)
         if init is not None:
             _write_init(store, init, self.num_rows)
         self._stores[name] = store
         self._logical[name] = dtype
         self._issued[name] = store.versions.clone()
+
+    def start_up(self) -> dict[str, dict]:
+        """What start-up did for each host-tier state's table: ``{"placement": NUMA
+        placement of a mapped table (CPUs used, pages per node, a fallback's reason) or None,
+        "registered", "pinned", "pin_failure": the message of a failure that fell back}``."""
+        out = {}
+        for name, store in self._stores.items():
+            part = store.host_part if isinstance(store, SplitStore) else store
+            if isinstance(part, HostStore):
+                out[name] = dict(part.start_up)
+        return out
 
     def _storage(self, name: str, dtype: torch.dtype) -> tuple[Placement, torch.dtype]:
         """The placement and storage dtype of a (non-int8) state of logical ``dtype``."""
@@ -278,6 +313,21 @@ class TieredBank(ClassBank):
         self._issued[name] += 1
         _write_init(store, lambda lo, hi: tensor[lo:hi], self.num_rows)
         store.versions.copy_(self._issued[name])
+        self._device_written(name)
+
+    def load_rows(self, name, lo, values):
+        """Rows ``[lo, lo + len(values))`` of ``name`` replaced, as :meth:`load` replaces
+        all rows: written through the store a block at a time (the store converts to its
+        storage dtype and codes 8-bit rows block by block), the rows' versions counted as
+        issued and landed."""
+        store = self.store(name)
+        hi = lo + values.shape[0]
+        if not 0 <= lo <= hi <= self.num_rows:
+            raise IndexError(f"rows [{lo}, {hi}) of state {name!r} are not within [0, {self.num_rows})")
+        ids = torch.arange(lo, hi)
+        self._issued[name][lo:hi] += 1
+        store.scatter(ids, values)
+        store.versions[lo:hi] = self._issued[name][lo:hi]
         self._device_written(name)
 
     def _device_written(self, name: str) -> None:

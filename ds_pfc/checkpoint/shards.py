@@ -12,7 +12,7 @@ resharding is exact and offline: concatenate the shards in ``class_start`` order
 re-split with ``num_local = C // W + (r < C % W)`` (:func:`reshard`). A reader of
 another world size needs only the shards that overlap its classes, and of them only
 those rows: :func:`open_shards` checks a checkpoint's shards from their headers and
-:meth:`ShardSet.read_rows` reads a class range through safetensors slices, so the
+:meth:`ShardSet.read_rows` reads a class range by positional reads of those rows, so the
 memory a reshard needs is that of the range read, never the whole head.
 
 Writes are atomic: a temporary file in the same directory, ``fsync``, ``os.replace``
@@ -36,7 +36,7 @@ from .files import atomic_file as _atomic_file, fsync_dir as _fsync_dir
 
 __all__ = ["save_head_shard", "load_head_shard", "merge_shards", "reshard", "export_classifier",
            "shard_file_name", "SubcenterCounter", "class_rows", "FORMAT", "open_shards", "ShardSet", "verify_shard",
-           "ShardChecksumError", "ShardReadError"]
+           "ShardChecksumError", "ShardReadError", "load_resharded"]
 
 FORMAT = "ds_pfc.head_shard/1"
 CRC_KEY = "crc32"
@@ -143,20 +143,6 @@ class ShardReadError(OSError):
     """A head shard file is truncated or its safetensors header cannot be read."""
 
 
-def _verify_crcs(path: str, raw_meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-    recorded = raw_meta.get(CRC_KEY)
-    if recorded is None:          # written before shards carried checksums
-        return
-    names = json.loads(raw_meta["states"])
-    values = recorded.split(",")
-    if len(values) != len(names):
-        raise ShardChecksumError(f"{path}: {len(values)} checksums recorded for {len(names)} tensors")
-    for name, want in zip(names, values):
-        data = tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy()
-        if f"{zlib.crc32(data.data):08x}" != want:
-            raise ShardChecksumError(_crc_message(path, name))
-
-
 def _crc_message(path: str, name: str) -> str:
     return (f"{path}: the bytes of tensor {name!r} do not match the checksum its save recorded "
             "(the file is damaged)")
@@ -203,10 +189,10 @@ def _read_header(path: str) -> tuple[dict, dict]:
     return metadata, specs
 
 
-def verify_shard(path: str) -> None:
+def verify_shard(path: str, *, chunk_bytes: int | None = None) -> None:
     """Check the bytes of every tensor of shard ``path`` against the CRC-32s its save
-    recorded, reading the file ``READ_CHUNK_BYTES`` at a time (the memory this needs
-    does not grow with the shard). Raises :class:`ShardReadError` (truncated,
+    recorded, reading the file ``chunk_bytes`` at a time (default ``READ_CHUNK_BYTES``:
+    the memory this needs does not grow with the shard). Raises :class:`ShardReadError` (truncated,
     unreadable header) or :class:`ShardChecksumError` (damaged bytes), naming the
     file; a shard written before shards carried checksums has nothing to check."""
     raw, specs = _read_header(path)
@@ -220,7 +206,7 @@ def verify_shard(path: str) -> None:
     values = recorded.split(",")
     if len(values) != len(names):
         raise ShardChecksumError(f"{path}: {len(values)} checksums recorded for {len(names)} tensors")
-    buffer = bytearray(READ_CHUNK_BYTES)
+    buffer = bytearray(READ_CHUNK_BYTES if chunk_bytes is None else max(1, int(chunk_bytes)))
     view = memoryview(buffer)
     with open(path, "rb") as f:
         for name, want in zip(names, values):
@@ -241,19 +227,6 @@ def verify_shard(path: str) -> None:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _read_shard(path: str, *, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
-    """Tensors and parsed metadata of one shard file (ValueError if it is not one;
-    :class:`ShardChecksumError` if ``verify`` and its bytes do not match the CRC-32s
-    its save recorded)."""
-    with safetensors.safe_open(path, framework="pt") as f:
-        raw = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if raw.get("format") == FORMAT and verify:
-        _verify_crcs(path, raw, tensors)
-    meta = _parse_meta(path, raw, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
-    return tensors, meta
 
 
 def _parse_meta(path: str, raw: dict, specs: dict) -> dict:
@@ -333,8 +306,9 @@ def save_head_shard(head, directory: str, *, name: str = "head") -> str:
     return _atomic_stream_save(specs, chunks, path, _metadata(meta, {k: v[1] for k, v in specs.items()}))
 
 
-def load_head_shard(head, directory: str, *, name: str = "head", optimizer_states: str = "saved") -> None:
-    """Load this rank's shard into ``head`` (all-or-nothing: on any error nothing changes).
+def load_head_shard(head, directory: str, *, name: str = "head", optimizer_states: str = "saved",
+                    chunk_bytes: int | None = None) -> None:
+    """Load this rank's shard into ``head``, streamed row block by row block.
 
     The file for ``head.rank`` / ``head.world_size`` must exist and match the head's
     ``num_classes``, ``embedding_size``, class range, world size, states and dtypes;
@@ -343,9 +317,27 @@ def load_head_shard(head, directory: str, *, name: str = "head", optimizer_state
     must be the head's; ``"zero"`` loads the centers (``weight``) alone and starts every
     other state of the head at zero, whatever the file holds: SGD's momentum, AdamW's
     moments and its per-row step (so AdamW starts as a fresh ``torch.optim.AdamW``).
+
+    Memory: each state is read from the file ``chunk_bytes`` at a time (default
+    :data:`READ_CHUNK_BYTES`) into one reused host buffer and handed to the bank as a
+    block of rows (``bank.load_rows``), which moves it to the state's tier: no state is
+    ever whole in host memory, nor moved whole to the GPU. The load needs the buffer plus
+    what the bank needs to store one block (a dtype conversion, 8-bit coding), never
+    memory that grows with the shard.
+
+    All or nothing, as far as a file can say before it is used: the header, the
+    metadata and every checksum (a streamed pass over the file, :func:`verify_shard`)
+    are checked before anything changes; any error there leaves the head as it was. The
+    rows are then read a second time, checked again; a file that changes or fails to read
+    during the load raises :class:`ShardReadError` / :class:`ShardChecksumError` saying
+    that the head is partly loaded (load again or rebuild it).
     """
     if optimizer_states not in ("saved", "zero"):
         raise ValueError(f"optimizer_states must be 'saved' or 'zero', got {optimizer_states!r}")
+    if chunk_bytes is None:
+        chunk_bytes = READ_CHUNK_BYTES
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
     shards = _list_shards(directory, name) if os.path.isdir(directory) else {}
     path = shards.get(head.world_size, {}).get(head.rank)
     if path is None:
@@ -355,7 +347,8 @@ def load_head_shard(head, directory: str, *, name: str = "head", optimizer_state
                 f"was written with world_size={sorted(shards)} but this head has world_size={head.world_size}; "
                 f"use ds_pfc.checkpoint.reshard({directory!r}, new_dir, {head.world_size}) first")
         raise FileNotFoundError(f"no {name!r} head shards in {directory}")
-    tensors, meta = _read_shard(path)
+    raw, specs = _read_header(path)
+    meta = _parse_meta(path, raw, {k: spec[:2] for k, spec in specs.items()})
     for key in ("num_classes", "embedding_size", "world_size", "class_start", "num_local"):
         if meta[key] != getattr(head, key):
             raise ValueError(
@@ -365,32 +358,85 @@ def load_head_shard(head, directory: str, *, name: str = "head", optimizer_state
                 "a different C or d cannot be loaded; for another world size use ds_pfc.checkpoint.reshard")
     if meta["rank"] != head.rank:
         raise ValueError(f"{path}: metadata says rank={meta['rank']} but this head has rank={head.rank}")
-    names = head.bank.state_names()
-    empty = torch.zeros(0, dtype=torch.long, device=head.device)
-    if optimizer_states == "zero":
-        if "weight" not in tensors:
-            raise ValueError(f"{path}: holds no 'weight' (states {sorted(tensors)})")
-        zeros = {}
-        for key in names:
-            if key != "weight":
-                probe = head.bank.read(key, empty)
-                zeros[key] = torch.zeros((head.num_rows,) + tuple(probe.shape[1:]), dtype=probe.dtype)
-        tensors = {"weight": tensors["weight"], **zeros}
-    if sorted(names) != sorted(tensors):
-        raise ValueError(f"{path}: checkpoint holds states {sorted(tensors)} ({meta['optimizer']}) but this head "
-                         f"holds {sorted(names)} (optimizer {head.optimizer}); load its centers alone with "
-                         "optimizer_states='zero'")
-    for key in names:
-        want = head.bank.read(key, empty).dtype
-        if tensors[key].dtype != want:
-            raise ValueError(f"{path}: state {key!r} is {tensors[key].dtype} but this head stores {want}")
     for key in ("sub_centers",):
         if meta[key] != getattr(head, key):
             raise ValueError(f"{path}: checkpoint has {key}={meta[key]} but this head has {key}={getattr(head, key)}")
-    state = dict(tensors)
-    state["meta"] = torch.tensor([meta[k] for k in head._META_FIELDS], dtype=torch.int64)
-    state["margin_state"] = head.margin_state_tensor(json.loads(meta["margin_state"]))
-    head.load_state_dict(state)   # validates shapes before changing anything
+    names = head.bank.state_names()
+    empty = torch.zeros(0, dtype=torch.long, device=head.device)
+    want = {}                              # state -> (row shape, dtype) the head holds
+    for key in names:
+        probe = head.bank.read(key, empty)
+        want[key] = (tuple(probe.shape[1:]), probe.dtype)
+    if optimizer_states == "zero":
+        if "weight" not in specs:
+            raise ValueError(f"{path}: holds no 'weight' (states {sorted(specs)})")
+        sources = {key: "file" if key == "weight" else "zero" for key in names}
+    else:
+        if sorted(names) != sorted(specs):
+            raise ValueError(f"{path}: checkpoint holds states {sorted(specs)} ({meta['optimizer']}) but this head "
+                             f"holds {sorted(names)} (optimizer {head.optimizer}); load its centers alone with "
+                             "optimizer_states='zero'")
+        sources = {key: "file" for key in names}
+    for key in names:
+        if sources[key] != "file":
+            continue
+        shape, dtype = specs[key][:2]
+        if dtype != want[key][1]:
+            raise ValueError(f"{path}: state {key!r} is {dtype} but this head stores {want[key][1]}")
+        if tuple(shape) != (head.num_rows,) + want[key][0]:
+            raise ValueError(f"{path}: state {key!r} has shape {tuple(shape)}, this head holds "
+                             f"{(head.num_rows,) + want[key][0]}")
+    state = {key: meta[key] for key in head._META_FIELDS}
+    state["margin_state"] = head._margin_state_from(head.margin_state_tensor(json.loads(meta["margin_state"])))
+    verify_shard(path, chunk_bytes=chunk_bytes)
+    # Checked: from here the head changes (staged rows dropped, counters set), then its bank, block by block.
+    head.load_training_state(state)
+    recorded = raw.get(CRC_KEY)
+    crcs = dict(zip(meta["states"], recorded.split(","))) if recorded is not None else {}
+    for key in names:
+        row_shape, dtype = want[key]
+        if sources[key] == "zero":
+            row_bytes = max(1, torch.Size(row_shape).numel() * torch.empty((), dtype=dtype).element_size())
+            zeros = torch.zeros((max(1, min(head.num_rows, chunk_bytes // row_bytes)),) + row_shape, dtype=dtype)
+            for lo in range(0, head.num_rows, zeros.shape[0]):
+                head.bank.load_rows(key, lo, zeros[:min(head.num_rows - lo, zeros.shape[0])])
+            del zeros
+            continue
+        _stream_state(path, key, specs[key], crcs.get(key), chunk_bytes,
+                      lambda lo, block, key=key: head.bank.load_rows(key, lo, block))
+
+
+def _stream_state(path: str, key: str, spec: tuple, crc_want: str | None, chunk_bytes: int, sink) -> None:
+    """Tensor ``key`` of shard ``path`` (``spec``: its header's shape, dtype and byte
+    range) to ``sink(first_row, rows)``, a block of whole rows of at most
+    ``chunk_bytes`` at a time (at least one row) read into one reused buffer: ``rows`` is
+    a view of that buffer, valid until ``sink`` returns. The bytes are checked against
+    ``crc_want`` as they pass; a mismatch or a short file raises after the blocks before it
+    were handed over."""
+    shape, dtype, begin, end = spec
+    rows = shape[0]
+    row_bytes = max(1, torch.Size(shape[1:]).numel() * torch.empty((), dtype=dtype).element_size())
+    per = max(1, min(rows, chunk_bytes // row_bytes))
+    buffer = torch.empty(per * row_bytes, dtype=torch.uint8)
+    view = memoryview(buffer.numpy())
+    crc = 0
+    partly = "; the head is partly loaded: load the checkpoint again"
+    with open(path, "rb") as f:
+        f.seek(begin)
+        for lo in range(0, rows, per):
+            n = min(per, rows - lo)
+            need, got = n * row_bytes, 0
+            while got < need:
+                step = f.readinto(view[got:need])
+                if not step:
+                    raise ShardReadError(f"{path}: ends inside tensor {key!r} (truncated while loading){partly}")
+                got += step
+            crc = zlib.crc32(view[:need], crc)
+            sink(lo, buffer[:need].view(dtype).view((n,) + tuple(shape[1:])))
+    if end - begin != rows * row_bytes:
+        raise ShardReadError(f"{path}: tensor {key!r} spans {end - begin} bytes, not {rows} rows of {row_bytes}")
+    if crc_want is not None and f"{crc:08x}" != crc_want:
+        raise ShardChecksumError(_crc_message(path, key) + f" (it changed while loading){partly}")
 
 
 # ---------------------------------------------------------------------- offline
@@ -430,8 +476,8 @@ class ShardSet:
     def read_rows(self, start: int, end: int, *, verify: bool = True) -> dict[str, torch.Tensor]:
         """Every state's rows of classes ``[start, end)`` (``K`` rows per class), as
         new CPU tensors: only the shards holding them are opened and only those rows
-        read (safetensors slices, ``READ_CHUNK_BYTES`` at a time), so the memory this
-        needs is the returned rows plus one chunk. With ``verify`` each shard read
+        read (straight into the returned tensors), so the memory this needs is the
+        returned rows plus a checksum pass's chunk. With ``verify`` each shard read
         from is checked against its checksums: one read in whole from the rows read,
         one read in part first, by a pass over the file (:func:`verify_shard`); pass
         False only when every shard of the set was verified already."""
@@ -454,6 +500,54 @@ class ShardSet:
         return out
 
 
+def load_resharded(head, shards: ShardSet, *, verify: bool = True, chunk_bytes: int | None = None) -> None:
+    """Load ``head``'s classes from ``shards``, a checkpoint of another world size
+    (:func:`open_shards`), streamed: the classes are read ``chunk_bytes`` worth at a time
+    (default :data:`READ_CHUNK_BYTES` per state; read from only the shards that hold
+    them) and each block goes to the bank as rows (``bank.load_rows``), so the
+    memory this needs is one block of every state, never the head's own shard.
+    ``verify``: check the shards read from against their checksums first (a streamed
+    pass; False when the caller checked every shard already). Everything is checked
+    before the head changes: C, d, sub-centers, the states the head holds."""
+    if chunk_bytes is None:
+        chunk_bytes = READ_CHUNK_BYTES
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    meta = shards.meta
+    for key in ("num_classes", "embedding_size", "sub_centers"):
+        if meta[key] != getattr(head, key):
+            raise ValueError(f"{shards.directory}: head {shards.name!r} has {key}={meta[key]} but the model's has "
+                             f"{getattr(head, key)}")
+    names = head.bank.state_names()
+    if sorted(names) != sorted(shards.states):
+        raise ValueError(f"{shards.directory}: head {shards.name!r} holds states {sorted(shards.states)} "
+                         f"({meta['optimizer']}) but this head holds {sorted(names)} (optimizer {head.optimizer})")
+    empty = torch.zeros(0, dtype=torch.long, device=head.device)
+    for key in names:
+        want = tuple(head.bank.read(key, empty).shape[1:])
+        if tuple(shards.row_shapes[key]) != want:
+            raise ValueError(f"{shards.directory}: state {key!r} has rows of {tuple(shards.row_shapes[key])}, this "
+                             f"head holds rows of {want}")
+    lo, hi = head.class_start, head.class_end
+    state = {"num_classes": head.num_classes, "embedding_size": head.embedding_size, "class_start": lo,
+             "num_local": hi - lo, "sub_centers": head.sub_centers, "seed": meta["seed"],
+             "sample_step": meta["sample_step"], "step_count": meta["step_count"]}
+    state["margin_state"] = head._margin_state_from(head.margin_state_tensor(json.loads(meta["margin_state"])))
+    if verify:
+        for r in shards.sources(lo, hi):
+            verify_shard(shards.files[r], chunk_bytes=chunk_bytes)
+    head.load_training_state(state)
+    k = head.sub_centers
+    row_bytes = max(max(1, torch.Size(shards.row_shapes[key]).numel()) *
+                    torch.empty((), dtype=shards.dtypes[key]).element_size() for key in names)
+    per = max(1, chunk_bytes // (row_bytes * k))
+    for c in range(lo, hi, per):
+        part = shards.read_rows(c, min(hi, c + per), verify=False)
+        for key in names:
+            head.bank.load_rows(key, (c - lo) * k, part[key])
+        del part
+
+
 def _check_rows(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Every tensor of shard ``path``, as read into ``tensors``, against the CRC-32s
     its save recorded (``meta``: its parsed metadata)."""
@@ -470,22 +564,31 @@ def _check_rows(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None
 
 
 def _copy_rows(path: str, key: str, a: int, b: int, dst: torch.Tensor) -> None:
-    """Rows ``[a, b)`` of tensor ``key`` of ``path`` into ``dst``, through
-    safetensors slices of at most ``READ_CHUNK_BYTES``. The file is opened anew for
-    each slice: safetensors maps the whole file, and the pages a slice touched count
-    as this process's memory until that mapping is closed."""
-    row_bytes = max(1, dst[:1].numel() * dst.element_size())
-    step = max(1, READ_CHUNK_BYTES // row_bytes)
-    for i in range(a, b, step):
-        j = min(b, i + step)
-        with safetensors.safe_open(path, framework="pt") as f:
-            part = f.get_slice(key)[i:j]
-            if part.dtype != dst.dtype or tuple(part.shape) != tuple(dst[i - a:j - a].shape):
-                raise ShardReadError(f"{path}: rows [{i}, {j}) of {key!r} read as {part.dtype} "
-                                     f"{tuple(part.shape)}, its header said {dst.dtype} rows of "
-                                     f"{tuple(dst.shape[1:])} (the file changed while being read)")
-            dst[i - a:j - a].copy_(part)
-            del part
+    """Rows ``[a, b)`` of tensor ``key`` of ``path`` into ``dst``, read from the bytes
+    at the offsets the file's header gives, straight into ``dst`` (one positional read,
+    no mapping of the file, no intermediate copy: the memory this needs is ``dst``)."""
+    _, specs = _read_header(path)
+    if key not in specs:
+        raise ShardReadError(f"{path}: holds no tensor {key!r} (the file changed while being read)")
+    shape, dtype, begin, _ = specs[key]
+    if dtype != dst.dtype or tuple(shape[1:]) != tuple(dst.shape[1:]) or not 0 <= a <= b <= shape[0] \
+            or dst.shape[0] != b - a:
+        raise ShardReadError(f"{path}: rows [{a}, {b}) of {key!r} are not in its {dtype} {tuple(shape)} as its "
+                             f"header says now, expected {dst.dtype} rows of {tuple(dst.shape[1:])} (the file "
+                             "changed while being read)")
+    target = dst if dst.is_contiguous() else torch.empty_like(dst, memory_format=torch.contiguous_format)
+    row_bytes = max(1, torch.Size(shape[1:]).numel()) * dst.element_size()
+    view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+    with open(path, "rb") as f:
+        f.seek(begin + a * row_bytes)
+        got = 0
+        while got < len(view):
+            step = f.readinto(view[got:])
+            if not step:
+                raise ShardReadError(f"{path}: ends inside tensor {key!r} (truncated while being read)")
+            got += step
+    if target is not dst:
+        dst.copy_(target)
 
 
 def open_shards(directory: str, *, name: str = "head", world_size: int | None = None) -> ShardSet:

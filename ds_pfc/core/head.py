@@ -25,6 +25,8 @@ from .softmax import (BACKENDS, check_block_bytes, check_keep_bytes, default_com
 
 __all__ = ["PartialFC"]
 
+#: Bytes of a state moved to the bank per block when a state dict is loaded.
+LOAD_CHUNK_BYTES = 8 << 20
 _COMPUTE_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -955,8 +957,11 @@ class PartialFC(nn.Module):
         self._late = []             # the state they concern is replaced
         self.flush()
         self._drop_staged()
-        for name, t in tensors.items():
-            self.bank.load(name, t.to(self.device))
+        for name, t in tensors.items():       # in row blocks: never a whole state on the device
+            row_bytes = max(1, t[:1].numel() * t.element_size())
+            step = max(1, LOAD_CHUNK_BYTES // row_bytes)
+            for lo in range(0, t.shape[0], step):
+                self.bank.load_rows(name, lo, t[lo:lo + step])
         self.seed, self.sample_step, self.step_count = meta["seed"], meta["sample_step"], meta["step_count"]
 
 

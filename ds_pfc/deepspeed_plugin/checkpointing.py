@@ -7,7 +7,6 @@ this module never imports it."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -308,22 +307,11 @@ def _load_resharded(head: PartialFC, tag_dir: str, name: str, world_size: int | 
                     verify: bool = True) -> None:
     """Load ``head``'s classes from shards of another world size: only the shards
     that overlap its class range are read, and of them only its rows (safetensors
-    slices), into the rows the head loads: the memory this needs is about that of
+    slices), streamed into the bank a block at a time
+    (:func:`ds_pfc.checkpoint.load_resharded`): the memory this needs is one block, not
     the head's own shard. ``verify``: check the shards read from against their
     checksums first (False when the load checked every shard already)."""
-    shards = ckpt.open_shards(tag_dir, name=name, world_size=world_size)
-    meta = shards.meta
-    for key in ("num_classes", "embedding_size", "sub_centers"):
-        if meta[key] != getattr(head, key):
-            raise ValueError(f"{tag_dir}: head {name!r} has {key}={meta[key]} but the model's has "
-                             f"{getattr(head, key)}")
-    lo, hi = head.class_start, head.class_end
-    state = shards.read_rows(lo, hi, verify=verify)
-    state["meta"] = torch.tensor([head.num_classes, head.embedding_size, lo, hi - lo, head.world_size,
-                                  meta["seed"], meta["sample_step"], meta["step_count"], head.sub_centers],
-                                 dtype=torch.int64)
-    state["margin_state"] = head.margin_state_tensor(json.loads(meta["margin_state"]))
-    head.load_state_dict(state)
+    ckpt.load_resharded(head, ckpt.open_shards(tag_dir, name=name, world_size=world_size), verify=verify)
 
 
 def _rng_state() -> dict:

@@ -1,0 +1,183 @@
+"""Resume streams a head shard into the bank row block by row block: the memory a load
+needs is bounded by its chunk, never a whole state, whatever tier holds the state.
+
+The counter sees every tensor storage a torch op creates while the load runs (a
+``TorchDispatchMode``: a storage that aliases none of the op's inputs is new; it counts
+until its last reference dies) and every Python-level allocation (``tracemalloc``: the
+checksum pass's buffer, numpy). On a CPU the bank's "device" tier is host memory too, so
+one counter bounds both.
+"""
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ds_pfc import PartialFC
+from ds_pfc.bank.quantized import INT8_ROWWISE
+from ds_pfc.bank.tiered import TieredBank
+from ds_pfc.checkpoint import shards as ckpt
+from ds_pfc.core import head as head_module
+
+C, D = 16384, 64                 # 4 MiB per float32 state
+CHUNK = 64 << 10
+# What a load may hold beyond the chunk: the read buffer is one chunk; the bank's block
+# conversion (float32 -> bfloat16 storage) or 8-bit coding of a block takes at most three
+# more chunk-sized temporaries; the row ids of a block and bookkeeping stay under 64 KiB.
+BOUND = 4 * CHUNK + (64 << 10)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages created inside the mode and still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() and storage.data_ptr() not in inputs:
+                    ref = StorageWeakRef(storage)
+                    self.live.setdefault(ref.cdata, (ref, storage.nbytes()))
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def _peak(fn) -> tuple[int, int]:
+    """(peak live torch bytes, peak Python bytes) while ``fn`` runs."""
+    with LiveBytes():                # the first dispatch mode imports torch's compiler stack: not the load's
+        torch.empty(1)
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    try:
+        with LiveBytes() as counter:
+            fn()
+        _, python_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return counter.peak, python_peak
+
+
+BANKS = {
+    "device": None,
+    "host-bf16-int8": TieredBank.factory({"weight": ("host", torch.bfloat16),
+                                          "momentum_buffer": ("device", INT8_ROWWISE)}, default="host"),
+    "host-mapped": TieredBank.factory(default="host", host_access="mapped"),
+}
+
+
+def _head(bank):
+    return PartialFC(C, D, sample_rate=0.05, seed=5, optimizer="sgd", momentum=0.9, bank=bank)
+
+
+def _trained(bank):
+    head = _head(bank)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        head(torch.randn(16, D, generator=gen), torch.randint(0, C, (16,), generator=gen)).backward()
+        head.step(0.5)
+    return head
+
+
+def _saved_states(head) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in head.state_dict().items()}
+
+
+@pytest.mark.parametrize("bank", list(BANKS))
+def test_a_shard_loads_block_by_block_within_its_chunk(bank, tmp_path):
+    source = _trained(BANKS[bank])
+    ckpt.save_head_shard(source, str(tmp_path))
+    saved = _saved_states(source)
+    source.close()
+    head = _head(BANKS[bank])
+    torch_peak, python_peak = _peak(lambda: ckpt.load_head_shard(head, str(tmp_path), chunk_bytes=CHUNK))
+    whole = C * D * 4
+    assert torch_peak + python_peak <= BOUND < whole, (torch_peak, python_peak)
+    loaded = head.state_dict()
+    for key, value in saved.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    assert head.training_state() == source.training_state()
+    head.close()
+
+
+def test_the_memory_counter_sees_a_whole_state_load(tmp_path):
+    """The counter is not blind: loading the same shard in one block needs a whole state."""
+    source = _trained(None)
+    ckpt.save_head_shard(source, str(tmp_path))
+    head = _head(None)
+    torch_peak, python_peak = _peak(lambda: ckpt.load_head_shard(head, str(tmp_path), chunk_bytes=C * D * 4))
+    assert torch_peak >= C * D * 4
+
+
+def test_zeroed_optimizer_states_stream_too(tmp_path):
+    source = _trained(BANKS["host-bf16-int8"])
+    ckpt.save_head_shard(source, str(tmp_path))
+    head = _head(BANKS["host-bf16-int8"])
+    torch_peak, python_peak = _peak(lambda: ckpt.load_head_shard(head, str(tmp_path), chunk_bytes=CHUNK,
+                                                                 optimizer_states="zero"))
+    assert torch_peak + python_peak <= BOUND
+    assert torch.equal(head.state_dict()["weight"], source.state_dict()["weight"])
+    assert int(torch.count_nonzero(head.state_dict()["momentum_buffer"])) == 0
+
+
+def test_a_state_dict_reaches_the_bank_in_blocks(monkeypatch):
+    """``load_state_dict`` of a host state dict never makes a whole-state copy (on a GPU:
+    never moves a whole state to the device)."""
+    source = _trained(BANKS["host-bf16-int8"])
+    saved = _saved_states(source)
+    head = _head(BANKS["host-bf16-int8"])
+    monkeypatch.setattr(head_module, "LOAD_CHUNK_BYTES", CHUNK)
+    torch_peak, _ = _peak(lambda: head.load_state_dict(saved))
+    assert torch_peak <= BOUND, torch_peak
+    for key, value in saved.items():
+        assert torch.equal(head.state_dict()[key], value), key
+
+
+def test_a_file_that_changes_during_the_load_is_reported(tmp_path, monkeypatch):
+    source = _trained(None)
+    path = ckpt.save_head_shard(source, str(tmp_path))
+    head = _head(None)
+    before = _saved_states(head)
+    with open(path, "r+b") as f:                 # damage the last byte of the last tensor
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(ckpt.ShardChecksumError, match="do not match the checksum"):
+        ckpt.load_head_shard(head, str(tmp_path), chunk_bytes=CHUNK)
+    for key, value in head.state_dict().items():                # checked before anything changed
+        assert torch.equal(value, before[key]), key
+    monkeypatch.setattr(ckpt, "verify_shard", lambda path, chunk_bytes=None: None)   # as if it changed after
+    with pytest.raises(ckpt.ShardChecksumError, match="changed while loading.*partly loaded"):
+        ckpt.load_head_shard(head, str(tmp_path), chunk_bytes=CHUNK)
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive integer"):
+        ckpt.load_head_shard(head, str(tmp_path), chunk_bytes=0)
+
+
+@pytest.mark.parametrize("bank", ["device", "host-bf16-int8"])
+def test_a_resharded_load_streams_too(bank, tmp_path):
+    """Loading from shards of another world size (2 -> 1 here) reads the head's classes a
+    block at a time: one block of every state, the bank's block work, never the shard."""
+    source = _trained(BANKS[bank])
+    ckpt.save_head_shard(source, str(tmp_path / "one"))
+    ckpt.reshard(str(tmp_path / "one"), str(tmp_path / "two"), 2)
+    saved = _saved_states(source)
+    head = _head(BANKS[bank])
+    shards = ckpt.open_shards(str(tmp_path / "two"))
+    torch_peak, python_peak = _peak(lambda: ckpt.load_resharded(head, shards, chunk_bytes=CHUNK))
+    # two states: one block of each read, plus the bank's work on one block
+    assert torch_peak + python_peak <= BOUND + CHUNK < C * D * 4, (torch_peak, python_peak)
+    for key, value in saved.items():
+        assert torch.equal(head.state_dict()[key], value), key
+    assert head.training_state() == source.training_state()
