@@ -37,6 +37,7 @@ import re
 import sys
 
 from .._args import parser
+from ..checkpoint.shards import READ_CHUNK_BYTES
 from ..core.softmax import COSINE_KEEP_BYTES, CUDA_BLOCK_BYTES
 
 __all__ = ["plan", "PlanArgumentError", "GPUS", "BACKBONES", "TIERS", "DEFAULTS", "build_parser", "main",
@@ -81,15 +82,12 @@ HOST_TOUCHES = {"host": 1.0, "host-cpu": 3.5}   # host-memory bytes per byte mov
 SAMPLER_BYTES_PER_CLASS = 14   # int64 keys, int32 buckets and two byte masks of the select (core/sampling.py)
 VERSION_BYTES = 8   # per row and state: the bank's int32 "issued" and the store's int32 "versions"
 
-#: The row mover as built (``ds_pfc/kernels/triton_rows.py``, ``_TILES["cuda"]``): 16
-#: programs of 4 warps, each warp with one 512-byte load in flight, so 32 KiB in flight per
-#: GPU. By Little's law its rate is bytes in flight / latency: 32 KiB / 1.5 us (a read of
-#: mapped host memory over PCIe, 1-2 us) = 21.8 GB/s, and 32 KiB / 0.6 us (HBM) = 54.6 GB/s
-#: for the device-to-device overlap patch. Stated defaults until a GPU measures them
-#: (``ds-pfc-bench rows``); ``--zero-copy-gbps`` / ``--patch-gbps`` override them.
-MOVER_INFLIGHT_KIB = 32
-ZERO_COPY_LATENCY_US = 1.5
-HBM_LATENCY_US = 0.6
+#: The row mover's rate is its stated launch (``ds_pfc.kernels.triton_rows``:
+#: ``default_config``, ``bytes_in_flight``, ``ASSUMED_LATENCY_US``) by Little's law: bytes in
+#: flight / latency. At d = 512 with bf16 rows a mapped read keeps 16 programs x 8 rows x 1 KiB
+#: = 128 KiB in flight, / 2 us = 65.5 GB/s (the uplink binds first); the device-to-device
+#: overlap patch 256 KiB / 1 us. Stated defaults until a GPU measures them
+#: (``ds-pfc-bench rows --tier-check``); ``--zero-copy-gbps`` / ``--patch-gbps`` override them.
 #: The head's effective matrix rate, TFLOP/s: one H200 step at S = 800k, N = 2048, d = 512
 #: (bf16 products, three GEMM-shaped passes of 2 N S d flops) took 25.8 ms (docs/gpu.md),
 #: 195 TFLOP/s; H100 SXM has the same bf16 tensor rate. A100: scaled by 312/989.
@@ -107,8 +105,8 @@ DEVICE_ACCESS = ("staged", "mapped")
 
 DEFAULTS = dict(optimizer="sgd", storage="fp32", backbone="r100", batch=128, step_ms=300.0, head_ms=None,
                 host_gbps=370.0, pcie_gbps=50.0, zero_copy_gbps=None, patch_gbps=None,
-                mover_programs=16, gpus_per_node=8, gpus_per_uplink=1, streams="one", int8_in_mover=False,
-                device_access="staged", resume_chunk_mb=0.0, host_ram_gb=2048.0, cpu_gbps=6.0, cpu_cores=112,
+                mover_programs=16, gpus_per_node=8, gpus_per_uplink=1, streams="one", int8_in_mover=True,
+                device_access="staged", resume_chunk_mb=READ_CHUNK_BYTES / 1e6, host_ram_gb=2048.0, cpu_gbps=6.0, cpu_cores=112,
                 hbm_share=0.0, block_bytes=CUDA_BLOCK_BYTES, keep_bytes=COSINE_KEEP_BYTES, momentum=0.9)
 
 # CLI spelling of each argument (errors name the option to change).
@@ -182,20 +180,31 @@ def _check_inputs(p: dict) -> dict:
     return p
 
 
+def _mover_latency() -> dict:
+    from ..kernels.triton_rows import ASSUMED_LATENCY_US
+    return dict(ASSUMED_LATENCY_US)
+
+
 def mover_gbps(p: dict) -> tuple[float, float, str]:
     """(zero-copy GB/s per GPU and direction, device-to-device patch GB/s, how each was set)."""
-    inflight = MOVER_INFLIGHT_KIB * 1024 * p["mover_programs"] / 16
+    from ..kernels.triton_rows import ASSUMED_LATENCY_US, bytes_in_flight, default_config
+    row = (4 if p["storage"] == "fp32" else 2) * p["dim"]        # the weight's rows, the widest moved
+    read = default_config("host_read", row, p["dim"])
+    inflight = bytes_in_flight(read, row) * p["mover_programs"] / read.max_programs
     link = p["pcie_gbps"] / p["gpus_per_uplink"]
     if p["zero_copy_gbps"] is None:
-        mover = inflight / (ZERO_COPY_LATENCY_US * 1e-6) / GB
-        how = (f"{inflight / 1024:g} KiB in flight / {ZERO_COPY_LATENCY_US:g} us = {mover:.1f} GB/s (Little's law, "
-               f"not measured)")
+        latency = ASSUMED_LATENCY_US["host_read"]
+        mover = inflight / (latency * 1e-6) / GB
+        how = (f"{inflight / 1024:g} KiB in flight ({p['mover_programs']} programs x {read.rows_per_pass} rows x "
+               f"{row} B) / {latency:g} us = {mover:.1f} GB/s (Little's law, not measured)")
     else:
         mover, how = p["zero_copy_gbps"], f"--zero-copy-gbps {p['zero_copy_gbps']:g}"
     rate = min(mover, link)
     if rate < mover:
         how += f", capped by the uplink: {p['pcie_gbps']:g} / {p['gpus_per_uplink']} GPUs = {link:.1f} GB/s"
-    patch = inflight / (HBM_LATENCY_US * 1e-6) / GB if p["patch_gbps"] is None else p["patch_gbps"]
+    d2d = default_config("d2d", row, p["dim"])
+    patch = bytes_in_flight(d2d, row) / (ASSUMED_LATENCY_US["d2d"] * 1e-6) / GB if p["patch_gbps"] is None \
+        else p["patch_gbps"]
     return rate, patch, how
 
 
@@ -651,9 +660,9 @@ def _assumptions(out: dict) -> list[str]:
                                        "host memory"))
     if p["device_access"] == "staged":
         temps.append("device tier with staged access: the fetch's gather and float32 copy of the cold rows")
-    temps.append("resume: " + (f"chunks of {p['resume_chunk_mb']:g} MB" if p["resume_chunk_mb"] else
+    temps.append("resume: " + (f"streamed in chunks of {p['resume_chunk_mb']:.1f} MB" if p["resume_chunk_mb"] else
                                "a whole float32 state moved to the GPU, all states in host memory "
-                               "(--resume-chunk-mb once resume streams)"))
+                               "(--resume-chunk-mb 0)"))
     return [
         f"  window: backbone {p['step_ms']:g} ms + head {head} = {w['window_s'] * 1e3:.0f} ms per step",
         f"  bank stream: {streams}",
@@ -890,15 +899,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mover-programs", "--mover_programs", dest="mover_programs", type=_typed(int, 1),
                     default=d["mover_programs"], help="programs (SMs) of the row mover; its bytes in flight "
                     "scale with them (default %(default)s)")
-    ap.add_argument("--int8-in-mover", "--int8_in_mover", dest="int8_in_mover", action="store_true",
+    ap.add_argument("--int8-in-mover", "--int8_in_mover", dest="int8_in_mover",
+                    action=argparse.BooleanOptionalAction, default=d["int8_in_mover"],
                     help="8-bit rows coded and decoded in the mover's registers on every tier and access (d + 4 "
-                         "bytes moved, no float32 temporaries, mapped host tier allowed); default: the bank as built")
+                         "bytes moved, no float32 temporaries, mapped host tier allowed), as built; "
+                         "--no-int8-in-mover: the torch path a bank without Triton takes")
     ap.add_argument("--device-access", "--device_access", dest="device_access", choices=list(DEVICE_ACCESS),
                     default=d["device_access"], help="host_access of the device tier's bank (staged: its fetch "
                     "keeps a gather and float32 copy of the cold rows; default %(default)s)")
     ap.add_argument("--resume-chunk-mb", "--resume_chunk_mb", dest="resume_chunk_mb", type=_typed(float, 0.0),
-                    default=d["resume_chunk_mb"], help="resume's chunk, MB (0: a whole float32 state at once, "
-                    "as built)")
+                    default=d["resume_chunk_mb"], help="resume's chunk, MB (default: the streamed resume's "
+                    "%(default).1f MB; 0: a whole float32 state at once)")
     ap.add_argument("--host-ram-gb", "--host_ram_gb", dest="host_ram_gb", type=_typed(float, 0.0, None, True),
                     default=d["host_ram_gb"], help="host RAM of the node, GB")
     ap.add_argument("--cpu-gbps", "--cpu_gbps", dest="cpu_gbps", type=_typed(float, 0.0, None, True),
@@ -948,8 +959,7 @@ def main(argv=None) -> int:
                "constants": {"gpus": GPUS, "gpu_reserve_gb": GPU_RESERVE_GB, "backbones": BACKBONES,
                              "backbone_bytes_per_param": BACKBONE_BYTES_PER_PARAM, "host_touches": HOST_TOUCHES,
                              "sampler_bytes_per_class": SAMPLER_BYTES_PER_CLASS,
-                             "mover_inflight_kib": MOVER_INFLIGHT_KIB, "zero_copy_latency_us": ZERO_COPY_LATENCY_US,
-                             "hbm_latency_us": HBM_LATENCY_US, "head_tflops": HEAD_TFLOPS,
+                             "mover_latency_us": _mover_latency(), "head_tflops": HEAD_TFLOPS,
                              "forward_share": FORWARD_SHARE, "int8_temporaries": INT8_TEMPORARIES}}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         tmp = args.json + ".tmp"
