@@ -37,7 +37,7 @@ import re
 import sys
 
 from .._args import parser
-from ..checkpoint.shards import READ_CHUNK_BYTES
+from ..core.head import LOAD_CHUNK_BYTES
 from ..core.softmax import COSINE_KEEP_BYTES, CUDA_BLOCK_BYTES
 
 __all__ = ["plan", "PlanArgumentError", "GPUS", "BACKBONES", "TIERS", "DEFAULTS", "build_parser", "main",
@@ -106,7 +106,7 @@ DEVICE_ACCESS = ("staged", "mapped")
 DEFAULTS = dict(optimizer="sgd", storage="fp32", backbone="r100", batch=128, step_ms=300.0, head_ms=None,
                 host_gbps=370.0, pcie_gbps=50.0, zero_copy_gbps=None, patch_gbps=None,
                 mover_programs=16, gpus_per_node=8, gpus_per_uplink=1, streams="one", int8_in_mover=True,
-                device_access="staged", resume_chunk_mb=READ_CHUNK_BYTES / 1e6, host_ram_gb=2048.0, cpu_gbps=6.0, cpu_cores=112,
+                device_access="staged", resume_chunk_mb=LOAD_CHUNK_BYTES / 1e6, host_ram_gb=2048.0, cpu_gbps=6.0, cpu_cores=112,
                 hbm_share=0.0, block_bytes=CUDA_BLOCK_BYTES, keep_bytes=COSINE_KEEP_BYTES, momentum=0.9)
 
 # CLI spelling of each argument (errors name the option to change).
