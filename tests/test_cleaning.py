@@ -19,7 +19,7 @@ from ds_pfc.app.cleaning import (CleanSettings, class_centres, clean_embeddings,
                                  merge_label_spaces, plan_labels)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-D = 24
+D = 128
 
 
 def _planted(num_identities=40, per=6, split=(3, 11, 17), flips=(5, 50, 101), seed=0, noise=0.35):

@@ -12,8 +12,10 @@ an L2-normalised embedding; from them:
   :func:`ds_pfc.core.neighbors.nearest` with the own label excluded).
 - **duplicate identities** (:func:`find_duplicates`): pairs of classes whose centres
   are within ``duplicate_cos`` (the exact blockwise top-``neighbours``), confirmed by
-  the images: the share of the pair's images that are at least as close to the other
-  class's centre as to their own (leave-one-out) must reach ``duplicate_evidence``. Confirmed pairs join
+  the images: the share of the pair's images whose best other class is the other one
+  must reach ``duplicate_evidence`` (a trained head pushes a person's two labels apart,
+  so their centres may sit at a cosine of only 0.5-0.6, but each label's images still
+  name the other as their nearest other class). Confirmed pairs join
   into groups (union-find); a group keeps the id of its class with the most images.
   The head's own rows, when given, are compared for the candidate pairs as a second
   signal (a column of the table, not a condition).
@@ -69,11 +71,11 @@ def _cos(name: str, value) -> float:
 class CleanSettings:
     """The thresholds of a cleaning pass (defaults: ``docs/cleaning.md``)."""
 
-    duplicate_cos: float = 0.5
+    duplicate_cos: float = 0.4
     """Centre cosine at or above which two classes are a candidate duplicate."""
-    duplicate_evidence: float = 0.3
-    """Share of a candidate pair's images that are as close to the other class's centre
-    as to their own (leave-one-out) that confirms it."""
+    duplicate_evidence: float = 0.5
+    """Share of a candidate pair's images whose best other class is the other one of
+    the pair that confirms it."""
     neighbours: int = 8
     """Candidates per class (the top-k of the centre comparison)."""
     flip_margin: float = 0.1
@@ -158,20 +160,20 @@ def _union_find(num: int, pairs) -> list[int]:
     return [root(i) for i in range(num)]
 
 
-def find_duplicates(embeddings: torch.Tensor, labels: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor,
-                    own_cos: torch.Tensor, settings: CleanSettings, head_rows: torch.Tensor | None = None
+def find_duplicates(labels: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor, other_class: torch.Tensor,
+                    settings: CleanSettings, head_rows: torch.Tensor | None = None
                     ) -> tuple[list[dict], list[list[int]]]:
     """``(pairs, groups)``: every candidate pair (a row per pair: classes, centre cosine,
-    image evidence both ways, head cosine, confirmed) and the groups of confirmed pairs
-    (each a list of class ids, the kept one first: most images, then lowest id).
+    image evidence both ways and pooled, head cosine, confirmed) and the groups of
+    confirmed pairs (each a list of class ids, the kept one first: most images, then
+    lowest id).
 
-    A class's image *picks* the other class when its cosine to the other's centre is at
-    least its cosine to its own centre without it (``own_cos``): images of one person
-    under two labels do so about half the time, images of two people hardly ever. The
-    evidence of a pair is the share of the images of both classes that pick the other
-    (images of one-image classes have no own centre and do not vote); a pair is
-    confirmed at ``duplicate_evidence``. ``head_rows``: the head's rows ``[C, d]`` or
-    ``[C, K, d]`` (sub-centres: the best pair of sub-centres), or None."""
+    The evidence of a pair is the share of the images of both classes whose best other
+    class (``other_class``, :func:`image_scores`) is the other one of the pair: images
+    of one person under two labels name the other label, whatever training did to the
+    two centres; a pair is confirmed at ``duplicate_evidence``. ``head_rows``: the
+    head's rows ``[C, d]`` or ``[C, K, d]`` (sub-centres: the best pair of
+    sub-centres), or None."""
     num_classes = sums.shape[0]
     if head_rows is not None and head_rows.shape[0] != num_classes:
         raise ValueError(f"head_rows has {head_rows.shape[0]} classes but the data has {num_classes}; the head "
@@ -183,17 +185,13 @@ def find_duplicates(embeddings: torch.Tensor, labels: torch.Tensor, sums: torch.
     a = torch.arange(num_classes).unsqueeze(1).expand_as(indices)
     keep = indices > a                                   # each pair once, from its lower id
     pa, pb, pc = a[keep], indices[keep], values[keep]
-    unit = F.normalize(embeddings.to(torch.float64), dim=1)
-    order = torch.argsort(labels, stable=True)
-    starts = (torch.cumsum(counts, 0) - counts).tolist()
-    known = ~torch.isnan(own_cos)
+    valid = other_class >= 0
+    key = labels[valid] * num_classes + other_class[valid]
+    uniq, n = torch.unique(key, return_counts=True)
+    votes = dict(zip(uniq.tolist(), n.tolist()))
 
     def picks(x: int, y: int) -> tuple[int, int]:
-        index = order[starts[x]:starts[x] + int(counts[x])]
-        index = index[known[index]]
-        if not index.numel():
-            return 0, 0
-        return int(((unit[index] @ centres[y]) >= own_cos[index].double()).sum()), index.numel()
+        return votes.get(x * num_classes + y, 0), int(counts[x])
     rows, confirmed = [], []
     for x, y, c in zip(pa.tolist(), pb.tolist(), pc.tolist()):
         (p_xy, n_x), (p_yx, n_y) = picks(x, y), picks(y, x)
@@ -375,7 +373,7 @@ def clean_embeddings(embeddings: torch.Tensor, labels: torch.Tensor, num_classes
         log(f"clean: {empty} of {num_classes} classes have no image (no centre; never matched)")
     own, other_cos, other_class = image_scores(embeddings, labels, sums, counts, block_rows=settings.block_rows)
     log(f"clean: scored {embeddings.shape[0]} images against {num_classes} centres")
-    report.duplicate_pairs, report.groups = find_duplicates(embeddings, labels, sums, counts, own, settings,
+    report.duplicate_pairs, report.groups = find_duplicates(labels, sums, counts, other_class, settings,
                                                             head_rows)
     log(f"clean: {len(report.duplicate_pairs)} candidate duplicate pairs, {len(report.groups)} confirmed groups")
     group_of = torch.arange(num_classes)
