@@ -78,7 +78,7 @@ class CleanSettings:
     the pair that confirms it."""
     neighbours: int = 8
     """Candidates per class (the top-k of the centre comparison)."""
-    flip_margin: float = 0.1
+    flip_margin: float = 0.0
     """How much the best other centre must beat the own (leave-one-out) centre for a flip."""
     outlier_cos: float = 0.2
     """Below this cosine to the own centre an image that points nowhere is an outlier."""
