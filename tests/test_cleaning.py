@@ -92,6 +92,30 @@ def test_finds_the_planted_duplicates_and_flips():
         assert int(new[i]) == report.class_map[group_of.get(true, true)]
 
 
+def test_a_nearer_sibling_takes_the_votes_from_a_farther_candidate():
+    """Class 0 (identity A) has two candidates above the threshold: class 1, the same
+    identity, and class 2, another identity whose centre is closer than the threshold
+    but farther than class 1's. Only (0, 1) is confirmed: the images name class 1."""
+    gen = torch.Generator().manual_seed(3)
+    a = F.normalize(torch.randn(D, generator=gen, dtype=torch.float64), dim=0)
+    b = F.normalize(a + 1.2 * F.normalize(torch.randn(D, generator=gen, dtype=torch.float64), dim=0), dim=0)
+    far = F.normalize(torch.randn(5, D, generator=gen, dtype=torch.float64), dim=1)
+    protos = torch.stack([a, a, b, *far])
+    labels = torch.arange(len(protos)).repeat_interleave(6)
+    emb = F.normalize(protos[labels] + 0.2 * torch.randn(len(labels), D, generator=gen, dtype=torch.float64)
+                      / D ** 0.5, dim=1).float()
+    cos02 = float(a @ b)
+    assert 0.4 < cos02 < 0.9
+    report = clean_embeddings(emb, labels, len(protos), CleanSettings(duplicate_cos=0.3))
+    pairs = {(r["class_a"], r["class_b"]): r for r in report.duplicate_pairs}
+    assert (0, 2) in pairs and not pairs[(0, 2)]["confirmed"]
+    assert pairs[(0, 1)]["confirmed"] and report.groups == [[0, 1]]
+    # the centre threshold alone would have merged identity B into A; class 2's images all name
+    # their nearest class, but no image of 0 or 1 names 2
+    assert pairs[(0, 2)]["centre_cos"] >= 0.3 and pairs[(1, 2)]["centre_cos"] >= 0.3
+    assert pairs[(1, 2)]["evidence_a_to_b"] == 0 and pairs[(0, 2)]["evidence_a_to_b"] == 0
+
+
 def test_head_rows_are_the_second_signal():
     emb, labels, num_classes, pairs, _ = _planted()
     gen = torch.Generator().manual_seed(5)
@@ -201,6 +225,9 @@ def test_command_writes_tables_labels_and_a_class_map_that_grows_a_head(run, cap
     grow_head(head, tag, old_ids, new_ids)
     assert torch.equal(head.state_dict()["weight"][new_ids], old[old_ids])
     assert "classes kept" in capsys.readouterr().out
+    pq = pytest.importorskip("pyarrow.parquet", reason="Parquet tables are written only when pyarrow is installed")
+    with open(out / "duplicates.csv") as f:
+        assert pq.read_table(out / "duplicates.parquet").num_rows == len(f.read().splitlines()) - 1
 
 
 def _export_without_data(tmp_path):

@@ -13,7 +13,7 @@ an L2-normalised embedding; from them:
 - **duplicate identities** (:func:`find_duplicates`): pairs of classes whose centres
   are within ``duplicate_cos`` (the exact blockwise top-``neighbours``), confirmed by
   the images: the share of the pair's images whose best other class is the other one
-  must reach ``duplicate_evidence`` (a trained head pushes a person's two labels apart,
+  must reach ``duplicate_evidence``, with votes from both classes (a trained head pushes a person's two labels apart,
   so their centres may sit at a cosine of only 0.5-0.6, but each label's images still
   name the other as their nearest other class). Confirmed pairs join
   into groups (union-find); a group keeps the id of its class with the most images.
@@ -171,7 +171,9 @@ def find_duplicates(labels: torch.Tensor, sums: torch.Tensor, counts: torch.Tens
     The evidence of a pair is the share of the images of both classes whose best other
     class (``other_class``, :func:`image_scores`) is the other one of the pair: images
     of one person under two labels name the other label, whatever training did to the
-    two centres; a pair is confirmed at ``duplicate_evidence``. ``head_rows``: the
+    two centres; a pair is confirmed at ``duplicate_evidence`` when images of both
+    classes name the other (a look-alike's images may all name their nearest class
+    while that class's images name another). ``head_rows``: the
     head's rows ``[C, d]`` or ``[C, K, d]`` (sub-centres: the best pair of
     sub-centres), or None."""
     num_classes = sums.shape[0]
@@ -200,7 +202,8 @@ def find_duplicates(labels: torch.Tensor, sums: torch.Tensor, counts: torch.Tens
                "images_b": int(counts[y]), "evidence_a_to_b": round(p_xy / max(1, n_x), 6),
                "evidence_b_to_a": round(p_yx / max(1, n_y), 6), "evidence": round(evidence, 6),
                "head_cos": "" if head_rows is None else round(_head_cos(head_rows, x, y), 6)}
-        row["confirmed"] = n_x + n_y > 0 and evidence >= settings.duplicate_evidence
+        # both ways: a look-alike's images all name its nearest class, that class's images name another
+        row["confirmed"] = p_xy > 0 and p_yx > 0 and evidence >= settings.duplicate_evidence
         if row["confirmed"]:
             confirmed.append((x, y))
         rows.append(row)
@@ -425,11 +428,20 @@ def embed_dataset(backbone: torch.nn.Module, dataset, *, batch_size: int = 256, 
 
 
 def _write_csv(path: str, rows: list[dict], columns: list[str]) -> None:
+    """The table as CSV and, when pyarrow is installed, as Parquet beside it."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for row in rows:
             writer.writerow(row)
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return
+    table = pa.table({c: [None if r.get(c) == "" else r.get(c) for r in rows] for c in columns}) if rows \
+        else pa.table({c: pa.array([], pa.string()) for c in columns})
+    pq.write_table(table, path[:-len(".csv")] + ".parquet")
 
 
 def contact_sheet(path: str, rows: list[tuple[str, torch.Tensor]], *, tile: int = 64) -> None:
@@ -451,7 +463,7 @@ def contact_sheet(path: str, rows: list[tuple[str, torch.Tensor]], *, tile: int 
 
 def write_report(report: CleanReport, out_dir: str, *, dataset=None, labels: torch.Tensor | None = None,
                  sheets: int = 8, per_row: int = 6, log=None) -> dict[str, str]:
-    """Write the tables (CSV), ``labels.txt`` (one cleaned label per image, ``-1``:
+    """Write the tables (CSV, and Parquet when pyarrow is installed), ``labels.txt`` (one cleaned label per image, ``-1``:
     dropped), ``class_map.json`` and ``summary.json`` into ``out_dir``; with
     ``dataset`` and its ``labels``, contact sheets (PNG) of the top ``sheets``
     duplicate groups and flips under ``out_dir/sheets``. Returns ``{name: path}``."""
