@@ -25,8 +25,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ds_pfc.app.cleaning import (CleanSettings, class_centres, embed_dataset, find_duplicates,  # noqa: E402
-                                 find_flips, find_overlap, image_scores, load_run)
+from ds_pfc.app.cleaning import (CleanSettings, _union_find, class_centres, embed_dataset,  # noqa: E402
+                                 find_duplicates, find_flips, find_overlap, image_scores, load_run)
 from ds_pfc.bench.grow import FEATURES, _train, base_config  # noqa: E402
 from ds_pfc.data.features import IdentityFeatures  # noqa: E402
 from ds_pfc.data.stress import StressedDataset  # noqa: E402
@@ -91,6 +91,19 @@ def pair_stats(checkpoints: str, args) -> dict:
             "duplicates_at_defaults": pr(pairs_of(groups), truth)}
 
 
+def throughput(num: int, dim: int, k: int = 8, threshold: float = 0.4) -> dict:
+    """Seconds of one exact all-pairs top-k (``num`` x ``num`` cosines of ``dim`` values,
+    float32, blocks of 4096) on this machine's torch threads, and the rate it implies."""
+    from ds_pfc.core.neighbors import nearest
+    rows = torch.nn.functional.normalize(torch.randn(num, dim, generator=torch.Generator().manual_seed(0)), dim=1)
+    nearest(rows[:4096], rows[:4096], k, threshold=threshold)          # warm-up
+    t0 = time.perf_counter()
+    nearest(rows, rows, k, threshold=threshold, query_ids=torch.arange(num))
+    seconds = time.perf_counter() - t0
+    return {"classes": num, "dim": dim, "k": k, "threshold": threshold, "seconds": round(seconds, 2),
+            "gflops_per_s": round(2 * num * num * dim / seconds / 1e9, 1), "threads": torch.get_num_threads()}
+
+
 def study(args) -> dict:
     started = time.time()
     config, stressed = job(args.identities, args.images, args.steps, args.conflict, args.flip, 1.0, args.seed)
@@ -136,6 +149,15 @@ def study(args) -> dict:
             duplicates.append(row)
             if cos == CleanSettings().duplicate_cos and evidence == CleanSettings().duplicate_evidence:
                 best_groups, dup_rows = groups, rows
+    # the field's rule: every candidate above the centre threshold, merged without evidence
+    centre_only = []
+    for cos in DUP_COS:
+        rows, _ = find_duplicates(labels, sums, counts, other_class, CleanSettings(duplicate_cos=cos), head_rows)
+        roots = _union_find(num_classes, [(r["class_a"], r["class_b"]) for r in rows])
+        members: dict[int, list[int]] = {}
+        for c in {c for r in rows for c in (r["class_a"], r["class_b"])}:
+            members.setdefault(roots[c], []).append(c)
+        centre_only.append({"duplicate_cos": cos, **pr(pairs_of(members.values()), truth_pairs)})
     group_of = torch.arange(num_classes)
     for g in best_groups:
         group_of[torch.tensor(g)] = g[0]
@@ -186,6 +208,7 @@ def study(args) -> dict:
     head_finding = {"r=1.0": pair_stats(checkpoints, args),
                     "r=0.1": pair_stats(os.path.join(work, "r01", "run", "checkpoints"), args),
                     "seconds_r01": round(time.time() - t0, 1)}
+    rate = throughput(args.rate_classes, 128)
     return {"benchmark": "clean-study", "date": time.strftime("%Y-%m-%d"),
             "machine": {"host": "2-core CPU VM", "platform": platform.platform(), "threads": args.threads},
             "versions": {"torch": torch.__version__, "python": platform.python_version()},
@@ -196,7 +219,8 @@ def study(args) -> dict:
                        "features": FEATURES, "model": "mlp 2 x 256 -> 64, CosFace s 32 m 0.3, r = 1.0"},
             "train_summary": {k: summary[k] for k in summary if isinstance(summary[k], (int, float, str))},
             "defaults": {k: v for k, v in CleanSettings().__dict__.items()},
-            "duplicates": duplicates, "flips": flips, "overlap": overlap,
+            "all_pairs_rate": rate,
+            "duplicates": duplicates, "duplicates_centre_only": centre_only, "flips": flips, "overlap": overlap,
             "head_rows_r1_vs_r01": head_finding,
             "head_rows_at_default": {"true_duplicate_pairs_head_cos": stats(head_true),
                                      "other_candidates_head_cos": stats(head_other),
@@ -215,6 +239,7 @@ def main(argv=None) -> int:
     p.add_argument("--flip", type=float, default=0.05, help="share of labels flipped")
     p.add_argument("--overlap", type=int, default=100, help="training identities with images in the test set")
     p.add_argument("--unseen", type=int, default=400, help="never-seen identities in the test set")
+    p.add_argument("--rate-classes", type=int, default=20000, help="classes of the all-pairs timing")
     p.add_argument("--seed", type=int, default=0, help="the corruption's seed")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the training run")
     p.add_argument("--work", default=None, help="where the run goes (default: a temporary folder)")
@@ -224,7 +249,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("duplicates", "flips", "overlap", "head_rows_r1_vs_r01")})[:6000])
+    print(json.dumps({k: result[k] for k in ("all_pairs_rate", "duplicates_centre_only", "duplicates", "flips", "overlap", "head_rows_r1_vs_r01")})[:6000])
     return 0
 
 
