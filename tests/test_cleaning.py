@@ -290,3 +290,31 @@ def test_command_checks_a_test_set_against_the_training_images(run, tmp_path, ca
     err = capsys.readouterr().err
     assert "--test" in err and "(3, 112, 112)" in err and "(3, 1, 32)" in err, err
     assert not (tmp_path / "o2").exists()
+
+
+def _sharded_clean(rank, world_size):
+    from ds_pfc.app.cleaning import clean_sharded
+    emb, labels, num_classes, _, _ = _planted()
+    index = torch.arange(rank, len(labels), world_size)          # a strided share per rank
+    test = emb[labels == 4][:1]
+    report = clean_sharded(emb[index], labels[index], index, num_classes, len(labels),
+                           CleanSettings(block_rows=5), test_embeddings=test)
+    return {"groups": report.groups, "flips": sorted((r["image"], r["kind"], r["points_to"]) for r in report.flips),
+            "class_map": report.class_map, "new_labels": report.new_labels, "overlap": report.overlap,
+            "pairs": [(r["class_a"], r["class_b"], r["confirmed"]) for r in report.duplicate_pairs]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_analysis_equals_the_single_process_one(world_size):
+    from _dist import run_ranks
+    emb, labels, num_classes, _, _ = _planted()
+    want = clean_embeddings(emb, labels, num_classes, CleanSettings(block_rows=5),
+                            test_embeddings=emb[labels == 4][:1])
+    assert want.groups and want.flips
+    for got in run_ranks(_sharded_clean, world_size):
+        assert got["groups"] == want.groups
+        assert got["flips"] == sorted((r["image"], r["kind"], r["points_to"]) for r in want.flips)
+        assert got["class_map"] == want.class_map and torch.equal(got["new_labels"], want.new_labels)
+        assert got["overlap"] == want.overlap
+        assert sorted(got["pairs"]) == sorted((r["class_a"], r["class_b"], r["confirmed"])
+                                              for r in want.duplicate_pairs)

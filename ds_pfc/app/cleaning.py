@@ -54,11 +54,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..core.neighbors import NEIGHBOR_BLOCK_ROWS, nearest
+from ..core import collectives
+from ..core.neighbors import NEIGHBOR_BLOCK_ROWS, nearest, sharded_nearest
+from ..core.partition import Partition
 
 __all__ = ["CleanSettings", "CleanReport", "class_centres", "image_scores", "find_duplicates", "find_flips",
            "find_overlap", "merge_label_spaces", "plan_labels", "clean_embeddings", "embed_dataset",
-           "write_report", "contact_sheet", "run_clean", "load_run"]
+           "write_report", "contact_sheet", "run_clean", "load_run", "clean_sharded"]
 
 
 def _cos(name: str, value) -> float:
@@ -180,22 +182,35 @@ def find_duplicates(labels: torch.Tensor, sums: torch.Tensor, counts: torch.Tens
     if head_rows is not None and head_rows.shape[0] != num_classes:
         raise ValueError(f"head_rows has {head_rows.shape[0]} classes but the data has {num_classes}; the head "
                          "must be the one trained on this label space")
-    centres = F.normalize(sums, dim=1)
-    values, indices = nearest(centres.float(), centres.float(), settings.neighbours,
-                              threshold=settings.duplicate_cos, query_ids=torch.arange(num_classes),
-                              block_rows=settings.block_rows)
-    a = torch.arange(num_classes).unsqueeze(1).expand_as(indices)
+    centres = F.normalize(sums, dim=1).float()
+    values, indices = nearest(centres, centres, settings.neighbours, threshold=settings.duplicate_cos,
+                              query_ids=torch.arange(num_classes), block_rows=settings.block_rows)
+    return _confirm(_candidates(values, indices, 0), _votes(labels, other_class, num_classes), counts, settings,
+                    head_rows)
+
+
+def _candidates(values: torch.Tensor, indices: torch.Tensor, start: int) -> list[tuple[int, int, float]]:
+    """``(a, b, cos)`` with ``a < b`` of a block of top-k rows whose queries are ``start ..``."""
+    a = torch.arange(start, start + indices.shape[0]).unsqueeze(1).expand_as(indices)
     keep = indices > a                                   # each pair once, from its lower id
-    pa, pb, pc = a[keep], indices[keep], values[keep]
+    return list(zip(a[keep].tolist(), indices[keep].tolist(), values[keep].tolist()))
+
+
+def _votes(labels: torch.Tensor, other_class: torch.Tensor, num_classes: int) -> dict[int, int]:
+    """``{label * C + best other class: images}``."""
     valid = other_class >= 0
-    key = labels[valid] * num_classes + other_class[valid]
-    uniq, n = torch.unique(key, return_counts=True)
-    votes = dict(zip(uniq.tolist(), n.tolist()))
+    uniq, n = torch.unique(labels[valid] * num_classes + other_class[valid], return_counts=True)
+    return dict(zip(uniq.tolist(), n.tolist()))
+
+
+def _confirm(candidates, votes: dict[int, int], counts: torch.Tensor, settings: CleanSettings,
+             head_rows: torch.Tensor | None) -> tuple[list[dict], list[list[int]]]:
+    num_classes = counts.shape[0]
 
     def picks(x: int, y: int) -> tuple[int, int]:
         return votes.get(x * num_classes + y, 0), int(counts[x])
     rows, confirmed = [], []
-    for x, y, c in zip(pa.tolist(), pb.tolist(), pc.tolist()):
+    for x, y, c in sorted(candidates):
         (p_xy, n_x), (p_yx, n_y) = picks(x, y), picks(y, x)
         evidence = (p_xy + p_yx) / max(1, n_x + n_y)
         row = {"class_a": x, "class_b": y, "centre_cos": round(c, 6), "images_a": int(counts[x]),
@@ -391,6 +406,73 @@ def clean_embeddings(embeddings: torch.Tensor, labels: torch.Tensor, num_classes
         report.merge = merge_label_spaces(sums, sums_b, settings)
     drop = [r["class"] for r in report.overlap] if drop_overlap else []
     report.new_labels, report.class_map, _ = plan_labels(labels, num_classes, report.groups, report.flips,
+                                                         drop_classes=drop, relabel_flips=relabel_flips)
+    return report
+
+
+def _gather_objects(obj, group) -> list:
+    import torch.distributed as dist
+    out = [None] * collectives.world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def clean_sharded(embeddings: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, num_classes: int,
+                  num_images: int, settings: CleanSettings | None = None, *, group=None, device=None,
+                  head_rows: torch.Tensor | None = None, test_embeddings: torch.Tensor | None = None,
+                  drop_overlap: bool = True, relabel_flips: bool = True, log=None) -> CleanReport:
+    """:func:`clean_embeddings` when each rank of ``group`` holds a share of the images:
+    ``embeddings``/``labels`` of the images whose dataset indices are ``index`` (int64,
+    the shares together cover ``0 .. num_images - 1`` once). Every rank returns the
+    same report, equal to :func:`clean_embeddings` on all images (up to the order of
+    float64 sums). Per rank: the class sums (``C d`` float64, all-reduced), its images'
+    scores, its shard of the centres in the candidate search
+    (:func:`~ds_pfc.core.neighbors.sharded_nearest`), and the labels of all images
+    (8 bytes each) for the cleaned list. ``device``: where the collectives run."""
+    import torch.distributed as dist
+    settings = settings or CleanSettings()
+    log = log or (lambda line: None)
+    _check_embeddings(embeddings, labels, num_classes)
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or tuple(index.shape) != tuple(labels.shape):
+        raise ValueError(f"index must be int64 [{labels.shape[0]}] (the dataset index of every row), got "
+                         f"{getattr(index, 'dtype', type(index).__name__)} {tuple(getattr(index, 'shape', ()))}")
+    report = CleanReport(num_images=num_images, num_classes=num_classes, settings=settings)
+    sums, counts = class_centres(embeddings, labels, num_classes)
+    sums, counts = sums.to(device), counts.to(device)
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(counts, group=group)
+    sums, counts = sums.cpu(), counts.cpu()
+    own, other_cos, other_class = image_scores(embeddings, labels, sums, counts, block_rows=settings.block_rows)
+    # candidates: each rank searches for its shard of the centres among every shard
+    part = Partition(num_classes, collectives.world_size(group))
+    rank = collectives.rank(group)
+    start, count = part.class_start(rank), part.num_local(rank)
+    shard = F.normalize(sums[start:start + count], dim=1).float()
+    values, indices = sharded_nearest(shard, shard, settings.neighbours, threshold=settings.duplicate_cos,
+                                      query_ids=torch.arange(start, start + count), group=group, device=device,
+                                      block_rows=settings.block_rows)
+    candidates = [c for part_c in _gather_objects(_candidates(values, indices, start), group) for c in part_c]
+    votes: dict[int, int] = {}
+    for part_v in _gather_objects(_votes(labels, other_class, num_classes), group):
+        for key, n in part_v.items():
+            votes[key] = votes.get(key, 0) + n
+    report.duplicate_pairs, report.groups = _confirm(candidates, votes, counts, settings, head_rows)
+    log(f"clean: {len(report.duplicate_pairs)} candidate duplicate pairs, {len(report.groups)} confirmed groups")
+    group_of = torch.arange(num_classes)
+    for g in report.groups:
+        group_of[torch.tensor(g)] = g[0]
+    flips = find_flips(labels, own, other_cos, other_class, settings, group_of)
+    for row in flips:
+        row["image"] = int(index[row["image"]])
+    report.flips = sorted((r for part_f in _gather_objects(flips, group) for r in part_f),
+                          key=lambda r: (r["kind"] != "flip", r["own_cos"] - r["other_cos"], r["image"]))
+    all_labels = torch.full((num_images,), -1, dtype=torch.int64)
+    for part_i, part_l in _gather_objects((index, labels), group):
+        all_labels[part_i] = part_l
+    if test_embeddings is not None:
+        report.overlap = find_overlap(sums, test_embeddings, settings)
+    drop = [r["class"] for r in report.overlap] if drop_overlap else []
+    report.new_labels, report.class_map, _ = plan_labels(all_labels, num_classes, report.groups, report.flips,
                                                          drop_classes=drop, relabel_flips=relabel_flips)
     return report
 
