@@ -318,3 +318,24 @@ def test_sharded_analysis_equals_the_single_process_one(world_size):
         assert got["overlap"] == want.overlap
         assert sorted(got["pairs"]) == sorted((r["class_a"], r["class_b"], r["confirmed"])
                                               for r in want.duplicate_pairs)
+
+
+def _clean_command_rank(rank, world_size, model, out):
+    from ds_pfc.cli.clean import main
+    return main(["--model", model, "--out", out, "--duplicate-cos", "0.0", "--duplicate-evidence", "0.3",
+                 "--sheets", "0"])
+
+
+def test_command_on_ranks_writes_what_one_process_writes(run, tmp_path):
+    from _dist import run_ranks
+    from ds_pfc.cli.clean import main
+    tmp, _ = run
+    model = str(tmp / "run" / "checkpoints")
+    assert main(["--model", model, "--out", str(tmp_path / "one"), "--duplicate-cos", "0.0",
+                 "--duplicate-evidence", "0.3", "--sheets", "0"]) == 0
+    assert run_ranks(_clean_command_rank, 3, model, str(tmp_path / "three")) == [0, 0, 0]
+    for name in ("labels.txt", "class_map.json", "images.csv"):
+        assert (tmp_path / "one" / name).read_text() == (tmp_path / "three" / name).read_text(), name
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    three = json.loads((tmp_path / "three" / "summary.json").read_text())
+    assert one == three and one["duplicate_groups"] > 0

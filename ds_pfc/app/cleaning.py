@@ -257,7 +257,7 @@ def find_flips(labels: torch.Tensor, own_cos: torch.Tensor, other_cos: torch.Ten
         rows.append({"image": i, "label": int(labels[i]), "own_cos": round(float(own_cos[i]), 6),
                      "other_cos": round(float(other_cos[i]), 6), "kind": "flip" if flip[i] else "outlier",
                      "points_to": int(target[i]) if flip[i] else -1})
-    rows.sort(key=lambda r: (r["kind"] != "flip", r["own_cos"] - r["other_cos"]))
+    rows.sort(key=lambda r: (r["kind"] != "flip", r["own_cos"] - r["other_cos"], r["image"]))
     return rows
 
 
@@ -436,6 +436,10 @@ def clean_sharded(embeddings: torch.Tensor, labels: torch.Tensor, index: torch.T
     if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or tuple(index.shape) != tuple(labels.shape):
         raise ValueError(f"index must be int64 [{labels.shape[0]}] (the dataset index of every row), got "
                          f"{getattr(index, 'dtype', type(index).__name__)} {tuple(getattr(index, 'shape', ()))}")
+    if head_rows is not None and (not isinstance(head_rows, torch.Tensor) or head_rows.shape[0] != num_classes
+                                  or head_rows.shape[-1] != embeddings.shape[1]):
+        raise ValueError(f"head_rows must be [{num_classes}, {embeddings.shape[1]}] (or with sub-centres [C, K, d]) "
+                         f"for the data's {num_classes} classes, got {tuple(getattr(head_rows, 'shape', ()))}")
     report = CleanReport(num_images=num_images, num_classes=num_classes, settings=settings)
     sums, counts = class_centres(embeddings, labels, num_classes)
     sums, counts = sums.to(device), counts.to(device)
@@ -644,6 +648,20 @@ def _test_embeddings(paths, backbone, *, image_shape, batch_size, device, flip):
     return torch.cat(out)
 
 
+class _Share(torch.utils.data.Dataset):
+    """The items ``index`` of ``dataset`` (one rank's share of the embedding pass)."""
+
+    def __init__(self, dataset, index):
+        self.dataset, self.index = dataset, index
+
+    def __len__(self):
+        return len(self.index)
+
+    def get_batch(self, index):
+        from ..data.loader import _fetch
+        return _fetch(self.dataset, self.index[torch.as_tensor(index, dtype=torch.int64)])
+
+
 class _Images(torch.utils.data.Dataset):
     """Unlabelled images as a dataset (label 0) for :func:`embed_dataset`."""
 
@@ -673,10 +691,17 @@ def run_clean(args, log=None) -> dict:
     for path in args.test:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--test {path!r} does not exist")
+    import torch.distributed as dist
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if rank != 0:
+        log = lambda line: None      # noqa: E731  (rank 0 speaks)
     backbone, dataset, head_rows = load_run(args.model, tag=args.tag, data=args.data, head=not args.no_head,
                                             log=log)
     backbone = backbone.to(args.device)
-    embeddings, labels = embed_dataset(backbone, dataset, batch_size=args.batch_size, device=args.device,
+    index = torch.arange(rank, len(dataset), world)      # every rank embeds a strided share
+    share = dataset if world == 1 else _Share(dataset, index)
+    embeddings, labels = embed_dataset(backbone, share, batch_size=args.batch_size, device=args.device,
                                        flip=args.flip, log=log)
     test = None
     if args.test:
@@ -686,6 +711,8 @@ def run_clean(args, log=None) -> dict:
                                 device=args.device, flip=args.flip)
     second = None
     if args.second:
+        if distributed:
+            raise ValueError("--second runs in one process; launch ds-pfc-clean without ranks to merge datasets")
         try:
             with open(args.second, encoding="utf-8") as f:
                 config = json.load(f)
@@ -700,8 +727,17 @@ def run_clean(args, log=None) -> dict:
         if emb_b.shape[1] != embeddings.shape[1]:
             raise ValueError("--second: embeddings of another width")
         second = (emb_b, labels_b, other.num_classes)
-    report = clean_embeddings(embeddings, labels, dataset.num_classes, settings, head_rows=head_rows,
-                              test_embeddings=test, second=second, drop_overlap=not args.keep_overlap,
-                              relabel_flips=not args.drop_flips, log=log)
+    if distributed:
+        report = clean_sharded(embeddings, labels, index, dataset.num_classes, len(dataset), settings,
+                               device=args.device if str(args.device).startswith("cuda") else None,
+                               head_rows=head_rows, test_embeddings=test, drop_overlap=not args.keep_overlap,
+                               relabel_flips=not args.drop_flips, log=log)
+        labels = torch.as_tensor(dataset.labels(), dtype=torch.int64)
+        if rank != 0:
+            return report.summary()
+    else:
+        report = clean_embeddings(embeddings, labels, dataset.num_classes, settings, head_rows=head_rows,
+                                  test_embeddings=test, second=second, drop_overlap=not args.keep_overlap,
+                                  relabel_flips=not args.drop_flips, log=log)
     write_report(report, args.out, dataset=dataset, labels=labels, sheets=args.sheets, log=log)
     return report.summary()

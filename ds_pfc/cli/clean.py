@@ -2,6 +2,7 @@
 a trained run's label space, and write a class map for the next run.
 
     ds-pfc-clean --model runs/x/checkpoints --out runs/x/clean [--test lfw.bin] [--second other-job.json]
+    deepspeed --num_gpus 8 --module ds_pfc.cli.clean --model runs/x/checkpoints --out runs/x/clean --device cuda
 
 ``--model``: a checkpoint directory (its ``latest`` tag unless ``--tag``; the head's
 rows are then compared too), a model folder of ``ds-pfc-export backbone`` or an export
@@ -16,6 +17,7 @@ dropped), ``class_map.json`` (old id -> new id, for ``ds_pfc.train.init.class_ma
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .._args import parser
@@ -66,15 +68,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """``ds-pfc-clean``: exit status 1 with one ``error:`` line on a refused input."""
+    """``ds-pfc-clean``: exit status 1 with one ``error:`` line on a refused input. Under
+    a launcher (``WORLD_SIZE`` > 1: ``deepspeed``, ``torchrun``) every rank embeds a
+    share of the images and rank 0 writes the results."""
     args = build_parser().parse_args(argv)
+    import torch.distributed as dist
+
     from ..app.cleaning import run_clean
     from ..app.config import ConfigError
+    started = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if args.device == "cuda" and "LOCAL_RANK" in os.environ:     # one GPU per local rank
+            import torch
+            args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if str(args.device).startswith("cuda") else "gloo")
+        started = True
     try:
         summary = run_clean(args, log=lambda line: print(line, flush=True))
     except (ValueError, FileNotFoundError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    finally:
+        if started:
+            dist.destroy_process_group()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0
     print(f"clean: {summary['duplicate_groups']} duplicate groups, {summary['flipped_images']} flipped and "
           f"{summary['outlier_images']} outlier images, {summary['overlapping_classes']} classes overlapping the "
           f"test set; {summary['kept_classes']} classes kept -> {args.out}")
