@@ -2,6 +2,9 @@
 float64 reference written here: the full cosine matrix, masked, sorted."""
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -38,8 +41,10 @@ def _rows(n, d, seed):
 
 @pytest.mark.parametrize("k,threshold,block", [(5, None, 7), (3, 0.25, 4), (40, 0.1, 16), (1, None, 1000)])
 def test_nearest_matches_dense_float64(k, threshold, block):
-    queries, keys = _rows(37, 9, 1), _rows(53, 9, 2)
-    ids = torch.randint(0, 53, (37,), generator=torch.Generator().manual_seed(3))
+    keys = _rows(53, 9, 2)
+    ids = torch.randperm(53, generator=torch.Generator().manual_seed(3))[:37]
+    queries = torch.cat([keys[ids[:20]], _rows(17, 9, 1)])      # 20 queries that are keys: the self-mask decides
+    ids[20:] = torch.randint(0, 53, (17,), generator=torch.Generator().manual_seed(4))
     for query_ids in (None, ids):
         values, indices = nearest(queries, keys, k, threshold=threshold, query_ids=query_ids, block_rows=block)
         ref_v, ref_i = _reference(queries, keys, k, threshold, query_ids)
@@ -115,3 +120,30 @@ def test_sharded_nearest_with_empty_shards():
         ref_v, ref_i = _reference(_rows(3, D, 30 + rank), keys, 3)
         assert torch.equal(indices, ref_i)
         assert torch.isinf(values[:, 2]).all()
+
+
+TRITON_ON_CPU = importlib.util.find_spec("triton") is not None and (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="the fused kernel needs CUDA or Triton's interpreter "
+                                              "(TRITON_INTERPRET=1, set by conftest.py without CUDA)")
+@pytest.mark.parametrize("k,threshold,block", [(5, None, 70), (5, 0.3, 33), (1, None, 200)])
+def test_triton_kernel_matches_dense_float64(k, threshold, block):
+    """Queries are keys themselves (the self-mask decides the top-1) and a threshold at
+    which most rows keep fewer than k keys."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keys = _rows(131, 40, 7)                                          # d = 40: a partial last d-block
+    own = torch.randperm(131, generator=torch.Generator().manual_seed(8))[:37]
+    queries = keys[own]
+    for query_ids in (None, own):
+        values, indices = nearest(queries.float().to(device), keys.float().to(device), k, threshold=threshold,
+                                  query_ids=None if query_ids is None else query_ids.to(device), block_rows=block,
+                                  impl="triton")
+        ref_v, ref_i = _reference(queries, keys, k, threshold, query_ids)
+        if threshold is not None:
+            assert torch.isinf(ref_v).any()
+        assert torch.equal(indices.cpu(), ref_i)
+        finite = torch.isfinite(ref_v)
+        assert torch.equal(torch.isfinite(values.cpu()), finite)
+        torch.testing.assert_close(values.cpu().double()[finite], ref_v[finite], rtol=0, atol=1e-5)

@@ -20,7 +20,9 @@ elements per rank, the same as an all-gather, but never held at once).
 
 The result is exact: a missing slot (fewer than ``k`` keys pass) holds value ``-inf``
 and index ``-1``; among equal cosines the order of indices is unspecified.
-Products run in float32 (float64 when either input is float64).
+Products run in float32 (float64 when either input is float64; always float32 with
+``impl="triton"``, whose kernel fuses the threshold and a per-tile top-k into the
+product so that only ``k`` candidates per query and key tile leave it).
 """
 from __future__ import annotations
 
@@ -45,7 +47,11 @@ def _check_rows(name: str, rows) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {rows.dtype}")
 
 
-def _check_args(queries, k, threshold, query_ids, block_rows) -> None:
+def _check_args(queries, k, threshold, query_ids, block_rows, impl="torch") -> None:
+    if impl not in ("torch", "triton"):
+        raise ValueError(f"impl must be 'torch' or 'triton', got {impl!r}")
+    if impl == "triton" and isinstance(k, int) and k > 64:
+        raise ValueError(f"k must be at most 64 with impl='triton', got {k}")
     _check_rows("queries", queries)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
@@ -69,9 +75,13 @@ def _dtype(*tensors: torch.Tensor) -> torch.dtype:
 class _Running:
     """The running top-k of every query, merged with one key block at a time."""
 
-    def __init__(self, queries: torch.Tensor, k: int, threshold, query_ids, block_rows: int, dtype):
+    def __init__(self, queries: torch.Tensor, k: int, threshold, query_ids, block_rows: int, dtype,
+                 impl: str = "torch"):
+        if impl == "triton":
+            dtype = torch.float32
         self.q = F.normalize(queries.to(dtype), dim=1)
         self.k, self.threshold, self.query_ids, self.block_rows = k, threshold, query_ids, block_rows
+        self.impl = impl
         num = queries.shape[0]
         self.values = torch.full((num, k), float("-inf"), dtype=dtype, device=queries.device)
         self.indices = torch.full((num, k), -1, dtype=torch.int64, device=queries.device)
@@ -84,13 +94,19 @@ class _Running:
         ids = torch.arange(start, start + keys.shape[0], device=keys.device)
         for q0 in range(0, self.q.shape[0], self.block_rows):
             q1 = min(self.q.shape[0], q0 + self.block_rows)
-            scores = self.q[q0:q1] @ keys.T
-            if self.threshold is not None:
-                scores.masked_fill_(scores < self.threshold, float("-inf"))
-            if self.query_ids is not None:
-                scores.masked_fill_(self.query_ids[q0:q1, None] == ids[None, :], float("-inf"))
+            if self.impl == "triton":
+                from ..kernels.triton_neighbors import tile_topk
+                scores, block_ids = tile_topk(self.q[q0:q1], keys, self.k, threshold=self.threshold, key_start=start,
+                                              query_ids=None if self.query_ids is None else self.query_ids[q0:q1])
+            else:
+                scores = self.q[q0:q1] @ keys.T
+                if self.threshold is not None:
+                    scores.masked_fill_(scores < self.threshold, float("-inf"))
+                if self.query_ids is not None:
+                    scores.masked_fill_(self.query_ids[q0:q1, None] == ids[None, :], float("-inf"))
+                block_ids = ids.expand(q1 - q0, -1)
             values = torch.cat([self.values[q0:q1], scores], dim=1)
-            indices = torch.cat([self.indices[q0:q1], ids.expand(q1 - q0, -1)], dim=1)
+            indices = torch.cat([self.indices[q0:q1], block_ids], dim=1)
             top, where = torch.topk(values, min(self.k, values.shape[1]), dim=1)
             picked = torch.gather(indices, 1, where)
             self.values[q0:q1] = top
@@ -98,18 +114,21 @@ class _Running:
 
 
 def nearest(queries: torch.Tensor, keys: torch.Tensor, k: int, *, threshold: float | None = None,
-            query_ids: torch.Tensor | None = None, block_rows: int = NEIGHBOR_BLOCK_ROWS
+            query_ids: torch.Tensor | None = None, block_rows: int = NEIGHBOR_BLOCK_ROWS, impl: str = "torch"
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values [Q, k], indices [Q, k])``: for every row of ``queries [Q, d]`` the
     ``k`` rows of ``keys [K, d]`` of highest cosine, best first, at or above
     ``threshold`` when given, skipping key ``query_ids[i]`` for query ``i`` when
     ``query_ids`` (int64 ``[Q]``) is given. Missing slots: ``-inf`` and ``-1``. Blocks
-    of ``block_rows`` queries times ``block_rows`` keys (see the module docstring)."""
-    _check_args(queries, k, threshold, query_ids, block_rows)
+    of ``block_rows`` queries times ``block_rows`` keys (see the module docstring).
+    ``impl``: ``"torch"`` (matrix products, any device) or ``"triton"`` (the fused
+    kernel of :mod:`ds_pfc.kernels.triton_neighbors`: float32, ``k`` <= 64, CUDA
+    tensors or Triton's interpreter)."""
+    _check_args(queries, k, threshold, query_ids, block_rows, impl)
     _check_rows("keys", keys)
     if keys.shape[1] != queries.shape[1]:
         raise ValueError(f"keys must have the queries' width {queries.shape[1]}, got shape {tuple(keys.shape)}")
-    run = _Running(queries, k, threshold, query_ids, block_rows, _dtype(queries, keys))
+    run = _Running(queries, k, threshold, query_ids, block_rows, _dtype(queries, keys), impl)
     for start in range(0, keys.shape[0], block_rows):
         run.merge(keys[start:start + block_rows].to(queries.device), start)
     return run.values, run.indices
@@ -117,21 +136,22 @@ def nearest(queries: torch.Tensor, keys: torch.Tensor, k: int, *, threshold: flo
 
 def sharded_nearest(queries: torch.Tensor, local_keys: torch.Tensor, k: int, *, threshold: float | None = None,
                     query_ids: torch.Tensor | None = None, group=None, device=None,
-                    block_rows: int = NEIGHBOR_BLOCK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+                    block_rows: int = NEIGHBOR_BLOCK_ROWS, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`nearest` of this rank's ``queries`` against the keys of every rank of
     ``group``, where ``local_keys [K_r, d]`` is this rank's contiguous shard (global ids
     start after the shards of the lower ranks; a rank may hold none, ``[0, d]``).
     ``device``: where the collectives run (the tensors' device when None). Every rank
     of ``group`` must call it, with the same ``k``, ``threshold`` and ``block_rows``
-    and keys of the same width; indices are global key ids."""
-    _check_args(queries, k, threshold, query_ids, block_rows)
+    and keys of the same width; indices are global key ids. ``impl``: as :func:`nearest`."""
+    _check_args(queries, k, threshold, query_ids, block_rows, impl)
     _check_rows("local_keys", local_keys)
     if local_keys.shape[1] != queries.shape[1]:
         raise ValueError(f"local_keys must have the queries' width {queries.shape[1]}, got shape "
                          f"{tuple(local_keys.shape)}")
     world = collectives.world_size(group)
     if world == 1:
-        return nearest(queries, local_keys, k, threshold=threshold, query_ids=query_ids, block_rows=block_rows)
+        return nearest(queries, local_keys, k, threshold=threshold, query_ids=query_ids, block_rows=block_rows,
+                       impl=impl)
     device = device if device is not None else local_keys.device
     table = collectives.all_gather_scalars([local_keys.shape[0], local_keys.shape[1], block_rows,
                                             local_keys.dtype == torch.float64], group=group, device=device)
@@ -142,7 +162,7 @@ def sharded_nearest(queries: torch.Tensor, local_keys: torch.Tensor, k: int, *, 
     # blocks travel in float64 when any rank's keys are float64, else in float32
     key_dtype = torch.float64 if bool(table[:, 3].any()) else torch.float32
     run = _Running(queries, k, threshold, query_ids, block_rows,
-                   torch.float64 if key_dtype == torch.float64 else _dtype(queries))
+                   torch.float64 if key_dtype == torch.float64 else _dtype(queries), impl)
     me, ranks = collectives.rank(group), collectives.group_ranks(group)
     start = 0
     for owner, size in enumerate(sizes):
