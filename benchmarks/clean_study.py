@@ -225,7 +225,8 @@ def study(args) -> dict:
             "head_rows_at_default": {"true_duplicate_pairs_head_cos": stats(head_true),
                                      "other_candidates_head_cos": stats(head_other),
                                      "true_duplicate_pairs_centre_cos": stats(centre_true)},
-            "seconds": {"train": round(train_s, 1), "embed": round(embed_s, 2), "centres_and_image_scores": round(score_s, 2),
+            "seconds": {"train": round(train_s, 1), "embed": round(embed_s, 2),
+                        "centres_and_image_scores": round(score_s, 2),
                         "total": round(time.time() - started, 1)}}
 
 
@@ -249,7 +250,8 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("all_pairs_rate", "duplicates_centre_only", "duplicates", "flips", "overlap", "head_rows_r1_vs_r01")})[:6000])
+    shown = ("all_pairs_rate", "duplicates_centre_only", "duplicates", "flips", "overlap", "head_rows_r1_vs_r01")
+    print(json.dumps({k: result[k] for k in shown})[:6000])
     return 0
 
 

@@ -6,6 +6,7 @@ float64 loop written here; the command on a 2-step training run of identity feat
 its class map through the head growth a training run does, and its refusals."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -339,3 +340,15 @@ def test_command_on_ranks_writes_what_one_process_writes(run, tmp_path):
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
     three = json.loads((tmp_path / "three" / "summary.json").read_text())
     assert one == three and one["duplicate_groups"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="the fused kernel needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
+def test_the_fused_kernel_gives_the_same_report():
+    emb, labels, num_classes, _, _ = _planted()
+    want = clean_embeddings(emb, labels, num_classes, CleanSettings(block_rows=50))
+    got = clean_embeddings(emb, labels, num_classes, CleanSettings(block_rows=50, impl="triton"))
+    assert got.groups == want.groups and got.class_map == want.class_map
+    assert [r["image"] for r in got.flips] == [r["image"] for r in want.flips]
+    assert torch.equal(got.new_labels, want.new_labels)

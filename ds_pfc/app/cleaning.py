@@ -90,6 +90,8 @@ class CleanSettings:
     """Centre cosine at or above which a second dataset's class joins a first's."""
     block_rows: int = NEIGHBOR_BLOCK_ROWS
     """Rows per block of products."""
+    impl: str = "torch"
+    """``torch`` (matrix products) or ``triton`` (the fused kernel: CUDA, ``neighbours`` <= 64)."""
 
     def __post_init__(self) -> None:
         for name in ("duplicate_cos", "overlap_cos", "merge_cos", "outlier_cos"):
@@ -101,6 +103,8 @@ class CleanSettings:
                                  f"got {value!r}")
         if self.duplicate_evidence > 1:
             raise ValueError(f"duplicate_evidence must be a share in [0, 1], got {self.duplicate_evidence!r}")
+        if self.impl not in ("torch", "triton"):
+            raise ValueError(f"impl must be 'torch' or 'triton', got {self.impl!r}")
         for name in ("neighbours", "block_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -134,7 +138,8 @@ def class_centres(embeddings: torch.Tensor, labels: torch.Tensor, num_classes: i
 
 
 def image_scores(embeddings: torch.Tensor, labels: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor, *,
-                 block_rows: int = NEIGHBOR_BLOCK_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 block_rows: int = NEIGHBOR_BLOCK_ROWS, impl: str = "torch"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(own_cos, other_cos, other_class)`` per image: the cosine to the own class's
     centre without the image (NaN when the class has no other image), the best other
     class's centre cosine and its id (``-1`` when there is no other class)."""
@@ -143,7 +148,7 @@ def image_scores(embeddings: torch.Tensor, labels: torch.Tensor, sums: torch.Ten
     own = (unit * rest).sum(1) / rest.norm(dim=1)
     own = torch.where(counts[labels] > 1, own, torch.full_like(own, math.nan))
     values, indices = nearest(embeddings.float(), F.normalize(sums, dim=1).float(), 1, query_ids=labels,
-                              block_rows=block_rows)
+                              block_rows=block_rows, impl=impl)
     return own.float(), values[:, 0], indices[:, 0]
 
 
@@ -184,7 +189,7 @@ def find_duplicates(labels: torch.Tensor, sums: torch.Tensor, counts: torch.Tens
                          "must be the one trained on this label space")
     centres = F.normalize(sums, dim=1).float()
     values, indices = nearest(centres, centres, settings.neighbours, threshold=settings.duplicate_cos,
-                              query_ids=torch.arange(num_classes), block_rows=settings.block_rows)
+                              query_ids=torch.arange(num_classes), block_rows=settings.block_rows, impl=settings.impl)
     return _confirm(_candidates(values, indices, 0), _votes(labels, other_class, num_classes), counts, settings,
                     head_rows)
 
@@ -276,7 +281,7 @@ def find_overlap(sums: torch.Tensor, test_embeddings: torch.Tensor, settings: Cl
         keys, _ = class_centres(test_embeddings, test_labels, num_test)
         what = "test_identity"
     values, indices = nearest(F.normalize(sums, dim=1).float(), keys.float(), 1, threshold=settings.overlap_cos,
-                              block_rows=settings.block_rows)
+                              block_rows=settings.block_rows, impl=settings.impl)
     hit = torch.nonzero(indices[:, 0] >= 0).view(-1)
     return [{"class": int(c), what: int(indices[c, 0]), "cos": round(float(values[c, 0]), 6)}
             for c in hit.tolist()]
@@ -290,7 +295,7 @@ def merge_label_spaces(sums_a: torch.Tensor, sums_b: torch.Tensor, settings: Cle
         raise ValueError(f"the datasets' embeddings differ in width ({sums_a.shape[1]} vs {sums_b.shape[1]}); "
                          "embed both with the same model")
     values, indices = nearest(F.normalize(sums_b, dim=1).float(), F.normalize(sums_a, dim=1).float(), 1,
-                              block_rows=settings.block_rows)
+                              block_rows=settings.block_rows, impl=settings.impl)
     rows, next_id = [], sums_a.shape[0]
     for b in range(sums_b.shape[0]):
         cos = float(values[b, 0])
@@ -389,7 +394,8 @@ def clean_embeddings(embeddings: torch.Tensor, labels: torch.Tensor, num_classes
     empty = int((counts == 0).sum())
     if empty:
         log(f"clean: {empty} of {num_classes} classes have no image (no centre; never matched)")
-    own, other_cos, other_class = image_scores(embeddings, labels, sums, counts, block_rows=settings.block_rows)
+    own, other_cos, other_class = image_scores(embeddings, labels, sums, counts,
+                                               block_rows=settings.block_rows, impl=settings.impl)
     log(f"clean: scored {embeddings.shape[0]} images against {num_classes} centres")
     report.duplicate_pairs, report.groups = find_duplicates(labels, sums, counts, other_class, settings,
                                                             head_rows)
@@ -446,7 +452,8 @@ def clean_sharded(embeddings: torch.Tensor, labels: torch.Tensor, index: torch.T
     dist.all_reduce(sums, group=group)
     dist.all_reduce(counts, group=group)
     sums, counts = sums.cpu(), counts.cpu()
-    own, other_cos, other_class = image_scores(embeddings, labels, sums, counts, block_rows=settings.block_rows)
+    own, other_cos, other_class = image_scores(embeddings, labels, sums, counts,
+                                               block_rows=settings.block_rows, impl=settings.impl)
     # candidates: each rank searches for its shard of the centres among every shard
     part = Partition(num_classes, collectives.world_size(group))
     rank = collectives.rank(group)
@@ -454,7 +461,7 @@ def clean_sharded(embeddings: torch.Tensor, labels: torch.Tensor, index: torch.T
     shard = F.normalize(sums[start:start + count], dim=1).float()
     values, indices = sharded_nearest(shard, shard, settings.neighbours, threshold=settings.duplicate_cos,
                                       query_ids=torch.arange(start, start + count), group=group, device=device,
-                                      block_rows=settings.block_rows)
+                                      block_rows=settings.block_rows, impl=settings.impl)
     candidates = [c for part_c in _gather_objects(_candidates(values, indices, start), group) for c in part_c]
     votes: dict[int, int] = {}
     for part_v in _gather_objects(_votes(labels, other_class, num_classes), group):
@@ -549,8 +556,9 @@ def contact_sheet(path: str, rows: list[tuple[str, torch.Tensor]], *, tile: int 
 
 def write_report(report: CleanReport, out_dir: str, *, dataset=None, labels: torch.Tensor | None = None,
                  sheets: int = 8, per_row: int = 6, log=None) -> dict[str, str]:
-    """Write the tables (CSV, and Parquet when pyarrow is installed), ``labels.txt`` (one cleaned label per image, ``-1``:
-    dropped), ``class_map.json`` and ``summary.json`` into ``out_dir``; with
+    """Write the tables (CSV, and Parquet when pyarrow is installed), ``labels.txt``
+    (one cleaned label per image, ``-1``: dropped), ``class_map.json`` and
+    ``summary.json`` into ``out_dir``; with
     ``dataset`` and its ``labels``, contact sheets (PNG) of the top ``sheets``
     duplicate groups and flips under ``out_dir/sheets``. Returns ``{name: path}``."""
     from ..data.loader import _fetch
@@ -687,7 +695,7 @@ def run_clean(args, log=None) -> dict:
     log = log or (lambda line: None)
     settings = CleanSettings(duplicate_cos=args.duplicate_cos, duplicate_evidence=args.duplicate_evidence,
                              neighbours=args.neighbours, flip_margin=args.flip_margin, outlier_cos=args.outlier_cos,
-                             overlap_cos=args.overlap_cos, merge_cos=args.merge_cos)
+                             overlap_cos=args.overlap_cos, merge_cos=args.merge_cos, impl=args.impl)
     for path in args.test:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--test {path!r} does not exist")

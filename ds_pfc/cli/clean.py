@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{d.overlap_cos})")
     p.add_argument("--merge-cos", type=float, default=d.merge_cos,
                    help=f"centre cosine at which a second dataset's class joins one (default {d.merge_cos})")
+    p.add_argument("--impl", choices=("torch", "triton"), default=d.impl,
+                   help="the neighbour search: torch matrix products or the fused Triton kernel (CUDA)")
     p.add_argument("--batch-size", type=int, default=256, help="images per inference batch (default 256)")
     p.add_argument("--device", default="cpu", help="where the backbone runs (default cpu)")
     p.add_argument("--flip", action="store_true", help="embed each image plus its horizontal flip (faces)")
