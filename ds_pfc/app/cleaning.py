@@ -612,12 +612,14 @@ def load_run(model: str, *, tag: str | None = None, data: str | None = None, hea
     from ..checkpoint import shards as ckpt
     from .config import split_config
     from .datasets import build_train_set
-    from .export import backbone_weights, load_backbone
-    backbone, config = load_backbone(model, tag)
-    _, _, _, tag_dir = backbone_weights(model, tag)
+    from .export import backbone_weights
+    state, config, _, tag_dir = backbone_weights(model, tag)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _, cfg = split_config(config, strict=False)
+    backbone = cfg.backbone.build(cfg.head.embedding_size)       # as export.load_backbone, read once
+    backbone.load_state_dict(state)
+    backbone.eval()
     if data is not None:
         if not os.path.exists(data):
             raise FileNotFoundError(f"--data {data!r} does not exist")
