@@ -327,6 +327,32 @@ def _clean_command_rank(rank, world_size, model, out):
                  "--sheets", "0"])
 
 
+def test_command_merges_a_second_dataset(run, tmp_path):
+    """The run's own job as the second dataset: its classes join themselves, and its images
+    carry the ids they join."""
+    from ds_pfc.cli.clean import main
+    tmp, classes = run
+    assert main(["--model", str(tmp / "run" / "checkpoints"), "--out", str(tmp_path / "m"), "--second",
+                 str(tmp / "job.json"), "--merge-cos", "0.99", "--sheets", "0"]) == 0
+    import csv
+    with open(tmp_path / "m" / "merge.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == classes
+    assert all(r["joined"] == "True" and int(r["merged_id"]) == int(r["class_b"]) for r in rows)
+    second = [int(v) for v in (tmp_path / "m" / "second_labels.txt").read_text().split()]
+    assert second == [int(v) for v in _stressed_labels()]
+    assert main(["--model", str(tmp / "run" / "checkpoints"), "--out", str(tmp_path / "m2"), "--second",
+                 str(tmp_path / "none.json")]) == 1
+
+
+def _stressed_labels():
+    from ds_pfc.bench.grow import FEATURES
+    from ds_pfc.data.features import IdentityFeatures
+    from ds_pfc.data.stress import StressedDataset
+    return StressedDataset(IdentityFeatures(20, 6, **FEATURES), label_flip=0.1, conflict=0.2, conflict_splits=2,
+                           seed=1).labels().tolist()
+
+
 def test_command_on_ranks_writes_what_one_process_writes(run, tmp_path):
     from _dist import run_ranks
     from ds_pfc.cli.clean import main

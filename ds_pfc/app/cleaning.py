@@ -349,6 +349,8 @@ class CleanReport:
     merge: list = field(default_factory=list)
     new_labels: torch.Tensor | None = None
     class_map: dict = field(default_factory=dict)
+    second_labels: torch.Tensor | None = None
+    """The second dataset's images' ids in the merged label space (with ``second``)."""
 
     def summary(self) -> dict:
         kinds = [r["kind"] for r in self.flips]
@@ -410,6 +412,8 @@ def clean_embeddings(embeddings: torch.Tensor, labels: torch.Tensor, num_classes
     if second is not None:
         sums_b, _ = class_centres(*second)
         report.merge = merge_label_spaces(sums, sums_b, settings)
+        merged = torch.tensor([r["merged_id"] for r in report.merge], dtype=torch.int64)
+        report.second_labels = merged[second[1]]
     drop = [r["class"] for r in report.overlap] if drop_overlap else []
     report.new_labels, report.class_map, _ = plan_labels(labels, num_classes, report.groups, report.flips,
                                                          drop_classes=drop, relabel_flips=relabel_flips)
@@ -576,6 +580,10 @@ def write_report(report: CleanReport, out_dir: str, *, dataset=None, labels: tor
     _write_csv(paths["merge.csv"], report.merge, ["class_b", "merged_id", "nearest_a", "cos", "joined"])
     with open(paths["labels.txt"], "w", encoding="utf-8") as f:
         f.write("".join(f"{int(v)}\n" for v in report.new_labels.tolist()))
+    if report.second_labels is not None:
+        paths["second_labels.txt"] = os.path.join(out_dir, "second_labels.txt")
+        with open(paths["second_labels.txt"], "w", encoding="utf-8") as f:
+            f.write("".join(f"{int(v)}\n" for v in report.second_labels.tolist()))
     with open(paths["class_map.json"], "w", encoding="utf-8") as f:
         json.dump({str(k): v for k, v in report.class_map.items()}, f, indent=0)
     with open(paths["summary.json"], "w", encoding="utf-8") as f:
