@@ -14,7 +14,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = ["train", "eval", "export", "bench", "experiments", "selfcheck", "migrate"]
+COMMANDS = ["train", "eval", "export", "bench", "experiments", "selfcheck", "migrate", "clean"]
 
 
 def _console_scripts() -> dict[str, str]:

@@ -22,7 +22,7 @@ BENCHMARKS = ("head", "bank", "accuracy", "data", "plan", "rows", "hostpath", "g
 # id -> (how to build the parser, its program name)
 COMMANDS = {
     **{f"ds-pfc-{name}": (f"ds_pfc.cli.{name}", f"ds-pfc-{name}")
-       for name in ("train", "eval", "export", "bench", "experiments", "selfcheck", "migrate")},
+       for name in ("train", "eval", "export", "bench", "experiments", "selfcheck", "migrate", "clean")},
     **{f"bench-{name}": (f"ds_pfc.bench.{name}", f"ds-pfc-bench {name}") for name in BENCHMARKS},
     "bench-head-predict": ("ds_pfc.bench.predict", "ds-pfc-bench head --predict"),
     "launch-demo": ("launch/demo.py", "python launch/demo.py"),
