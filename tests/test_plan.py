@@ -612,3 +612,30 @@ def test_docs_show_what_the_planner_prints(doc):
     text = (pathlib.Path(__file__).resolve().parents[1] / doc).read_text()
     assert "<!-- ds-pfc-bench plan " in text
     assert planner.refresh_text(text) == text
+
+
+def test_a_tier_check_json_sets_the_measured_rates(tmp_path, capsys):
+    """--measured reads a tier check's planner_defaults: the slower of the mover's read and
+    write, the device-to-device rate and the slower DMA direction replace the stated defaults,
+    an option given on the command line wins, and a file without them is refused by name."""
+    doc = {"planner_defaults": {"zero_copy_read_gbps": 31.5, "zero_copy_write_gbps": 27.0, "d2d_gbps": 900.0,
+                                "dma_h2d_gbps": 48.0, "dma_d2h_gbps": 44.0, "register_gbps": None}}
+    path = tmp_path / "tier-check.json"
+    path.write_text(json.dumps(doc))
+    args = ["plan", "--classes", "256M", "--gpus", "8", "--gpu", "h100-80g", "--storage", "bf16", "--dim", "512",
+            "--sample_rate", "0.1", "--json", str(tmp_path / "plan.json")]
+    assert bench_cli.main(args + ["--measured", str(path)]) == 0
+    out = json.loads((tmp_path / "plan.json").read_text())["plans"][0]
+    assert "measured rates from" in capsys.readouterr().out
+    assert out["rates"]["zero_copy_gbps"] == pytest.approx(27.0)          # below the 44 GB/s link
+    assert out["rates"]["patch_gbps"] == pytest.approx(900.0)
+    assert out["inputs"]["pcie_gbps"] == pytest.approx(44.0)
+    assert bench_cli.main(args + ["--measured", str(path), "--zero-copy-gbps", "40"]) == 0
+    out = json.loads((tmp_path / "plan.json").read_text())["plans"][0]
+    assert out["rates"]["zero_copy_gbps"] == pytest.approx(40.0)
+    bad = tmp_path / "other.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as err:
+        bench_cli.main(args + ["--measured", str(bad)])
+    assert err.value.code == 2
+    assert "--measured" in capsys.readouterr().err

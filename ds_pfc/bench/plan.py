@@ -892,10 +892,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--zero-copy-gbps", "--zero_copy_gbps", dest="zero_copy_gbps",
                     type=_typed(float, 0.0, None, True), default=d["zero_copy_gbps"],
                     help="rate of the row mover reading/writing mapped host rows, per GPU and direction, GB/s "
-                         "(default: its bytes in flight / 1.5 us, until measured)")
+                         "(default: its stated launch's bytes in flight / 2 us, until measured: --measured)")
     ap.add_argument("--patch-gbps", "--patch_gbps", dest="patch_gbps", type=_typed(float, 0.0, None, True),
                     default=d["patch_gbps"], help="rate of the mover's device-to-device overlap patch, GB/s "
-                    "(default: its bytes in flight / 0.6 us)")
+                    "(default: its bytes in flight / 1 us)")
+    ap.add_argument("--measured", default=None, metavar="TIER_CHECK_JSON",
+                    help="a 'ds-pfc-bench rows --tier-check' JSON of the GPU: its planner_defaults set "
+                         "--zero-copy-gbps (the slower of the mover's read and write at d = 512), --patch-gbps "
+                         "(its device-to-device rate) and --pcie-gbps (the slower pinned DMA direction) where "
+                         "they are not given")
     ap.add_argument("--mover-programs", "--mover_programs", dest="mover_programs", type=_typed(int, 1),
                     default=d["mover_programs"], help="programs (SMs) of the row mover; its bytes in flight "
                     "scale with them (default %(default)s)")
@@ -929,10 +934,47 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def measured_rates(path: str) -> dict:
+    """The planner options a tier check measured (``ds-pfc-bench rows --tier-check``'s
+    ``planner_defaults``): ``zero_copy_gbps`` (the slower of the mover's read and write of
+    1 KiB rows), ``patch_gbps`` and ``pcie_gbps`` (the slower pinned DMA direction), each only
+    where the run measured it."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as err:
+        raise PlanArgumentError("measured", f"cannot read a tier-check JSON at {path!r}: {err}") from None
+    got = doc.get("planner_defaults") if isinstance(doc, dict) else None
+    if not isinstance(got, dict):
+        raise PlanArgumentError("measured", f"{path!r} has no planner_defaults (write it with "
+                                            "'ds-pfc-bench rows --tier-check')")
+
+    def slowest(*keys):
+        values = [got.get(k) for k in keys]
+        values = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+        return min(values) if values else None
+    out = {"zero_copy_gbps": slowest("zero_copy_read_gbps", "zero_copy_write_gbps"),
+           "patch_gbps": slowest("d2d_gbps"), "pcie_gbps": slowest("dma_h2d_gbps", "dma_d2h_gbps")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k not in ("classes", "json", "limits")}
+    if args.measured:
+        try:
+            rates = measured_rates(args.measured)
+        except PlanArgumentError as err:
+            ap.error(f"argument {err}")
+        given = set(argv if argv is not None else sys.argv[1:])
+        for name, value in rates.items():
+            flag = "--" + name.replace("_", "-")
+            if not any(a == flag or a.startswith(flag + "=") or a == "--" + name or a.startswith(f"--{name}=")
+                       for a in given):
+                setattr(args, name, value)
+        print(f"measured rates from {args.measured}: "
+              + (", ".join(f"{k} {v:.1f} GB/s" for k, v in rates.items()) or "none"), flush=True)
+    options = {k: v for k, v in vars(args).items() if k not in ("classes", "json", "limits", "measured")}
     outs = []
     for c in args.classes:
         try:
