@@ -13,7 +13,7 @@ import torch
 import ds_pfc
 from ds_pfc.core import collectives
 from ds_pfc import devices
-from ds_pfc.bank.slots import Stager
+from ds_pfc.bank.staged import StagedStager
 from _dist import run_ranks
 
 
@@ -118,7 +118,7 @@ def test_worker_threads_set_their_device(fake_cuda):
 def test_the_bank_worker_sets_the_bank_device_first():
     bank = ds_pfc.TieredBank(12, "cpu", default=ds_pfc.Placement("host"))
     bank.add_state("weight", 4, torch.float32)
-    stager = Stager(bank)
+    stager = StagedStager(bank)
     try:
         assert stager._io._initializer is devices.set_thread_device
         assert stager._io._initargs == (bank.device,)

@@ -138,7 +138,7 @@ def test_traffic_per_step_matches_the_bank(measured, case):
     assert t["moved_row_bytes"] == moved
     assert (t["pcie_in"], t["pcie_out"]) == (out["moved_rows_in"] * moved, out["moved_rows_out"] * moved)
     # The bank counts rows in their storage bytes (for the decoded 8-bit moment that is less
-    # than what crosses PCIe, which the count above takes from slots.py's staged fetch).
+    # than what crosses PCIe, which the count above takes from the staged fetch in bank/staged.py).
     row = out["row_bytes"]
     traffic = got["traffic"]
     # Step t reports its own write-back and the prefetch of step t + 1 issued before it; the

@@ -21,7 +21,9 @@ import ds_pfc.core.head as head_module
 from ds_pfc import ArcFace, PartialFC
 from ds_pfc.bank import StreamError, TieredBank, debug_streams_active
 from ds_pfc.bank import slots as slots_module
+from ds_pfc.bank import staged as staged_module
 from ds_pfc.bank.slots import Slot, Stager
+from ds_pfc.bank.staged import StagedStager
 from ds_pfc.bank.streams import CpuRuntime, CudaRuntime, EmulatedRuntime
 from ds_pfc.bank.tiered import Placement
 
@@ -147,7 +149,7 @@ def test_w3_device_rows_written_on_another_stream_are_caught(monkeypatch):
     """W3: device-tier write-backs on the write stream (not the stream that reads the
     store), their versions counted when enqueued: a later cold fetch of a written
     row is not ordered after the write."""
-    real_after_step = Stager.after_step
+    real_after_step = StagedStager.after_step
 
     def after_step(self, updated):
         rt = self.runtime
@@ -157,7 +159,7 @@ def test_w3_device_rows_written_on_another_stream_are_caught(monkeypatch):
         real_run = rt.run
 
         def run(stream, fn, *args, **kwargs):     # only this thread's scatters; the I/O worker's fetches pass
-            if fn is slots_module._scatter_rows:
+            if fn is staged_module._scatter_rows:
                 stream = self._write_stream
                 rt.keep_alive(args[1], stream)          # the row ids: owned, so the missing wait is what fails
                 rt.wait(stream, rt.record(rt.compute()))
@@ -177,8 +179,8 @@ def test_w3_device_rows_written_on_another_stream_are_caught(monkeypatch):
         self.runtime.synchronize(copied)
         for name, values in host.items():
             self.bank.store(name).scatter(rows_cpu, values)
-    monkeypatch.setattr(Stager, "after_step", after_step)
-    monkeypatch.setattr(Stager, "_write_back", write_back)
+    monkeypatch.setattr(StagedStager, "after_step", after_step)
+    monkeypatch.setattr(StagedStager, "_write_back", write_back)
     with pytest.raises(StreamError, match="no event orders them"):
         _train(_tiered("device"), _batches(STEPS), delays={"write": 0.03})
 
@@ -197,14 +199,14 @@ def test_missing_wait_on_the_ready_event_gives_wrong_numbers(monkeypatch):
     monkeypatch.setattr(Slot, "wait", wait)
     # The I/O worker's cold fetch finishes before the step queues the patch (a fast
     # worker), so the worker's own wait for the fetch stream does not cover the patch.
-    real_after_step = Stager.after_step
+    real_after_step = StagedStager.after_step
 
     def after_step(self, updated):
         if self._next is not None:
             for fut in self._next[1]._futures:
                 fut.result()
         real_after_step(self, updated)
-    monkeypatch.setattr(Stager, "after_step", after_step)
+    monkeypatch.setattr(StagedStager, "after_step", after_step)
     try:
         got = _train(_tiered("host"), _batches(STEPS), delays={"fetch": 0.02})
     except StreamError:
@@ -428,7 +430,7 @@ def test_w4_fresh_slot_on_cuda_is_written_after_the_compute_stream(monkeypatch):
     table = torch.randn(4 * n, d)
     bank = TieredBank(4 * n, dev, default=Placement("device"))
     bank.add_state("weight", d, torch.float32, init=table)
-    stager = Stager(bank)
+    stager = StagedStager(bank)
     try:
         rows_host = torch.arange(0, 4 * n, 4)
         rows = rows_host.to(dev)

@@ -8,7 +8,7 @@ except for a masked write to indexed rows (``dst_idx`` and ``mask``), which sele
 rows first (``nonzero``: a host sync on a GPU), so that a masked-off position writes
 nothing even where its index repeats another's.
 The bank's mapped access uses it where the kernel cannot run (off CUDA, without Triton);
-:class:`~ds_pfc.bank.slots.Stager` takes the kernel from its caller (``core``).
+:class:`~ds_pfc.bank.mapped.MappedStager` takes the kernel from its caller (``core``).
 """
 from __future__ import annotations
 

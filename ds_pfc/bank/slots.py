@@ -1,40 +1,48 @@
-"""Staging slots and the double-buffered, stale-free prefetcher (paper: Figure
-async_pipeline, "Asynchronous hierarchical class storage").
+"""Staging slots: the rows of the step's active set on the compute device, and the
+double-buffered, stale-free prefetch that fills them (paper: Figure async_pipeline,
+"Asynchronous hierarchical class storage").
 
 A :class:`Slot` holds the active rows ``S`` of every bank state on the compute
 device; the forward reads its centers, the row optimizer updates it in place, and it
 is then written back. With lookahead labels the next step's slot B is built while
 step t runs on slot A:
 
-1. ``prefetch`` (during step t): ``S(t+1)`` is known on the device. The I/O worker
-   waits for its copy to the host (the host thread does not), splits it, and fetches
-   the cold rows ``S(t+1) \\ S(t)`` into B at once (on GPU: on a side stream).
+1. ``prefetch`` (during step t): ``S(t+1)`` is known on the device; the cold rows
+   ``S(t+1) \\ S(t)`` are fetched into B at once, on a side stream.
 2. ``after_step`` (optimizer step t done): the overlapping rows ``S(t) ∩ S(t+1)`` are
    copied from A into B, never earlier (before the step they would be stale), found on
    the device by binary search in the sorted row sets; then A is written back
-   asynchronously. The I/O worker counts every write as *issued* before anything it
-   runs later, and the store as *completed* when it lands (per-row versions). The
-   training thread handles no row ids: it queues fixed numbers of ops.
-3. ``take`` (forward t+1): B is exposed only when both paths finished (the ready
-   gate: futures on CPU, plus a CUDA event the compute stream waits on).
+   asynchronously.
+3. ``take`` (forward t+1): B is exposed only when its fetch and its patch finished
+   (the ready gate).
 
-All bank I/O runs on one worker thread, in submission order: a write-back is always
-complete before any later read of the same rows, so reads find current versions;
-the version check turns any violation (a lost, late or torn write) into a
-:class:`~ds_pfc.bank.tiered.StaleRowError`. Slot A stays alive (and, on GPU, its
-memory is marked in use by the side stream) until its readers and its write-back
-finished, so it is never reused early. Without lookahead, ``stage`` reads
-synchronously through the same worker and gives identical results.
+Slot A stays alive until its readers and its write-back finished, so it is never
+reused early. Without lookahead, ``stage`` reads synchronously and gives identical
+results.
+
+How rows cross between the tables and the slots depends on the bank's host access,
+one transfer design per module:
+
+* :mod:`ds_pfc.bank.staged` (``host_access="staged"``): the host gathers rows into
+  pinned buffers on an I/O worker thread and copies them over; write-backs come back
+  the same way. Per-row versions turn any lost, late or torn write into a
+  :class:`~ds_pfc.bank.tiered.StaleRowError`.
+* :mod:`ds_pfc.bank.mapped` (``host_access="mapped"``): a row-move kernel reads and
+  writes the tables in place (device memory, or host memory mapped into the device's
+  address space), fetches and write-backs on two streams ordered by events, with no
+  host work that grows with the rows and no host sync.
+
+This module holds what both share: the slots, the pool of slot buffers, the overlap
+patch, and the prefetch / take / discard protocol (:class:`Stager`, the base of
+:class:`~ds_pfc.bank.staged.StagedStager` and :class:`~ds_pfc.bank.mapped.MappedStager`).
 """
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
-from ..devices import set_thread_device
 from .base import ClassBank
 from .quantized import RowwiseInt8Store
 from .rows import move_rows_torch_
@@ -149,13 +157,15 @@ def merge_slots(slots: list[Slot]) -> tuple[Slot, torch.Tensor]:
     return Slot(rows, states, slots[0].runtime, rows_cpu=rows_cpu), inverse
 
 
-class Stager:
-    """Stages bank rows into slots, prefetches the next slot, writes slots back.
 
-    Streams (see :mod:`ds_pfc.bank.streams`): ``fetch`` carries every host-to-device
-    copy, the overlap patches and the reads *and* write-backs of device-tier states
-    (one stream, so a device-tier row is always read after its last write);
-    ``write`` carries the device-to-host copies of write-backs, so a write-back never
+
+class Stager:
+    """Stages bank rows into slots, prefetches the next slot, writes slots back: what
+    both transfer designs share. Subclasses move the rows (``stage``, ``_prefetch``,
+    ``after_step``, ``drain``).
+
+    Streams (see :mod:`ds_pfc.bank.streams`): ``fetch`` carries the reads into slots
+    and the overlap patches; ``write`` carries write-backs, so a write-back never
     queues ahead of the next fetch. Ownership: slot buffers are allocated for both
     streams, index tensors are made inside the operation on the stream that uses
     them, and a slot's buffers return to the pool with the events of their last
@@ -171,46 +181,37 @@ class Stager:
     to synchronize with the compute stream in between.
     """
 
-    def __init__(self, bank: TieredBank, mover: Callable | None = None):
+    #: whether slots carry their row ids on the host
+    host_ids = True
+    mapped = False
+
+    def __init__(self, bank: TieredBank):
         self.bank = bank
         self.device = bank.device
-        self.mapped = bool(getattr(bank, "mapped", False))
-        # Mapped access: the row-move function (the caller's kernel, e.g. Triton's on CUDA;
-        # torch ops by default). A CUDA bank with host tables needs a kernel: torch ops
-        # cannot index host memory from the device.
-        if self.mapped and mover is None and self.device.type == "cuda":
-            raise ValueError("host_access='mapped' on CUDA needs a row-move kernel (Triton: pip install "
-                             "ds_pfc[triton]); or use host_access='staged'")
-        self._move = (mover or move_rows_torch_) if self.mapped else None
         # 8-bit rows are coded and decoded by the bank's codec kernels where it has them.
         self._codec = getattr(bank, "row_codec", None)
-        # The worker makes the head's GPU current before any CUDA call: a new thread
-        # starts on device 0 and would create a context there on every rank.
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_pfc-bank-io",
-                                      initializer=set_thread_device, initargs=(self.device,))
+        # The row-move function of mapped access (the overlap patch's too); None: torch ops.
+        self._move: Callable | None = None
         self.runtime = runtime_for(self.device)
         self._fetch_stream = self.runtime.new_stream("fetch")
         self._write_stream = self.runtime.new_stream("write")
-        device_tables = [t for n in bank.state_names() if bank.store(n).tier == "device" for t in _tables(bank.store(n))]
-        for data in device_tables:
-            self.runtime.keep_alive(data, self._fetch_stream)
-        if self.mapped:           # the fetch stream's kernels read and write the host tables too
-            for name in bank.state_names():
-                for table in _tables(bank.store(name)):
-                    self.runtime.keep_alive(table, self._fetch_stream)
-        # The tables were filled on the compute stream (initial values); later
-        # compute-stream writes (load) are reported by the bank through this hook.
-        self._device_tables_written(device_tables)
-        bank.on_device_write = self._device_tables_written
         self._next: tuple[object, Slot] | None = None
-        self._writebacks: list[Future] = []
         self._failure: BaseException | None = None   # a failed write-back, sticky
         self._pool: list[tuple[dict[str, torch.Tensor], list]] = []   # (buffers, events before reuse)
         self._pool_lock = threading.Lock()
-        self._stage_buffers: dict[str, torch.Tensor] = {}
         # Test hook: copy overlapping rows at prefetch time, *before* the optimizer
         # step. This is the ordering bug the pipeline exists to avoid.
         self.patch_before_step = False
+
+    def _watch_device_tables(self, tables: list[torch.Tensor], streams) -> None:
+        """Keep the device tables alive on ``streams`` and order them after the compute
+        stream's writes to them (initial values now, ``load`` later, reported by the
+        bank through its hook)."""
+        for data in tables:
+            for stream in streams:
+                self.runtime.keep_alive(data, stream)
+        self._device_tables_written(tables)
+        self.bank.on_device_write = self._device_tables_written
 
     # ---------------------------------------------------------------- ordering
     def _order_after_compute(self) -> None:
@@ -220,56 +221,13 @@ class Stager:
         rt.wait(self._fetch_stream, rt.record(rt.compute()))
 
     def _device_tables_written(self, tables: list[torch.Tensor]) -> None:
-        """Device-tier ``tables`` were just written on the compute stream: the fetch
-        stream, which reads and writes them, is ordered after that."""
+        """Device-tier ``tables`` were just written on the compute stream: the side
+        streams, which read and write them, are ordered after that."""
         if tables:
             self.runtime.on_compute(writes=tables)
             self._order_after_compute()
 
-    # ---------------------------------------------------------------- reads
-    def _fetch(self, slot: Slot, positions: torch.Tensor | None, rows_cpu: torch.Tensor | None) -> None:
-        """(I/O worker) read ``rows_cpu`` of every state into ``slot`` at ``positions``
-        (CPU; None: all of it, then ``rows_cpu`` None: the slot's rows), checking
-        versions first."""
-        rt = self.runtime
-        if rows_cpu is None:
-            rows_cpu = slot.rows_cpu        # waits for the copy of the ids, here on the worker
-        for name, dst in slot.states.items():
-            store = self.bank.store(name)
-            self.bank.check_versions(name, rows_cpu)
-            if isinstance(store, RowwiseInt8Store) and store.tier == "device":
-                rt.run(self._fetch_stream, _read_coded, dst, positions, store, rows_cpu, self._codec,
-                       reads=store.tables(), writes=(dst,))
-            elif store.tier == "device":
-                rt.run(self._fetch_stream, _gather_rows, dst, positions, store.data, rows_cpu,
-                       reads=(store.data,), writes=(dst,))
-            elif isinstance(store, RowwiseInt8Store):       # host: codes cross as codes
-                q, scale = store.gather_codes(rows_cpu, self._staging(name, rows_cpu.numel()))
-                rt.keep_alive(q, self._fetch_stream)
-                rt.keep_alive(scale, self._fetch_stream)
-                rt.run(self._fetch_stream, store.land_codes, dst, positions, q, scale, self._codec,
-                       reads=(q, scale), writes=(dst,))
-            else:
-                staging = self._staging(name, rows_cpu.numel())
-                values = store.gather_into(rows_cpu, staging)
-                if values is not staging:
-                    rt.keep_alive(values, self._fetch_stream)
-                rt.run(self._fetch_stream, _land_rows, dst, positions, values, reads=(values,), writes=(dst,))
-        # The staging buffers are reused by the next fetch, and the caller's future
-        # means "landed": wait for the copies here, on the I/O worker.
-        rt.synchronize(rt.record(self._fetch_stream))
-
-    def _staging(self, name: str, num: int) -> torch.Tensor:
-        """(I/O worker) a reusable host buffer for ``num`` rows of ``name``. One
-        worker uses it and waits for its copies, so one buffer per state is enough."""
-        store = self.bank.store(name)
-        buf = self._stage_buffers.get(name)
-        if buf is None or buf.shape[0] < num:
-            buf = self.runtime.empty((num,) + store.row_shape, store.dtype, "cpu", users=(self._fetch_stream,),
-                                     pin=True)
-            self._stage_buffers[name] = buf
-        return buf[:num]
-
+    # ---------------------------------------------------------------- slots
     def _empty_slot(self, rows: torch.Tensor, pooled: bool = True) -> Slot:
         """A slot for ``rows``. Pooled slots reuse the buffers of slots whose last
         readers finished (the double buffer: A while B fills, then B while A drains),
@@ -288,7 +246,7 @@ class Stager:
             users = (self._fetch_stream, self._write_stream)
             buffers = {name: self.runtime.empty((num,) + self.bank.store(name).row_shape, self.bank._logical[name],
                                                 self.device, users=users) for name in self.bank.state_names()}
-        slot = Slot(rows, {name: t[:num] for name, t in buffers.items()}, self.runtime, host_ids=not self.mapped)
+        slot = Slot(rows, {name: t[:num] for name, t in buffers.items()}, self.runtime, host_ids=self.host_ids)
         slot.buffers = buffers if pooled else None
         # Fresh buffers belong to the compute stream's order, and a pooled buffer's last
         # compute-stream readers are covered too: the fetch stream writes them after.
@@ -312,17 +270,35 @@ class Stager:
         """Bytes one row of every state takes in its store."""
         return sum(self.bank.store(name).row_bytes() for name in self.bank.state_names())
 
+    def _count_cold(self, rows: torch.Tensor, live: list[Slot]) -> torch.Tensor | None:
+        """Which of the next set's ``rows`` the ``live`` slots hold (None: no live rows),
+        found on the compute stream, and the bytes of the others counted as staged in,
+        on the device: no host sync."""
+        held = _held_by(rows, [s.rows for s in live])
+        if held is None:
+            self.bank.count_traffic(staged_in=rows.numel() * self._row_bytes())
+        else:
+            self.bank.count_staged_on_device((~held).sum() * self._row_bytes())
+        return held
+
+    # ---------------------------------------------------------------- the protocol
     def stage(self, rows: torch.Tensor, pooled: bool = True) -> Slot:
         """Synchronous staging of ``rows`` (sorted local ids on the device).
         ``pooled=False`` for slots that are never stepped (evaluation)."""
-        self.raise_failed()
-        slot = self._empty_slot(rows, pooled)
-        self.bank.count_traffic(staged_in=rows.numel() * self._row_bytes())
-        if self.mapped:
-            self._fetch_mapped(slot, None)
-            return slot.wait()
-        self._io.submit(self._fetch, slot, None, None).result()
-        return slot
+        raise NotImplementedError
+
+    def after_step(self, updated: Slot) -> None:
+        """``updated`` holds the optimizer's new values: patch the prefetched slot's
+        overlap from it, then write it back asynchronously."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Wait for every write-back and for the prefetch in flight (the stores are
+        then idle); re-raise a write-back failure."""
+        raise NotImplementedError
+
+    def _prefetch(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
+        raise NotImplementedError
 
     def prefetch(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
         """Start building the slot for the forward identified by ``key`` while the
@@ -330,33 +306,13 @@ class Stager:
         waiting for the device."""
         self.raise_failed()
         self.discard()                      # a second lookahead replaces the first
-        if self.mapped:
-            self._prefetch_mapped(rows, key, live)
-            return
-        # The overlap rows are patched on the device after the step (_patch), so this
-        # thread needs no row ids.
-        held = self._count_cold(rows, live)
-        slot = self._empty_slot(rows)
-        # The cold rows are found and fetched on the I/O worker, which waits for the
-        # copy of the row ids to the host; this thread goes on queueing the step.
-        slot._futures.append(self._io.submit(self._split_and_fetch, slot, list(live)))
-        if held is not None:
-            slot.overlap = "device"         # patched from the live slots after their step
-            if self.patch_before_step:      # the test hook's ordering bug (see __init__)
-                self._patch(slot, live)
-                # Completed now, so that it reads the pre-step values on every runtime.
-                self.runtime.synchronize(slot._event)
-        self._next = (key, slot)
+        self._prefetch(rows, key, live)
 
-    def _split_and_fetch(self, slot: Slot, live: list[Slot]) -> None:
-        """(I/O worker) fetch the prefetched slot's cold rows: those the ``live`` slots
-        do not hold (the others are copied from them after the step)."""
-        rows_cpu = slot.rows_cpu
-        # Both sides are sorted: a binary search per row, not isin's sort of both sets.
-        in_live = _held_by(rows_cpu, [s.rows_cpu for s in live])
-        cold = torch.arange(rows_cpu.numel()) if in_live is None else torch.nonzero(~in_live).squeeze(1)
-        if cold.numel():
-            self._fetch(slot, cold, rows_cpu[cold])
+    def _patch_early(self, slot: Slot, live: list[Slot]) -> None:
+        """The test hook's ordering bug (see ``patch_before_step``): the overlap copied
+        now, completed now, so that it reads the pre-step values on every runtime."""
+        self._patch(slot, live)
+        self.runtime.synchronize(slot._event)
 
     def take(self, rows: torch.Tensor, key, live: list[Slot]) -> Slot | None:
         """The prefetched slot for ``key`` once ready, or None if there is none."""
@@ -366,12 +322,16 @@ class Stager:
         next_key, slot = self._next
         self._next = None
         if next_key != key or not (slot.rows is rows or torch.equal(slot.rows, rows)):
-            slot.wait()                     # drop it, but surface its errors
-            self.release(slot)
+            self._drop(slot)
             return None
         if slot.overlap is not None:        # no step since prefetch: live values are current
             self._patch(slot, live)
         return slot.wait()
+
+    def _drop(self, slot: Slot) -> None:
+        """A prefetched slot no forward takes: surface its errors, return its buffers."""
+        slot.wait()
+        self.release(slot)
 
     def _patch(self, slot: Slot, sources: list[Slot]) -> None:
         """Copy ``slot``'s rows that ``sources`` hold from them (after their update), on
@@ -404,180 +364,10 @@ class Stager:
         if self._next is not None:
             _, slot = self._next
             self._next = None
-            slot.wait()
-            self.release(slot)
+            self._drop(slot)
 
-
-    # ---------------------------------------------------------------- mapped access
-    # Every row moves by a kernel on the fetch stream that reads or writes the bank's
-    # tables themselves (device memory, or host memory mapped into the device's address
-    # space): the next slot's cold rows at prefetch, its overlap rows from the stepped
-    # slot after the step, the stepped slot back into the tables. One stream carries all
-    # of them, so a row's write-back is always complete before a later fetch reads it,
-    # and the row ids, the split and the masks stay on the device: no host sync and a
-    # fixed number of ops per step, whatever the number of rows.
-    def _tables(self):
-        return [(name, self.bank.store(name)) for name in self.bank.state_names()]
-
-    def _fetch_mapped(self, slot: Slot, cold: torch.Tensor | None) -> None:
-        """Queue the fetch of ``slot``'s rows (where ``cold``; None: all of them) from the
-        tables on the fetch stream; ``slot``'s ready gate waits for it."""
-        rt = self.runtime
-        rows = slot.rows
-        rt.keep_alive(rows, self._fetch_stream)
-        index = [rows] + ([cold] if cold is not None else [])
-        if cold is not None:
-            rt.keep_alive(cold, self._fetch_stream)
-        rt.wait(self._fetch_stream, rt.record(rt.compute()))     # rows and mask were made on compute
-        for name, store in self._tables():
-            dst = slot.states[name]
-            if isinstance(store, RowwiseInt8Store):
-                rt.run(self._fetch_stream, store.fetch_into, rows, dst, None, cold, self._codec,
-                       reads=(*store.tables(), *index), writes=(dst,))
-            elif isinstance(store, SplitStore):
-                rt.run(self._fetch_stream, _fetch_split, self._move, store, rows, dst, cold,
-                       reads=(*store.tables(), *index), writes=(dst,))
-            else:
-                rt.run(self._fetch_stream, self._move, store.data, rows, dst, None, cold, None,
-                       reads=(store.data, *index), writes=(dst,))
-        slot._event = rt.record(self._fetch_stream)
-
-    def _count_cold(self, rows: torch.Tensor, live: list[Slot]) -> torch.Tensor | None:
-        """Which of the next set's ``rows`` the ``live`` slots hold (None: no live rows),
-        found on the compute stream, and the bytes of the others counted as staged in,
-        on the device: no host sync."""
-        held = _held_by(rows, [s.rows for s in live])
-        if held is None:
-            self.bank.count_traffic(staged_in=rows.numel() * self._row_bytes())
-        else:
-            self.bank.count_staged_on_device((~held).sum() * self._row_bytes())
-        return held
-
-    def _prefetch_mapped(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
-        held = self._count_cold(rows, live)
-        slot = self._empty_slot(rows)
-        if held is None:
-            self._fetch_mapped(slot, None)
-        else:
-            self._fetch_mapped(slot, ~held)
-            slot.overlap = "device"         # patched from the live slots after their step
-            if self.patch_before_step:      # the test hook's ordering bug (see __init__)
-                self._patch(slot, live)
-                self.runtime.synchronize(slot._event)
-        self._next = (key, slot)
-
-    def _write_back_mapped(self, updated: Slot) -> None:
-        """Write every stepped row of ``updated`` into the tables, on the fetch stream."""
-        rt = self.runtime
-        self.bank.count_traffic(out=updated.rows.numel() * self._row_bytes())
-        stepped = rt.record(rt.compute())
-        rt.wait(self._fetch_stream, stepped)
-        rt.keep_alive(updated.rows, self._fetch_stream)
-        for name, store in self._tables():
-            values = updated.states[name]
-            if isinstance(store, RowwiseInt8Store):
-                rt.run(self._fetch_stream, store.write_rows, updated.rows, values, self._codec,
-                       reads=(values, updated.rows), writes=store.tables())
-            elif isinstance(store, SplitStore):
-                rt.run(self._fetch_stream, _write_split, self._move, store, updated.rows, values,
-                       reads=(values, updated.rows), writes=store.tables())
-            else:
-                rt.run(self._fetch_stream, self._move, values, None, store.data, updated.rows, None, None,
-                       reads=(values, updated.rows), writes=(store.data,))
-        landed = rt.record(self._fetch_stream)
-        updated.readers.append(landed)
-        self.release(updated, [stepped] + updated.readers)
-
-    # ---------------------------------------------------------------- writes
-    def after_step(self, updated: Slot) -> None:
-        """``updated`` holds the optimizer's new values: patch the prefetched slot's
-        overlap from it, then write it back asynchronously."""
-        rt = self.runtime
-        # A merged slot was allocated by the compute stream, outside the pool.
-        for t in updated.states.values():
-            rt.keep_alive(t, self._fetch_stream)
-            rt.keep_alive(t, self._write_stream)
-        if self._next is not None and self._next[1].overlap is not None:
-            self._patch(self._next[1], [updated])
-        if self.mapped:
-            self._write_back_mapped(updated)
-            return
-        # The row ids reach the host on the I/O worker, which counts the writes as issued
-        # before anything it runs later could read those rows: no row work here.
-        self.bank.count_traffic(out=updated.rows.numel() * self._row_bytes())
-        stepped = rt.record(rt.compute())
-        device_names = [n for n in updated.states if self.bank.store(n).tier == "device"]
-        host_names = [n for n in updated.states if n not in device_names]
-        landed = copied = None
-        if device_names:
-            # Device-tier rows never leave the device: written on the stream that reads them.
-            rt.wait(self._fetch_stream, stepped)
-            rt.keep_alive(updated.rows, self._fetch_stream)
-            for name in device_names:
-                store = self.bank.store(name)
-                if isinstance(store, RowwiseInt8Store):
-                    rt.run(self._fetch_stream, store.write_rows, updated.rows, updated.states[name], self._codec,
-                           reads=(updated.states[name], updated.rows), writes=store.tables())
-                else:
-                    rt.run(self._fetch_stream, _scatter_rows, store.data, updated.rows, updated.states[name],
-                           reads=(updated.states[name], updated.rows), writes=(store.data,))
-            landed = rt.record(self._fetch_stream)
-            updated.readers.append(landed)
-        host = {}
-        if host_names:
-            rt.wait(self._write_stream, stepped)
-            for name in host_names:
-                store, values = self.bank.store(name), updated.states[name]
-                if isinstance(store, RowwiseInt8Store):     # coded on the device: d + 4 bytes cross
-                    codes = [rt.empty(shape, dtype, where, users=(self._write_stream,), pin=where == "cpu")
-                             for where in (values.device, "cpu")
-                             for shape, dtype in ((values.shape, torch.int8), (values.shape[:1], torch.float32))]
-                    rt.wait(self._write_stream, rt.record(rt.compute()))    # after the allocation
-                    rt.run(self._write_stream, store.code_rows, values, codes[0], codes[1], self._codec,
-                           reads=(values,), writes=codes[:2])
-                    for out, made in ((codes[2], codes[0]), (codes[3], codes[1])):
-                        rt.run(self._write_stream, _copy_out, out, made, reads=(made,), writes=(out,))
-                    host[name] = tuple(codes[2:])
-                    continue
-                host[name] = rt.empty(values.shape, store.dtype, "cpu", users=(self._write_stream,), pin=True)
-                rt.run(self._write_stream, _copy_out, host[name], values, reads=(values,), writes=(host[name],))
-            copied = rt.record(self._write_stream)
-            updated.readers.append(copied)
-        future = self._io.submit(self._write_back, updated, device_names, landed, host, copied)
-        # Slot A goes back to the pool only when its write-back has finished, and is
-        # reused only after its readers (the step, the patch, the copies) completed.
-        events = [stepped] + updated.readers
-        future.add_done_callback(lambda _f, slot=updated, events=events: self.release(slot, events))
-        self._writebacks.append(future)
-        self._writebacks = [f for f in self._writebacks if not f.done() or f.exception() is not None]
-
-    def _write_back(self, updated, device_names, landed, host, copied) -> None:
-        """(I/O worker) complete a write-back: its writes are counted as issued first
-        (before any later read on this worker), and a row's version counts a write only
-        once its data has landed, so a read that could see old data is a StaleRowError."""
-        rows_cpu = updated.rows_cpu
-        for name in updated.states:
-            self.bank.note_issued(name, rows_cpu)
-        self.runtime.synchronize(landed)
-        for name in device_names:
-            self.bank.store(name).count_landed(rows_cpu)
-        self.runtime.synchronize(copied)
-        for name, values in host.items():
-            if isinstance(values, tuple):
-                self.bank.store(name).scatter_codes(rows_cpu, *values)
-            else:
-                self.bank.store(name).scatter(rows_cpu, values)
-
-    def drain(self) -> None:
-        """Wait for every write-back and for the prefetch in flight (the stores are
-        then idle); re-raise a write-back failure."""
-        pending, self._writebacks = self._writebacks, []
-        for fut in pending:
-            if fut.exception() is not None and self._failure is None:
-                self._failure = fut.exception()
-        self.raise_failed()
-        if self.mapped:                     # every transfer is on the fetch stream, in order
-            self.runtime.synchronize(self.runtime.record(self._fetch_stream))
+    def _wait_next(self) -> None:
+        """(drain) Wait for the prefetch in flight."""
         if self._next is not None:
             for fut in self._next[1]._futures:
                 fut.result()
@@ -585,86 +375,28 @@ class Stager:
                 self.runtime.synchronize(self._next[1]._event)
 
     def raise_failed(self) -> None:
-        """Re-raise the original error of a failed write-back as soon as it is known,
-        and at every later use: the bank no longer holds those rows' last values."""
-        if self._failure is None:
-            for fut in self._writebacks:
-                if fut.done() and fut.exception() is not None:
-                    self._failure = fut.exception()
-                    break
+        """Re-raise the original error of a failed write-back at every use: the bank
+        no longer holds those rows' last values."""
         if self._failure is not None:
             raise self._failure
+
+    def _stop_workers(self) -> None:
+        """(close) Stop the host threads that may still use the runtime."""
 
     def close(self) -> None:
         try:
             if self._failure is None:
                 self.drain()
         finally:
-            self._io.shutdown(wait=True)
+            self._stop_workers()
             if getattr(self.bank, "on_device_write", None) == self._device_tables_written:
                 self.bank.on_device_write = None
             self.runtime.close()
 
 
-# Operations enqueued on a side stream. Index tensors arrive on the CPU and are moved
-# here, so they are allocated on the stream that reads them and freed in its order.
-def _land_rows(dst: torch.Tensor, positions: torch.Tensor | None, values: torch.Tensor) -> None:
-    """Copy store-side ``values`` into ``dst`` (all of it, or rows ``positions``)."""
-    if positions is None:
-        dst.copy_(values, non_blocking=True)       # straight into the slot, converting on the way
-    else:
-        dst.index_copy_(0, positions.to(dst.device, non_blocking=True),
-                        values.to(dst.device, non_blocking=True).to(dst.dtype))
-
-
-def _gather_rows(dst, positions, data, rows_cpu) -> None:
-    values = data.index_select(0, rows_cpu.to(data.device, non_blocking=True))
-    _land_rows(dst, positions, values)
-
-
 def _tables(store) -> tuple:
     """The tensors that hold a store's rows."""
     return store.tables() if isinstance(store, (RowwiseInt8Store, SplitStore)) else (store.data,)
-
-
-def _split_indices(store, rows: torch.Tensor):
-    """(rows in the device part, their ids there, the others, their ids in the host part):
-    masks and in-range ids, on the device (no sync)."""
-    low = rows < store.n_device
-    return low, rows.clamp(max=max(store.n_device - 1, 0)), ~low, (rows - store.n_device).clamp(min=0)
-
-
-def _fetch_split(move, store, rows, dst, cold) -> None:
-    """(mapped access) rows of a store split between device and host memory into ``dst``
-    where ``cold``: one move from each part."""
-    low, low_ids, high, high_ids = _split_indices(store, rows)
-    if cold is not None:
-        low, high = low & cold, high & cold
-    if store.n_device:
-        move(store.device_part.data, low_ids, dst, None, low, None)
-    if store.num_rows > store.n_device:
-        move(store.host_part.data, high_ids, dst, None, high, None)
-
-
-def _write_split(move, store, rows, values) -> None:
-    """(mapped access) ``values`` into a split store's rows: one move into each part."""
-    low, low_ids, high, high_ids = _split_indices(store, rows)
-    if store.n_device:
-        move(values, None, store.device_part.data, low_ids, low, None)
-    if store.num_rows > store.n_device:
-        move(values, None, store.host_part.data, high_ids, high, None)
-
-
-def _read_coded(dst, positions, store, rows_cpu, codec) -> None:
-    store.fetch_into(rows_cpu.to(store.q.device, non_blocking=True), dst, positions, None, codec)
-
-
-def _scatter_rows(data, rows, values) -> None:
-    data.index_copy_(0, rows.to(data.device, non_blocking=True), values.to(data.dtype))
-
-
-def _copy_out(host: torch.Tensor, values: torch.Tensor) -> None:
-    host.copy_(values, non_blocking=True)
 
 
 def _held_by(rows: torch.Tensor, sets: list[torch.Tensor]) -> torch.Tensor | None:

@@ -358,7 +358,7 @@ def _figures(p: dict, classes: int) -> dict:
         if tier == "host-cpu" and f > 0:
             available, reason = False, "--hbm-share needs mapped access (the bank refuses it with staged access)"
         # Bytes per row over PCIe: as built the staged path decodes 8-bit rows on the host and
-        # moves float32 (slots.py); once the mover codes rows, both paths move the codes.
+        # moves float32 (bank/staged.py); once the mover codes rows, both paths move the codes.
         moved_row = sum(s["logical_row_bytes"] if (s in coded and tier == "host-cpu" and not p["int8_in_mover"])
                         else s["row_bytes"] for s in states)
         pcie_in, pcie_out = moved_in * moved_row, moved_out * moved_row

@@ -12,7 +12,9 @@ from torch import nn
 from . import collectives
 from .._checks import PROBE_FIELDS, batch_probe, check_batch_table, check_embeddings, check_labels, check_peers
 from ..bank import ClassBank, DeviceBank, TieredBank, initial_centers
-from ..bank.slots import SlotBank, Stager, merge_slots
+from ..bank.mapped import MappedStager
+from ..bank.slots import SlotBank, merge_slots
+from ..bank.staged import StagedStager
 from .late import LateRead
 from ..devices import collective_device, cpu_native_half, head_device
 from .functional import CrossEntropyOutput, check_filter_threshold
@@ -294,7 +296,8 @@ class PartialFC(nn.Module):
         self._stager = None
         if isinstance(self.bank, TieredBank):
             self.bank.check_placements()
-            self._stager = Stager(self.bank, mover=_row_mover(self.bank) if self.bank.mapped else None)
+            self._stager = (MappedStager(self.bank, mover=_row_mover(self.bank)) if self.bank.mapped
+                            else StagedStager(self.bank))
         self._closed = False
         self._lookahead = None   # (sample_step, gathered labels, active set, its bank rows) of the last prefetch
 

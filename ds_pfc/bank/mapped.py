@@ -1,0 +1,159 @@
+"""Mapped host access (``TieredBank(host_access="mapped")``): a kernel moves the rows.
+
+Every row moves by a row-move kernel (the caller's, e.g. Triton's on CUDA; torch ops
+on the CPU) that reads and writes the bank's tables themselves: device memory, or
+host memory mapped into the device's address space. The row ids, the split of the
+next active set and the masks stay on the device: no host sync and a fixed number of
+host operations per step, whatever the number of rows.
+
+* The fetch stream carries the next slot's cold rows at prefetch and its overlap
+  rows from the stepped slot after the step (the overlap patch).
+* The write stream carries the stepped slot back into the tables.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .quantized import RowwiseInt8Store
+from .rows import move_rows_torch_
+from .slots import Slot, Stager, _tables
+from .split import SplitStore
+from .tiered import TieredBank
+
+__all__ = ["MappedStager"]
+
+
+class MappedStager(Stager):
+    """Stages rows with a row-move kernel on the tables in place (see the module docstring)."""
+
+    host_ids = False                # row ids are copied to the host only if asked for (a host sync)
+    mapped = True
+
+    def __init__(self, bank: TieredBank, mover: Callable | None = None):
+        # A CUDA bank with host tables needs a kernel: torch ops cannot index host
+        # memory from the device.
+        if mover is None and bank.device.type == "cuda":
+            raise ValueError("host_access='mapped' on CUDA needs a row-move kernel (Triton: pip install "
+                             "ds_pfc[triton]); or use host_access='staged'")
+        super().__init__(bank)
+        self._move = mover or move_rows_torch_
+        # The fetch stream's kernels read and write the host tables too.
+        for name in bank.state_names():
+            for table in _tables(bank.store(name)):
+                self.runtime.keep_alive(table, self._fetch_stream)
+        self._watch_device_tables([t for n in bank.state_names() if bank.store(n).tier == "device"
+                                   for t in _tables(bank.store(n))], (self._fetch_stream,))
+
+    def _tables(self):
+        return [(name, self.bank.store(name)) for name in self.bank.state_names()]
+
+    # ---------------------------------------------------------------- reads
+    def stage(self, rows: torch.Tensor, pooled: bool = True) -> Slot:
+        self.raise_failed()
+        slot = self._empty_slot(rows, pooled)
+        self.bank.count_traffic(staged_in=rows.numel() * self._row_bytes())
+        self._fetch_mapped(slot, None)
+        return slot.wait()
+
+    def _fetch_mapped(self, slot: Slot, cold: torch.Tensor | None) -> None:
+        """Queue the fetch of ``slot``'s rows (where ``cold``; None: all of them) from the
+        tables on the fetch stream; ``slot``'s ready gate waits for it."""
+        rt = self.runtime
+        rows = slot.rows
+        rt.keep_alive(rows, self._fetch_stream)
+        index = [rows] + ([cold] if cold is not None else [])
+        if cold is not None:
+            rt.keep_alive(cold, self._fetch_stream)
+        rt.wait(self._fetch_stream, rt.record(rt.compute()))     # rows and mask were made on compute
+        for name, store in self._tables():
+            dst = slot.states[name]
+            if isinstance(store, RowwiseInt8Store):
+                rt.run(self._fetch_stream, store.fetch_into, rows, dst, None, cold, self._codec,
+                       reads=(*store.tables(), *index), writes=(dst,))
+            elif isinstance(store, SplitStore):
+                rt.run(self._fetch_stream, _fetch_split, self._move, store, rows, dst, cold,
+                       reads=(*store.tables(), *index), writes=(dst,))
+            else:
+                rt.run(self._fetch_stream, self._move, store.data, rows, dst, None, cold, None,
+                       reads=(store.data, *index), writes=(dst,))
+        slot._event = rt.record(self._fetch_stream)
+
+    def _prefetch(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
+        held = self._count_cold(rows, live)
+        slot = self._empty_slot(rows)
+        if held is None:
+            self._fetch_mapped(slot, None)
+        else:
+            self._fetch_mapped(slot, ~held)
+            slot.overlap = "device"         # patched from the live slots after their step
+            if self.patch_before_step:      # the test hook's ordering bug
+                self._patch_early(slot, live)
+        self._next = (key, slot)
+
+    # ---------------------------------------------------------------- writes
+    def after_step(self, updated: Slot) -> None:
+        rt = self.runtime
+        # A merged slot was allocated by the compute stream, outside the pool.
+        for t in updated.states.values():
+            rt.keep_alive(t, self._fetch_stream)
+            rt.keep_alive(t, self._write_stream)
+        if self._next is not None and self._next[1].overlap is not None:
+            self._patch(self._next[1], [updated])
+        self._write_back(updated)
+
+    def _write_back(self, updated: Slot) -> None:
+        """Write every stepped row of ``updated`` into the tables, on the fetch stream."""
+        rt = self.runtime
+        self.bank.count_traffic(out=updated.rows.numel() * self._row_bytes())
+        stepped = rt.record(rt.compute())
+        rt.wait(self._fetch_stream, stepped)
+        rt.keep_alive(updated.rows, self._fetch_stream)
+        for name, store in self._tables():
+            values = updated.states[name]
+            if isinstance(store, RowwiseInt8Store):
+                rt.run(self._fetch_stream, store.write_rows, updated.rows, values, self._codec,
+                       reads=(values, updated.rows), writes=store.tables())
+            elif isinstance(store, SplitStore):
+                rt.run(self._fetch_stream, _write_split, self._move, store, updated.rows, values,
+                       reads=(values, updated.rows), writes=store.tables())
+            else:
+                rt.run(self._fetch_stream, self._move, values, None, store.data, updated.rows, None, None,
+                       reads=(values, updated.rows), writes=(store.data,))
+        landed = rt.record(self._fetch_stream)
+        updated.readers.append(landed)
+        self.release(updated, [stepped] + updated.readers)
+
+    def drain(self) -> None:
+        self.raise_failed()
+        self.runtime.synchronize(self.runtime.record(self._fetch_stream))
+        self._wait_next()
+
+
+def _split_indices(store, rows: torch.Tensor):
+    """(rows in the device part, their ids there, the others, their ids in the host part):
+    masks and in-range ids, on the device (no sync)."""
+    low = rows < store.n_device
+    return low, rows.clamp(max=max(store.n_device - 1, 0)), ~low, (rows - store.n_device).clamp(min=0)
+
+
+def _fetch_split(move, store, rows, dst, cold) -> None:
+    """(mapped access) rows of a store split between device and host memory into ``dst``
+    where ``cold``: one move from each part."""
+    low, low_ids, high, high_ids = _split_indices(store, rows)
+    if cold is not None:
+        low, high = low & cold, high & cold
+    if store.n_device:
+        move(store.device_part.data, low_ids, dst, None, low, None)
+    if store.num_rows > store.n_device:
+        move(store.host_part.data, high_ids, dst, None, high, None)
+
+
+def _write_split(move, store, rows, values) -> None:
+    """(mapped access) ``values`` into a split store's rows: one move into each part."""
+    low, low_ids, high, high_ids = _split_indices(store, rows)
+    if store.n_device:
+        move(values, None, store.device_part.data, low_ids, low, None)
+    if store.num_rows > store.n_device:
+        move(values, None, store.host_part.data, high_ids, high, None)
