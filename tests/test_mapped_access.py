@@ -27,7 +27,7 @@ import torch
 
 from ds_pfc import ArcFace, PartialFC
 from ds_pfc.bank import Placement, TieredBank
-from ds_pfc.bank.streams import DEBUG_ENV
+from ds_pfc.bank.streams import DEBUG_ENV, StreamError
 from ds_pfc.bench.counting import OpCounter
 from ds_pfc.bank.rows import move_rows_torch_
 from ds_pfc.kernels import triton_rows
@@ -294,6 +294,101 @@ def test_mapped_overlap_copied_before_step_is_caught():
     head.close()
     assert losses[0] == ref["losses"][0]
     assert losses != ref["losses"] and not torch.equal(centers, ref["centers"])
+
+
+# ---------------------------------------------------------------- duplex
+def _written_then_refetched(batches) -> int:
+    """Rows of S(t+2) that S(t) wrote back and S(t+1) does not hold, over the run: the
+    rows a fetch must read only after the write-back landed."""
+    head = _head("sgd")
+    sets = [head.active_set(head.partition.to_local(y, 0), t) for t, (_, y) in enumerate(batches)]
+    head.close()
+    return sum(int((torch.isin(sets[t + 2], sets[t]) & ~torch.isin(sets[t + 2], sets[t + 1])).sum())
+               for t in range(len(sets) - 2))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_duplex_fetch_reads_rows_after_their_write_back_landed(monkeypatch, seed):
+    """Write-backs run on their own stream, slowed down here, in an order the emulator
+    draws from ``seed``: the run still matches the device bank bitwise. Fetching every
+    row at once, before the last write-back landed, is caught by the emulator (a read
+    of rows a write on another stream has not finished) or changes the run."""
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    monkeypatch.setenv(DEBUG_ENV + "_SEED", str(seed))
+    b = _batches(STEPS, seed=seed)
+    assert _written_then_refetched(b) > 0
+    ref = _run("sgd", None, b, prefetch=False)
+
+    def slow_writes(head):
+        head._stager.runtime.stream_delay["write"] = 0.01
+
+    def train(bug: bool):
+        head = _head("sgd", TieredBank.factory(default="host", host_access="mapped"))
+        slow_writes(head)
+        head._stager.fetch_before_landing = bug
+        try:
+            losses, _ = _train(head, b, LR["sgd"], prefetch=True)
+            return dict(losses=losses, centers=head.centers(), state={k: v.clone() for k, v in head.state_dict().items()})
+        finally:
+            head.close()
+    _assert_same(train(False), ref, "duplex")
+    try:
+        got = train(True)
+    except StreamError as err:
+        assert "no event orders them" in str(err)
+    else:
+        assert got["losses"] != ref["losses"] or not torch.equal(got["centers"], ref["centers"])
+
+
+def test_duplex_write_back_runs_beside_the_next_fetch(monkeypatch):
+    """The write stream waits for the step alone, never for the fetch stream, and each
+    prefetch queues the fetch of rows the last write-back does not write before the
+    fetch stream waits for that write-back: the two directions overlap."""
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    head = _head("sgd", TieredBank.factory(default="host", host_access="mapped"))
+    stager, rt = head._stager, head._stager.runtime
+    log, phase = [], {"name": None}
+    real_run, real_wait = rt.run, rt.wait
+
+    def run(stream, fn, *args, **kw):
+        log.append((phase["name"], stream.name, "run", None))
+        return real_run(stream, fn, *args, **kw)
+
+    def wait(stream, event):
+        log.append((phase["name"], stream.name, "wait", None if event is None else event.stream.name))
+        return real_wait(stream, event)
+    rt.run, rt.wait = run, wait
+    for name in ("prefetch", "after_step"):
+        original = getattr(stager, name)
+
+        def wrapped(*args, _original=original, _name=name):
+            phase["name"] = _name
+            try:
+                return _original(*args)
+            finally:
+                phase["name"] = None
+        setattr(stager, name, wrapped)
+    _train(head, _batches(STEPS), LR["sgd"], prefetch=True)
+    del rt.run, rt.wait
+    head.close()
+    assert not [e for e in log if e[1] == "write" and e[2] == "wait" and e[3] == "fetch"]
+    prefetches, current = [], None
+    for e in log:
+        if e[0] == "prefetch":
+            if current is None:
+                current = []
+                prefetches.append(current)
+            current.append(e)
+        else:
+            current = None
+    checked = 0
+    for ops in prefetches:
+        fetch = [(kind, on) for _, stream, kind, on in ops if stream == "fetch"]
+        if ("wait", "write") in fetch:
+            first_wait = fetch.index(("wait", "write"))
+            assert ("run", None) in fetch[:first_wait], fetch
+            checked += 1
+    assert checked >= STEPS - 3, checked
 
 
 # ---------------------------------------------------------------- traffic, host work

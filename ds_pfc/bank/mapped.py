@@ -8,7 +8,15 @@ host operations per step, whatever the number of rows.
 
 * The fetch stream carries the next slot's cold rows at prefetch and its overlap
   rows from the stepped slot after the step (the overlap patch).
-* The write stream carries the stepped slot back into the tables.
+* The write stream carries the stepped slot back into the tables, beside the fetch
+  stream's work: PCIe moves both directions at once (duplex).
+
+Ordering, by events only: a write-back starts after the step that wrote its slot. A
+fetch reads the rows that the last write-back writes only after it landed (a row
+written back after step t and fetched again for step t + 2), and every other row at
+once; the fetch stream waits for older write-backs whole. The stream emulator checks
+this row by row (``DS_PFC_DEBUG_STREAMS=1``: two streams may touch one table at once
+only where their rows differ).
 """
 from __future__ import annotations
 
@@ -18,8 +26,9 @@ import torch
 
 from .quantized import RowwiseInt8Store
 from .rows import move_rows_torch_
-from .slots import Slot, Stager, _tables
+from .slots import Slot, Stager, _found_in, _positions_in, _tables
 from .split import SplitStore
+from .streams import rows_of
 from .tiered import TieredBank
 
 __all__ = ["MappedStager"]
@@ -39,12 +48,20 @@ class MappedStager(Stager):
                              "ds_pfc[triton]); or use host_access='staged'")
         super().__init__(bank)
         self._move = mover or move_rows_torch_
-        # The fetch stream's kernels read and write the host tables too.
+        # The side streams' kernels read and write the host tables too.
         for name in bank.state_names():
             for table in _tables(bank.store(name)):
-                self.runtime.keep_alive(table, self._fetch_stream)
+                for stream in (self._fetch_stream, self._write_stream):
+                    self.runtime.keep_alive(table, stream)
         self._watch_device_tables([t for n in bank.state_names() if bank.store(n).tier == "device"
-                                   for t in _tables(bank.store(n))], (self._fetch_stream,))
+                                   for t in _tables(bank.store(n))], (self._fetch_stream, self._write_stream))
+        # The last write-back, (rows, where written or None: all, its landing event), and
+        # the landing events of older ones that the fetch stream has not waited for.
+        self._last_write: tuple[torch.Tensor, torch.Tensor | None, object] | None = None
+        self._older_writes: list = []
+        # Test hook: fetch every row at once, before the last write-back landed. This
+        # is the ordering bug the split fetch exists to avoid.
+        self.fetch_before_landing = False
 
     def _tables(self):
         return [(name, self.bank.store(name)) for name in self.bank.state_names()]
@@ -59,26 +76,50 @@ class MappedStager(Stager):
 
     def _fetch_mapped(self, slot: Slot, cold: torch.Tensor | None) -> None:
         """Queue the fetch of ``slot``'s rows (where ``cold``; None: all of them) from the
-        tables on the fetch stream; ``slot``'s ready gate waits for it."""
+        tables on the fetch stream; ``slot``'s ready gate waits for it.
+
+        The last write-back may still be on its way (write stream): rows it writes are
+        fetched after it landed, the others at once, beside it. Older write-backs are
+        waited for whole (they finished long ago)."""
         rt = self.runtime
         rows = slot.rows
         rt.keep_alive(rows, self._fetch_stream)
-        index = [rows] + ([cold] if cold is not None else [])
-        if cold is not None:
-            rt.keep_alive(cold, self._fetch_stream)
         rt.wait(self._fetch_stream, rt.record(rt.compute()))     # rows and mask were made on compute
+        for event in self._older_writes:
+            rt.wait(self._fetch_stream, event)
+        self._older_writes = []
+        last, self._last_write = self._last_write, None
+        if last is None or self.fetch_before_landing:
+            self._queue_fetch(slot, cold)
+        else:
+            written_rows, written, landed = last
+            recent = _found_in(written_rows, rows)
+            if written is not None:      # only where that write-back wrote
+                recent &= written.index_select(0, _positions_in(written_rows, rows))
+            self._queue_fetch(slot, ~recent if cold is None else cold & ~recent)
+            rt.wait(self._fetch_stream, landed)
+            self._queue_fetch(slot, recent if cold is None else cold & recent)
+        slot._event = rt.record(self._fetch_stream)
+
+    def _queue_fetch(self, slot: Slot, mask: torch.Tensor | None) -> None:
+        """(fetch stream) ``slot``'s rows where ``mask`` from the tables, every state."""
+        rt = self.runtime
+        rows = slot.rows
+        index = [rows] + ([mask] if mask is not None else [])
+        if mask is not None:
+            rt.keep_alive(mask, self._fetch_stream)
         for name, store in self._tables():
             dst = slot.states[name]
+            tables = [rows_of(t, rows, mask) for t in _tables(store)]
             if isinstance(store, RowwiseInt8Store):
-                rt.run(self._fetch_stream, store.fetch_into, rows, dst, None, cold, self._codec,
-                       reads=(*store.tables(), *index), writes=(dst,))
+                rt.run(self._fetch_stream, store.fetch_into, rows, dst, None, mask, self._codec,
+                       reads=(*tables, *index), writes=(dst,))
             elif isinstance(store, SplitStore):
-                rt.run(self._fetch_stream, _fetch_split, self._move, store, rows, dst, cold,
-                       reads=(*store.tables(), *index), writes=(dst,))
+                rt.run(self._fetch_stream, _fetch_split, self._move, store, rows, dst, mask,
+                       reads=(*tables, *index), writes=(dst,))
             else:
-                rt.run(self._fetch_stream, self._move, store.data, rows, dst, None, cold, None,
-                       reads=(store.data, *index), writes=(dst,))
-        slot._event = rt.record(self._fetch_stream)
+                rt.run(self._fetch_stream, self._move, store.data, rows, dst, None, mask, None,
+                       reads=(*tables, *index), writes=(dst,))
 
     def _prefetch(self, rows: torch.Tensor, key, live: list[Slot]) -> None:
         held = self._count_cold(rows, live)
@@ -104,30 +145,37 @@ class MappedStager(Stager):
         self._write_back(updated)
 
     def _write_back(self, updated: Slot) -> None:
-        """Write every stepped row of ``updated`` into the tables, on the fetch stream."""
+        """Write every stepped row of ``updated`` into the tables, on the write stream
+        (beside the next fetch: PCIe carries both directions at once)."""
         rt = self.runtime
         self.bank.count_traffic(out=updated.rows.numel() * self._row_bytes())
         stepped = rt.record(rt.compute())
-        rt.wait(self._fetch_stream, stepped)
-        rt.keep_alive(updated.rows, self._fetch_stream)
+        rt.wait(self._write_stream, stepped)
+        rows = updated.rows
+        rt.keep_alive(rows, self._write_stream)
         for name, store in self._tables():
             values = updated.states[name]
+            tables = [rows_of(t, rows) for t in _tables(store)]
             if isinstance(store, RowwiseInt8Store):
-                rt.run(self._fetch_stream, store.write_rows, updated.rows, values, self._codec,
-                       reads=(values, updated.rows), writes=store.tables())
+                rt.run(self._write_stream, store.write_rows, rows, values, self._codec,
+                       reads=(values, rows), writes=tables)
             elif isinstance(store, SplitStore):
-                rt.run(self._fetch_stream, _write_split, self._move, store, updated.rows, values,
-                       reads=(values, updated.rows), writes=store.tables())
+                rt.run(self._write_stream, _write_split, self._move, store, rows, values,
+                       reads=(values, rows), writes=tables)
             else:
-                rt.run(self._fetch_stream, self._move, values, None, store.data, updated.rows, None, None,
-                       reads=(values, updated.rows), writes=(store.data,))
-        landed = rt.record(self._fetch_stream)
+                rt.run(self._write_stream, self._move, values, None, store.data, rows, None, None,
+                       reads=(values, rows), writes=tables)
+        landed = rt.record(self._write_stream)
+        if self._last_write is not None:
+            self._older_writes.append(self._last_write[2])
+        self._last_write = (rows, None, landed)
         updated.readers.append(landed)
         self.release(updated, [stepped] + updated.readers)
 
     def drain(self) -> None:
         self.raise_failed()
-        self.runtime.synchronize(self.runtime.record(self._fetch_stream))
+        for stream in (self._write_stream, self._fetch_stream):
+            self.runtime.synchronize(self.runtime.record(stream))
         self._wait_next()
 
 

@@ -4,7 +4,8 @@ Every asynchronous copy of the bank and every buffer that one stream writes and
 another reads goes through a :class:`Runtime`:
 
 * ``run(stream, fn, *args, reads=, writes=)`` enqueues ``fn(*args)`` on ``stream``;
-  ``reads``/``writes`` name the buffers it touches. Index tensors the op needs are
+  ``reads``/``writes`` name the buffers it touches, whole or some of their rows
+  (:func:`rows_of`: a table that one stream reads while another writes other rows). Index tensors the op needs are
   passed on the CPU and moved inside ``fn``, so they are allocated on (and owned by)
   the stream that uses them.
 * ``record``/``wait``/``synchronize``/``query`` order streams and the host.
@@ -48,7 +49,7 @@ from typing import Callable, Iterable
 import torch
 
 __all__ = ["Runtime", "CpuRuntime", "CudaRuntime", "EmulatedRuntime", "StreamError", "debug_streams_active",
-           "runtime_for", "DEBUG_ENV"]
+           "runtime_for", "rows_of", "Rows", "DEBUG_ENV"]
 
 DEBUG_ENV = "DS_PFC_DEBUG_STREAMS"
 
@@ -72,8 +73,48 @@ def runtime_for(device: torch.device) -> "Runtime":
     return CpuRuntime()
 
 
+class Rows:
+    """An access to rows ``index[mask]`` (``mask`` None: all of ``index``) of ``tensor``,
+    for ``run``'s ``reads``/``writes``: two streams may touch one table at once where
+    their rows differ. Row ids are those of one id space per table (a store split in
+    two parts names its global ids for both)."""
+
+    __slots__ = ("tensor", "index", "mask")
+
+    def __init__(self, tensor: torch.Tensor, index: torch.Tensor, mask: torch.Tensor | None = None):
+        self.tensor, self.index, self.mask = tensor, index, mask
+
+    @property
+    def shape(self):
+        return self.tensor.shape
+
+    @property
+    def dtype(self):
+        return self.tensor.dtype
+
+    def ids(self) -> torch.Tensor:
+        index = self.index.to("cpu")
+        return index if self.mask is None else index[self.mask.to("cpu")]
+
+
+def rows_of(tensor: torch.Tensor, index: torch.Tensor, mask: torch.Tensor | None = None) -> Rows:
+    """The rows ``index`` (where ``mask``) of ``tensor``, as an access (see :class:`Rows`)."""
+    return Rows(tensor, index, mask)
+
+
+def _tensor(access) -> torch.Tensor:
+    return access.tensor if isinstance(access, Rows) else access
+
+
+def _overlap(a, b) -> bool:
+    """Whether two accesses to one buffer may touch a common row (whole buffers: yes)."""
+    if not isinstance(a, Rows) or not isinstance(b, Rows):
+        return True
+    return bool(torch.isin(a.ids(), b.ids()).any())
+
+
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    return _tensor(t).untyped_storage().data_ptr()
 
 
 class Runtime:
@@ -294,7 +335,8 @@ class EmulatedRuntime(Runtime):
         self._compute_access: dict[int, dict[str, tuple[int, str]]] = {}
         self._owners: dict[int, set] = {}
         self._consumers: dict[int, list[_Event]] = {}
-        self._inflight: dict[int, list] = collections.defaultdict(list)   # key -> [(seq, stream, writes)]
+        # key -> [(seq, stream, writes, access)]: work enqueued on a side stream, not yet run
+        self._inflight: dict[int, list] = collections.defaultdict(list)
         self._error: BaseException | None = None
         self._closed = False
         self._worker = threading.Thread(target=self._loop, name="ds_pfc-stream-emulator", daemon=True)
@@ -351,7 +393,7 @@ class EmulatedRuntime(Runtime):
         with self._cond:
             for t, w in [(t, False) for t in reads] + [(t, True) for t in writes]:
                 key = _storage_key(t)
-                for _, other, other_w in self._inflight[key]:
+                for _, other, other_w, _ in self._inflight[key]:
                     if other is not self._compute and (w or other_w):
                         raise StreamError(
                             f"the compute stream {'writes' if w else 'reads'} a buffer {tuple(t.shape)} {t.dtype} "
@@ -393,7 +435,7 @@ class EmulatedRuntime(Runtime):
                             f"event)); on CUDA the compute stream's work, or the work it freed that memory after, "
                             f"may still be running")
             for t, w in [(t, False) for t in reads] + [(t, True) for t in writes]:
-                self._inflight[_storage_key(t)].append((seq, stream, w))
+                self._inflight[_storage_key(t)].append((seq, stream, w, t))
         self._enqueue(stream, ("run", seq, fn, args, reads, writes))
 
     def empty(self, shape, dtype, device, users=(), pin=False):
@@ -430,7 +472,7 @@ class EmulatedRuntime(Runtime):
         seq = next(self._seq)
         with self._cond:
             for t in buffers:
-                self._inflight[_storage_key(t)].append((seq, self._allocator, True))
+                self._inflight[_storage_key(t)].append((seq, self._allocator, True, t))
         self._enqueue(self._allocator, ("run", seq, _poison_all, (buffers,), [], buffers))
         return events + [self.record(self._allocator)]
 
@@ -523,8 +565,8 @@ class EmulatedRuntime(Runtime):
                     raise StreamError(f"{stream} writes a buffer {tuple(t.shape)} {t.dtype} while its consumer "
                                       f"{pending[0]} has not completed")
             for t, w in [(t, False) for t in reads] + [(t, True) for t in writes]:
-                for other_seq, other, other_w in self._inflight[_storage_key(t)]:
-                    if other_seq < seq and other is not stream and (w or other_w):
+                for other_seq, other, other_w, access in self._inflight[_storage_key(t)]:
+                    if other_seq < seq and other is not stream and (w or other_w) and _overlap(t, access):
                         raise StreamError(
                             f"{stream} {'writes' if w else 'reads'} a buffer {tuple(t.shape)} {t.dtype} that an "
                             f"earlier {'write' if other_w else 'read'} on {other} has not finished: no event orders "
