@@ -243,6 +243,14 @@ def test_train_clean_retrain_round_trip(tmp_path):
         trainer = Trainer(copy.deepcopy(config), output_dir=str(tmp_path / "second"), max_steps=6)
         with pytest.raises(ConfigError, match="ds_pfc.data.labels: this job trains on the label file"):
             trainer.run()
+    # Allowed, the next epoch starts from its start on the new labels.
+    lines = []
+    with one_process_world(), one_thread():
+        trainer = Trainer(copy.deepcopy(config), output_dir=str(tmp_path / "second"), max_steps=6,
+                          allow_config_change=True, log=lines.append)
+        summary = trainer.run()
+    assert summary["resumed"] and trainer.engine.global_steps == 6 and trainer.sampler.epoch == 1
+    assert any("training continues with epoch 1 from its start" in line for line in lines), lines[-10:]
 
 
 def test_two_ranks_train_on_the_labels(tmp_path):
@@ -260,3 +268,36 @@ def test_two_ranks_train_on_the_labels(tmp_path):
     with open(tmp_path / "run" / "summary.json") as f:
         summary = json.load(f)
     assert summary["steps"] == 4 and all(torch.isfinite(torch.tensor(summary["losses"])))
+
+
+def test_a_recordio_set_keeps_its_encoded_images_and_takes_the_file_labels(tmp_path, monkeypatch):
+    """RecordIO (encoded images, read by record): the kept records' payloads, untouched
+    (so ``data.decode: cuda`` still receives JPEG bytes), with the file's labels."""
+    from _recordio_writers import ir_pack, write_rec
+
+    def fake_image(k):           # a JPEG marker, then bytes of the record's own
+        return b"\xff\xd8\xff" + bytes((k * 7 + j) % 251 for j in range(4 + 3 * k))
+
+    from ds_pfc.app.datasets import build_train_set
+    from ds_pfc.data.loader import _fetch
+    from ds_pfc.data.recordio import InsightFaceRecord
+    monkeypatch.setenv("DS_PFC_CACHE_DIR", str(tmp_path / "cache"))
+    own = [k % 5 for k in range(23)]
+    rec, _, _ = write_rec(tmp_path, [(k, ir_pack(float(c), fake_image(k), id1=k)) for k, c in enumerate(own)])
+    values = [(-1 if k in (0, 6, 22) else (3 * k) % 4) for k in range(23)]
+    path = _write_labels(tmp_path / "labels.txt", values)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "ds_pfc": {"head": {"num_classes": 4}, "data": {"source": "recordio", "path": rec, "labels": path},
+                         "train": {"output_dir": str(tmp_path / "run")}}}
+    data = build_train_set(split_config(config)[1])
+    kept = [k for k, v in enumerate(values) if v != -1]
+    assert len(data) == 20 and data.labels().tolist() == [values[k] for k in kept]
+    base = InsightFaceRecord(rec, cache=False)
+    images, labels = _fetch(data, torch.tensor([0, 5, 19]), keep_jpeg=True)
+    assert labels.tolist() == [values[kept[j]] for j in (0, 5, 19)]
+    for image, j in zip(images, (0, 5, 19)):
+        assert image.dim() == 1 and bytes(image.tolist()) == bytes(base[kept[j]][0])
+    config["ds_pfc"]["head"]["num_classes"] = 5
+    with pytest.raises(ConfigError, match=r"ds_pfc.data.labels: .* \(4 classes\) but ds_pfc.head.num_classes is 5"):
+        build_train_set(split_config(config)[1])
