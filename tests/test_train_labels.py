@@ -301,3 +301,33 @@ def test_a_recordio_set_keeps_its_encoded_images_and_takes_the_file_labels(tmp_p
     config["ds_pfc"]["head"]["num_classes"] = 5
     with pytest.raises(ConfigError, match=r"ds_pfc.data.labels: .* \(4 classes\) but ds_pfc.head.num_classes is 5"):
         build_train_set(split_config(config)[1])
+
+
+def test_an_image_folder_under_stress_is_relabelled_after_the_stress(tmp_path):
+    """hf source (an image folder) with ``ds_pfc.data.stress``: the file indexes the
+    stressed set (as ``ds-pfc-clean`` reads it), so its length is the stressed set's and
+    each kept item is that set's image."""
+    from ds_pfc.app.datasets import build_train_set
+    from ds_pfc.data.hf import load_image_dataset
+    from ds_pfc.data.stress import StressedDataset
+    root = tmp_path / "folder"
+    for c in range(4):
+        for k in range(3):
+            (root / f"id{c}").mkdir(parents=True, exist_ok=True)
+            (root / f"id{c}" / f"{k}.jpg").write_bytes(b"\xff\xd8\xff" + bytes([c, k]))
+    stress = {"long_tail": {"tail_fraction": 0.5, "tail_images": [1, 2]}, "seed": 2}
+    reference = StressedDataset(load_image_dataset(root), long_tail=0.5, tail_images=(1, 2), seed=2)
+    assert len(reference) < 12
+    values = [(k % 3) - 1 for k in range(len(reference))]          # -1, 0, 1, -1, ...
+    path = _write_labels(tmp_path / "labels.txt", values)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "ds_pfc": {"head": {"num_classes": 2},
+                         "data": {"source": "hf", "path": str(root), "labels": path, "stress": stress}}}
+    data = build_train_set(split_config(config)[1])
+    kept = [k for k, v in enumerate(values) if v != -1]
+    assert [data[j] for j in range(len(data))] == [(reference[k][0], values[k]) for k in kept]
+    _write_labels(tmp_path / "labels.txt", values + [0])
+    with pytest.raises(ConfigError, match=f"has {len(reference) + 1} labels but the training set has "
+                                          f"{len(reference)} images"):
+        build_train_set(split_config(config)[1])
