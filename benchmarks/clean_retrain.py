@@ -8,6 +8,13 @@ gives from the stressed model (merged duplicates, flips relabelled, dropped imag
 left out; classes renumbered by its class map). Each is scored by TAR at FAR 1e-3 on
 verification pairs of never-seen identities.
 
+The cleaned labels take the training app's path: the analysis's ``labels.txt`` and
+``class_map.json`` are written by ``ds-pfc-clean``'s writer, and the cleaned training
+set is the one the app builds from a job config with the same stress and
+``ds_pfc.data.labels`` naming that file (``ds_pfc.app.datasets.build_train_set``:
+the file read and checked, the dropped images left out). The three trainings
+themselves are the plain loop below, the same for all three, not the app's loop.
+
     PYTHONPATH=. python benchmarks/clean_retrain.py --out benchmarks/results/clean-retrain-features-cpu-2core.json
 """
 from __future__ import annotations
@@ -17,6 +24,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 
 import torch
@@ -24,7 +32,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ds_pfc.app.cleaning import CleanSettings, clean_embeddings  # noqa: E402
+from ds_pfc.app.cleaning import CleanSettings, clean_embeddings, write_report  # noqa: E402
+from ds_pfc.app.config import split_config  # noqa: E402
+from ds_pfc.app.datasets import build_train_set  # noqa: E402
 from ds_pfc.bench.grow import FEATURES  # noqa: E402
 from ds_pfc.core.head import PartialFC  # noqa: E402
 from ds_pfc.core.margins import CosFace  # noqa: E402
@@ -63,6 +73,32 @@ def train(x: torch.Tensor, labels: torch.Tensor, num_classes: int, steps: int, s
     return backbone.eval(), float(loss.detach())
 
 
+def job_config(args, labels: str, num_classes: int) -> dict:
+    """The app's job config of the cleaned retrain's data: the study's identity
+    features with its stress, trained on ``labels`` (``ds_pfc.data.labels``)."""
+    return {"train_micro_batch_size_per_gpu": 128, "gradient_clipping": 5.0, "ds_pfc": {
+        "head": {"num_classes": num_classes, "embedding_size": 64},
+        "backbone": {"name": "mlp", "options": {"input_dim": FEATURES["feature_dim"], "hidden": 256, "depth": 2}},
+        "data": {"source": "features", "flip": False, "labels": labels,
+                 "features": {"identities": args.identities, "images_per_identity": args.images, **FEATURES},
+                 "stress": {"label_flip": args.flip, "conflict": {"fraction": args.conflict, "splits": 2},
+                            "seed": 0}},
+        "evaluation": {"flip": False}}}
+
+
+def app_training_set(args, clean_dir: str, report) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, labels)`` of the cleaned retrain as the training app reads them: the
+    report written by ``ds-pfc-clean``'s writer into ``clean_dir``, its ``labels.txt``
+    applied by the app's data path."""
+    paths = write_report(report, clean_dir, sheets=0)
+    with open(paths["class_map.json"]) as f:
+        num_classes = len(json.load(f))
+    _, cfg = split_config(job_config(args, paths["labels.txt"], num_classes))
+    data = build_train_set(cfg)
+    items = data.__getitems__(list(range(len(data))))
+    return normalize(torch.stack([torch.as_tensor(image) for image, _ in items])), data.labels()
+
+
 @torch.no_grad()
 def embed(backbone, x):
     return torch.nn.functional.normalize(torch.cat([backbone(x[i:i + 2048]) for i in range(0, len(x), 2048)]), dim=1)
@@ -83,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--flip", type=float, default=0.05, help="share of labels flipped")
     p.add_argument("--pairs", type=int, default=6000, help="verification pairs of never-seen identities")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="training seeds")
+    p.add_argument("--clean-dir", default=None,
+                   help="where the analysis's labels.txt and class_map.json go (default: a temporary folder)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     started = time.time()
@@ -103,7 +141,13 @@ def main(argv=None) -> int:
         row["stressed"] = {"tar": tar(model, pairs_x, issame), "loss": loss, "classes": stressed.num_classes}
         report = clean_embeddings(embed(model, x), stressed.labels(), stressed.num_classes, CleanSettings())
         keep = report.new_labels >= 0
-        model, loss = train(x[keep], report.new_labels[keep], len(report.class_map), args.steps, seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            x_kept, kept_labels = app_training_set(args, os.path.join(args.clean_dir or tmp, f"seed{seed}"),
+                                                   report)
+        # the app's data path gives the images and labels the report meant
+        if not (torch.equal(x_kept, x[keep]) and torch.equal(kept_labels, report.new_labels[keep])):
+            raise RuntimeError("the training set built from labels.txt differs from the report's cleaned labels")
+        model, loss = train(x_kept, kept_labels, len(report.class_map), args.steps, seed)
         row["cleaned"] = {"tar": tar(model, pairs_x, issame), "loss": loss, "classes": len(report.class_map),
                           "images": int(keep.sum()), "summary": {k: v for k, v in report.summary().items()
                                                                  if k != "settings"}}
@@ -115,7 +159,9 @@ def main(argv=None) -> int:
               "machine": {"host": "2-core CPU VM", "platform": platform.platform(), "threads": 1},
               "versions": {"torch": torch.__version__, "python": platform.python_version()},
               "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "far": 1e-3, "features": FEATURES,
-                         "model": "mlp 2 x 256 -> 64, CosFace s 32 m 0.3, r = 1.0, SGD 0.1 poly, batch 128"},
+                         "model": "mlp 2 x 256 -> 64, CosFace s 32 m 0.3, r = 1.0, SGD 0.1 poly, batch 128",
+                         "cleaned_data": "labels.txt and class_map.json from write_report, read back through "
+                                         "ds_pfc.data.labels (build_train_set); training: the plain loop"},
               "runs": runs, "seconds": round(time.time() - started, 1)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

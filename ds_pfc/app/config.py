@@ -586,8 +586,18 @@ class DataConfig:
     still decoded in the workers, and JPEGs then bypass a ``set_image_decoder`` decoder."""
     stress: StressConfig = field(default_factory=StressConfig)
     """Label flips, inter-class conflicts or a long tail applied to the training set."""
+    labels: str | None = None
+    """A label file (``labels.txt`` of ``ds-pfc-clean``): one integer per line, the label
+    of every image of the training set in dataset order (after ``stress``), ``-1`` for
+    an image left out. The run trains on these labels instead of the dataset's own and
+    never sees the images marked ``-1``; ``ds_pfc.head.num_classes`` must be the largest
+    label plus one (and with source ``synthetic``/``features`` the dataset's own
+    ``identities`` must be set). null: the dataset's labels."""
 
     def __post_init__(self):
+        if self.labels is not None and (not isinstance(self.labels, str) or not os.path.isfile(self.labels)):
+            raise ConfigError(_not_found("ds_pfc.data.labels", self.labels, "one label per training image, -1: "
+                                         "left out (labels.txt of ds-pfc-clean)"))
         if self.source not in ("synthetic", "features", "recordio", "hf"):
             raise ConfigError(f"ds_pfc.data.source must be synthetic, features, recordio or hf, got {self.source!r}")
         if self.source != "features" and self.features != FeaturesDataConfig():
@@ -957,6 +967,10 @@ class DsPfcConfig:
     def __post_init__(self):
         synthetic = self.data.synthetic
         if synthetic.identities is None:
+            if self.data.labels is not None and self.data.source == "synthetic":
+                raise ConfigError("ds_pfc.data.synthetic.identities must be set with ds_pfc.data.labels: the "
+                                  "dataset's identities, while ds_pfc.head.num_classes counts the classes of the "
+                                  "label file")
             synthetic.identities = self.head.num_classes
         conflict = self.data.stress.conflict is not None and self.data.stress.conflict.fraction > 0
         self._check_features(conflict)
@@ -965,7 +979,9 @@ class DsPfcConfig:
             raise ConfigError(f"ds_pfc.data.synthetic.image_size ({synthetic.image_size}) must equal the backbone's "
                               f"input size ({backbone_size}; set ds_pfc.backbone.options.image_size, which "
                               "mobilefacenet accepts)")
-        if self.data.source == "synthetic" and synthetic.identities != self.head.num_classes and not conflict:
+        relabelled = self.data.labels is not None
+        if self.data.source == "synthetic" and synthetic.identities != self.head.num_classes and not conflict \
+                and not relabelled:
             raise ConfigError(f"ds_pfc.head.num_classes ({self.head.num_classes}) must equal "
                               f"ds_pfc.data.synthetic.identities ({self.data.synthetic.identities})")
 
@@ -983,6 +999,10 @@ class DsPfcConfig:
             raise ConfigError(f"ds_pfc.data.source \"features\" needs a feature backbone: ds_pfc.backbone.name must "
                               f"be one of {list(FEATURE_BACKBONES)}, got {backbone.name!r}")
         if features.identities is None:
+            if self.data.labels is not None:
+                raise ConfigError("ds_pfc.data.features.identities must be set with ds_pfc.data.labels: the "
+                                  "dataset's identities, while ds_pfc.head.num_classes counts the classes of the "
+                                  "label file")
             features.identities = self.head.num_classes
         if backbone.options.get("input_dim") != features.feature_dim:
             raise ConfigError(f"ds_pfc.backbone.options.input_dim must equal ds_pfc.data.features.feature_dim "
@@ -990,7 +1010,7 @@ class DsPfcConfig:
         if self.evaluation.flip:
             raise ConfigError("ds_pfc.evaluation.flip must be false for ds_pfc.data.source \"features\" (a flip "
                               "would permute a feature vector's values)")
-        if features.identities != self.head.num_classes and not conflict:
+        if features.identities != self.head.num_classes and not conflict and self.data.labels is None:
             raise ConfigError(f"ds_pfc.head.num_classes ({self.head.num_classes}) must equal "
                               f"ds_pfc.data.features.identities ({features.identities})")
 

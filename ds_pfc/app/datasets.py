@@ -1,5 +1,5 @@
 """The datasets of a job: the training set (synthetic faces, identity features, RecordIO
-or a Hugging Face dataset, with the configured stress transforms) and the verification pair sets. Used
+or a Hugging Face dataset, with the configured stress transforms and label file) and the verification pair sets. Used
 by the training app, the paper studies and the dominant sub-center export."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from .config import ConfigError, DsPfcConfig, StressConfig
 from .run_outputs import Heartbeat
 
-__all__ = ["build_train_set", "build_eval_sets", "check_eval_decoder", "stressed"]
+__all__ = ["build_train_set", "build_eval_sets", "check_eval_decoder", "relabelled", "stressed"]
 
 
 def stressed(stress: StressConfig, dataset):
@@ -29,23 +29,56 @@ def stressed(stress: StressConfig, dataset):
 
 def build_train_set(cfg: DsPfcConfig, log=None):
     """The training set of ``cfg``; ``log`` (a callable taking a line, or None) hears about
-    long phases (a RecordIO set's first indexing)."""
+    long phases (a RecordIO set's first indexing). With ``ds_pfc.data.labels``, the set
+    the label file keeps, with its labels (:func:`relabelled`)."""
+    data = cfg.data
+    dataset = _stressed_set(cfg, log)
+    if data.labels is not None:
+        return relabelled(cfg, dataset, log)
+    if data.source in ("synthetic", "features"):
+        if dataset.num_classes != cfg.head.num_classes:
+            what = "synthetic" if data.source == "synthetic" else "feature"
+            raise ConfigError(f"ds_pfc.head.num_classes must be {dataset.num_classes} (the classes of the {what} "
+                              f"training set after ds_pfc.data.stress), got {cfg.head.num_classes}")
+    elif dataset.num_classes > cfg.head.num_classes:
+        raise ConfigError(f"the data has labels up to {dataset.num_classes - 1} but ds_pfc.head.num_classes is "
+                          f"{cfg.head.num_classes}")
+    return dataset
+
+
+def relabelled(cfg: DsPfcConfig, dataset, log=None):
+    """``dataset`` (the training set after ``ds_pfc.data.stress``) restricted to the
+    images ``ds_pfc.data.labels`` keeps, with its labels
+    (:class:`~ds_pfc.data.relabel.RelabelledDataset`; its ``digest`` is the file's
+    sha256). A :class:`ConfigError` naming the key for a file that does not fit the
+    set or a class count other than ``ds_pfc.head.num_classes``."""
+    from ..data.relabel import RelabelledDataset, read_labels
+    path = cfg.data.labels
+    try:
+        labels, digest = read_labels(path, len(dataset), name="ds_pfc.data.labels")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    out = RelabelledDataset(dataset, labels, digest=digest)
+    if out.num_classes != cfg.head.num_classes:
+        raise ConfigError(f"ds_pfc.data.labels: {path} has labels up to {out.num_classes - 1} ({out.num_classes} "
+                          f"classes) but ds_pfc.head.num_classes is {cfg.head.num_classes}; set num_classes to "
+                          f"{out.num_classes}")
+    if log is not None:
+        log(f"data: labels from {path}: {len(out)} of {len(dataset)} images kept ({out.dropped} left out), "
+            f"{out.num_classes} classes")
+    return out
+
+
+def _stressed_set(cfg: DsPfcConfig, log=None):
+    """The training set of ``cfg`` with its own labels, after ``ds_pfc.data.stress``."""
     data = cfg.data
     if data.source == "synthetic":
         from ..data.faces import SyntheticFaces
         s = data.synthetic
-        dataset = stressed(data.stress, SyntheticFaces(s.identities, s.images_per_identity,
-                                                       image_size=s.image_size, seed=s.seed))
-        if dataset.num_classes != cfg.head.num_classes:
-            raise ConfigError(f"ds_pfc.head.num_classes must be {dataset.num_classes} (the classes of the synthetic "
-                              f"training set after ds_pfc.data.stress), got {cfg.head.num_classes}")
-        return dataset
+        return stressed(data.stress, SyntheticFaces(s.identities, s.images_per_identity,
+                                                    image_size=s.image_size, seed=s.seed))
     if data.source == "features":
-        dataset = stressed(data.stress, data.features.build())
-        if dataset.num_classes != cfg.head.num_classes:
-            raise ConfigError(f"ds_pfc.head.num_classes must be {dataset.num_classes} (the classes of the feature "
-                              f"training set after ds_pfc.data.stress), got {cfg.head.num_classes}")
-        return dataset
+        return stressed(data.stress, data.features.build())
     if not os.path.exists(data.path):
         raise FileNotFoundError(f"ds_pfc.data.path {data.path!r} does not exist")
     if data.source == "recordio":
@@ -76,11 +109,7 @@ def build_train_set(cfg: DsPfcConfig, log=None):
         if len(dataset) and isinstance(dataset[0][0], (bytes, bytearray, memoryview)):
             from ..data.transforms import check_decoder
             check_decoder(f"ds_pfc.data.source hf ({data.path}: encoded images)")
-    dataset = stressed(data.stress, dataset)
-    if dataset.num_classes > cfg.head.num_classes:
-        raise ConfigError(f"the data has labels up to {dataset.num_classes - 1} but ds_pfc.head.num_classes is "
-                          f"{cfg.head.num_classes}")
-    return dataset
+    return stressed(data.stress, dataset)
 
 
 def check_eval_decoder(cfg: DsPfcConfig) -> None:

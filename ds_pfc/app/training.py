@@ -572,7 +572,10 @@ class Trainer:
             # (the universal conversion, DeepSpeed's load, the head shards).
             changes = self._check_config(choice.tag, choice.marker)
             self._check_batch(choice.tag, choice.marker)
+            relabel = self._check_labels_file(choice.tag, choice.marker)
             restart = self._check_data_position(choice.tag, (choice.marker.get("metadata") or {}).get("sampler"))
+            if relabel is not None:
+                restart = relabel if restart is None else max(restart, relabel)
             self._convert_for_world_size(choice.tag)
             with self._saved_margin(changes, choice.marker), self._heartbeat(f"resuming {choice.tag}"):
                 loaded = self.engine.load_checkpoint(self.checkpoint_dir, choice.tag)
@@ -672,6 +675,28 @@ class Trainer:
                      f"with epoch {epoch} from its start (allow_config_change)")
             return epoch
         return None
+
+    def _check_labels_file(self, tag: str, marker: dict):
+        """Refuse a resume whose ``ds_pfc.data.labels`` file differs from the one the
+        checkpoint trained on (by content: the same path may hold another file), unless
+        ``allow_config_change``; then the next epoch starts from its start in the new
+        data's order. Returns that epoch, or None when the file is the same."""
+        meta = marker.get("metadata") or {}
+        saved, now = meta.get("labels_sha256"), getattr(self.dataset, "digest", None)
+        if saved == now:
+            return None
+        where = os.path.join(self.checkpoint_dir, tag)
+        what = (f"the label file {self.cfg.data.labels} (sha256 {now[:12]}...)" if now else "no label file")
+        before = f"one of sha256 {saved[:12]}..." if saved else "no label file"
+        if not self.allow_config_change:
+            raise ConfigError(f"ds_pfc.data.labels: this job trains on {what}, but {where} trained on {before}: "
+                              "the images and labels of the data position differ. Restore the file, or resume "
+                              "with --allow_config_change to start the next epoch on the new labels")
+        state = meta.get("sampler") or {}
+        epoch = int(state.get("epoch", 0)) + (1 if int(state.get("consumed", 0)) or int(state.get("start", 0)) else 0)
+        self.log(f"warning: this job trains on {what}, {where} on {before}; training continues with epoch {epoch} "
+                 "from its start (allow_config_change)")
+        return epoch
 
     def _restore_data_position(self, state: dict, restart: int | None, tag: str) -> None:
         if restart is None:
@@ -804,7 +829,8 @@ class Trainer:
             metadata = {"config": self.raw_config, "overrides": dict(self.overrides), "micro": self.micro,
                         "gradient_accumulation_steps": self.gas, "world_size": self.world_size,
                         "global_batch": self.micro * self.gas * self.world_size,
-                        "sampler": self.sampler.state_dict(), "ran": self.ran_record()}
+                        "sampler": self.sampler.state_dict(), "ran": self.ran_record(),
+                        "labels_sha256": getattr(self.dataset, "digest", None)}
             # A complete tag of this step that this run did not write belongs to a run
             # rolled back past it: this run's state replaces it.
             with self._heartbeat(f"checkpoint {tag}"):

@@ -10,7 +10,7 @@ rows are then compared too), a model folder of ``ds-pfc-export backbone`` or an 
 model (``--data`` points at another copy of it). Writes into ``--out``:
 ``duplicates.csv``, ``images.csv`` (flips and outliers), ``overlap.csv``,
 ``merge.csv``, ``labels.txt`` (the cleaned label of every training image, ``-1``:
-dropped), ``second_labels.txt`` (with ``--second``: its images' merged ids),
+dropped; ``ds_pfc.data.labels`` trains on it), ``second_labels.txt`` (with ``--second``: its images' merged ids),
 ``class_map.json`` (old id -> new id, for ``ds_pfc.train.init.class_map``),
 ``summary.json`` and contact sheets under ``sheets/``. The analysis is
 :mod:`ds_pfc.app.cleaning`; the workflow and the thresholds: ``docs/cleaning.md``.

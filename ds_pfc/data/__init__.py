@@ -1,5 +1,5 @@
 """Datasets, sampling and transforms: synthetic faces, RecordIO and Hugging Face
-datasets, the identity sampler, the micro-batch loader, stress transforms, decoders.
+datasets, the identity sampler, the micro-batch loader, stress transforms, label files, decoders.
 
 May import: ds_pfc._checks, ds_pfc._rng, ds_pfc.devices; torch, datasets.
 Never: ds_pfc.core, ds_pfc.checkpoint, ds_pfc.deepspeed_plugin, ds_pfc.bench, ds_pfc.app,
@@ -9,11 +9,12 @@ from .features import IdentityFeatures
 from .hf import load_image_dataset
 from .loader import MicroBatchLoader
 from .recordio import InsightFaceRecord, RecordIOReader, unpack_header
+from .relabel import RelabelledDataset, read_labels
 from .sampler import DistributedIdentitySampler
 from .stress import StressedDataset, StressSummary
 from .synthetic import SyntheticIdentities, verification_accuracy
 from .transforms import decode_image, normalize, random_flip, set_image_decoder
 
 __all__ = ["InsightFaceRecord", "RecordIOReader", "unpack_header", "DistributedIdentitySampler",
-           "load_image_dataset", "StressedDataset", "StressSummary", "SyntheticFaces", "IdentityFeatures", "MicroBatchLoader", "SyntheticIdentities", "verification_accuracy", "decode_image", "normalize",
+           "load_image_dataset", "RelabelledDataset", "read_labels", "StressedDataset", "StressSummary", "SyntheticFaces", "IdentityFeatures", "MicroBatchLoader", "SyntheticIdentities", "verification_accuracy", "decode_image", "normalize",
            "random_flip", "set_image_decoder"]
