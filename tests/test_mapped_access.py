@@ -91,7 +91,7 @@ CASTS = {  # (src dtype, dst dtype, round dtype)
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("cast", list(CASTS))
 @pytest.mark.parametrize("width", [0, 1, 13])
-@pytest.mark.parametrize("use", ["gather-masked", "scatter", "patch"])
+@pytest.mark.parametrize("use", ["gather-masked", "scatter", "scatter-masked", "patch"])
 def test_move_rows_matches_a_loop_over_rows(impl, cast, width, use):
     if impl == "triton" and not triton_rows.available():
         pytest.skip("triton is not installed or TRITON_INTERPRET=1 was not set before import")
@@ -109,16 +109,16 @@ def test_move_rows_matches_a_loop_over_rows(impl, cast, width, use):
         src, src_idx, dst_idx = table, torch.randperm(83, generator=g)[:n], None
         dst = torch.zeros(shape(n), dtype=dst_dtype) - 3
         mask = torch.rand(n, generator=g) < 0.6
-    elif use == "scatter":          # write-back: slot positions -> table rows
+    elif use.startswith("scatter"):  # write-back: slot positions -> table rows (masked: those leaving)
         src, src_idx, dst_idx = table[:n].clone(), None, torch.randperm(83, generator=g)[:n]
         dst = torch.zeros(shape(83), dtype=dst_dtype) + 5
-        mask = None
+        mask = torch.rand(n, generator=g) < 0.6 if use == "scatter-masked" else None
     else:                           # patch: slot A's positions -> slot B positions, where held
         src, src_idx, dst_idx = table, torch.randint(0, 83, (n,), generator=g), None
         dst = torch.zeros(shape(n), dtype=dst_dtype) + 7
         mask = torch.rand(n, generator=g) < 0.5
     expected = _reference_move(src, src_idx, dst, dst_idx, mask, round_dtype)
-    got = move(src, src_idx, dst.clone(), dst_idx, mask, round_dtype)
+    got = move(src, src_idx, dst.clone(), dst_idx, mask, round_dtype, unique_dst=use == "scatter-masked")
     assert got.dtype == expected.dtype
     same = (got == expected) | (got.isnan() & expected.isnan()) if got.is_floating_point() else got == expected
     assert bool(same.all()), f"{impl} {cast} width {width} {use}: {int((~same).sum())} values differ"
@@ -391,11 +391,72 @@ def test_duplex_write_back_runs_beside_the_next_fetch(monkeypatch):
     assert checked >= STEPS - 3, checked
 
 
+def _scripted(head, batches, lr):
+    """Training with every way a prefetched or staged slot can end other than its step:
+    an evaluation forward and ``centers()`` between a step and the next forward (the next
+    slot then carries rows newer than the tables), a lookahead replaced by a second one,
+    ``zero_grad`` with a prefetch pending, a prefetch that the forward does not take, and
+    ``zero_grad`` with the forward's slot (taken from the prefetch, carrying) unstepped."""
+    losses, seen = [], []
+    for i, (x, y) in enumerate(batches):
+        if i == 6:                          # the forward does not use the prefetched labels
+            x, y = batches[5]
+        head.train()
+        loss = head(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        if i == 8:                          # the forward's slot dropped unstepped
+            head.zero_grad()
+            continue
+        if i + 1 < len(batches):
+            if i == 3:                      # replaced by a second lookahead
+                head.prefetch(batches[0][1])
+            head.prefetch(batches[i + 1][1])
+        head.step(lr)
+        if i == 1:
+            head.eval()
+            with torch.no_grad():
+                losses.append(head(*batches[i + 1]).item())
+            seen.append(head.centers())
+        if i == 4:
+            head.zero_grad()                # drops the prefetched slot
+    return dict(losses=losses, centers=head.centers(), seen=seen,
+                state={k: v.clone() for k, v in head.state_dict().items()})
+
+
+@pytest.mark.parametrize("placement", ["host", "w-host/m-device"])
+def test_rows_carried_by_the_next_slot_are_never_lost(monkeypatch, placement):
+    """Write-backs leave the overlap to the next slot; whatever ends that slot (a step,
+    an evaluation forward, ``centers()``, ``zero_grad``, a replaced or unused
+    prefetch), the run matches the device bank bitwise."""
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    b = _batches(STEPS)
+    ref_head = _head("sgd")
+    ref = _scripted(ref_head, b, LR["sgd"])
+    ref_head.close()
+    placements, default = PLACEMENTS[placement]
+    head = _head("sgd", TieredBank.factory(placements, default=default, host_access="mapped"))
+    head._stager.runtime.stream_delay["write"] = 0.005
+    carried = []
+    after_step = head._stager.after_step
+
+    def watched(updated):
+        after_step(updated)
+        carried.append(len(head._stager._carrying))
+    head._stager.after_step = watched
+    got = _scripted(head, b, LR["sgd"])
+    head.close()
+    assert sum(carried) >= STEPS - 5, carried       # the next slot carried rows at most steps
+    _assert_same(got, ref, "carrying")
+    for a, e in zip(got["seen"], ref["seen"]):
+        assert torch.equal(a, e), "centers() between a step and the next forward differ"
+
+
 # ---------------------------------------------------------------- traffic, host work
 def test_mapped_traffic_counts_the_cold_rows():
     """With prefetch, staged_in is the cold rows of the next set times the bytes of a
-    row of every state in its storage dtype (counted on the device), written_back every
-    stepped row."""
+    row of every state in its storage dtype (counted on the device), written_back the
+    stepped rows that leave the next set (the next slot carries the others on)."""
     b = _batches(STEPS)
     bank = TieredBank.factory({"weight": ("host", torch.bfloat16)}, default="host", host_access="mapped")
     head = _head("sgd", bank)
@@ -411,7 +472,8 @@ def test_mapped_traffic_counts_the_cold_rows():
         # step i wrote S(i) back; the prefetch of S(i+1) was issued before it.
         cold_next = int((~torch.isin(sets[i + 1], sets[i])).sum()) if i + 1 < len(sets) else 0
         staged = cold_next + (sets[0].numel() if i == 0 else 0)    # step 0 also staged S(0) whole
-        assert traffic == {"staged_in": staged * row_bytes, "written_back": sets[i].numel() * row_bytes}, i
+        leaving = int((~torch.isin(sets[i], sets[i + 1])).sum()) if i + 1 < len(sets) else sets[i].numel()
+        assert traffic == {"staged_in": staged * row_bytes, "written_back": leaving * row_bytes}, i
     assert any(0 < int((~torch.isin(sets[i + 1], sets[i])).sum()) < sets[i + 1].numel() for i in range(STEPS - 1))
 
 

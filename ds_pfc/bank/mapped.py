@@ -59,9 +59,15 @@ class MappedStager(Stager):
         # the landing events of older ones that the fetch stream has not waited for.
         self._last_write: tuple[torch.Tensor, torch.Tensor | None, object] | None = None
         self._older_writes: list = []
+        # Slots that hold rows newer than the tables: the overlap a write-back left to the
+        # next slot (patched into it), until that slot is written back in its turn.
+        self._carrying: list[Slot] = []
         # Test hook: fetch every row at once, before the last write-back landed. This
         # is the ordering bug the split fetch exists to avoid.
         self.fetch_before_landing = False
+        # Test hook: write every stepped row back and carry none (the design before the
+        # overlap was left to the next slot); the results must not change.
+        self.write_back_all = False
 
     def _tables(self):
         return [(name, self.bank.store(name)) for name in self.bank.state_names()]
@@ -72,6 +78,8 @@ class MappedStager(Stager):
         slot = self._empty_slot(rows, pooled)
         self.bank.count_traffic(staged_in=rows.numel() * self._row_bytes())
         self._fetch_mapped(slot, None)
+        if self._carrying:                  # rows newer than the tables, from the slots that hold them
+            self._patch(slot, list(self._carrying))
         return slot.wait()
 
     def _fetch_mapped(self, slot: Slot, cold: torch.Tensor | None) -> None:
@@ -140,40 +148,87 @@ class MappedStager(Stager):
         for t in updated.states.values():
             rt.keep_alive(t, self._fetch_stream)
             rt.keep_alive(t, self._write_stream)
-        if self._next is not None and self._next[1].overlap is not None:
-            self._patch(self._next[1], [updated])
-        self._write_back(updated)
+        following = self._next[1] if self._next is not None else None
+        if following is None or following.overlap is None or following.rows.numel() == 0:
+            self._write_back(updated)
+            return
+        # The overlap is patched into the next slot, which carries it from now on: only
+        # the rows that leave the next set go back to the tables.
+        self._patch(following, [updated])
+        handed_on = _found_in(following.rows, updated.rows)
+        self._write_back(updated, ~handed_on)
+        if self.write_back_all:             # test hook: as if nothing were carried
+            return
+        if not any(s is following for s in self._carrying):
+            self._carrying.append(following)
 
-    def _write_back(self, updated: Slot) -> None:
-        """Write every stepped row of ``updated`` into the tables, on the write stream
-        (beside the next fetch: PCIe carries both directions at once)."""
+    def _write_back(self, updated: Slot, mask: torch.Tensor | None = None, release: bool = True) -> None:
+        """Write ``updated``'s rows (where ``mask``; None: all) into the tables, on the
+        write stream (beside the next fetch: PCIe carries both directions at once), after
+        the step and after the slot's own fetch and patches; ``updated`` goes back to the
+        pool once they all finished."""
         rt = self.runtime
-        self.bank.count_traffic(out=updated.rows.numel() * self._row_bytes())
+        if self.write_back_all:
+            mask = None
+        self._carrying = [s for s in self._carrying if s is not updated]
+        if mask is None:
+            self.bank.count_traffic(out=updated.rows.numel() * self._row_bytes())
+        else:
+            self.bank.count_written_on_device(mask.sum() * self._row_bytes())
         stepped = rt.record(rt.compute())
         rt.wait(self._write_stream, stepped)
+        if updated._event is not None:      # a prefetched slot written back unstepped
+            rt.wait(self._write_stream, updated._event)
         rows = updated.rows
         rt.keep_alive(rows, self._write_stream)
+        index = [rows] + ([mask] if mask is not None else [])
+        if mask is not None:
+            rt.keep_alive(mask, self._write_stream)
         for name, store in self._tables():
             values = updated.states[name]
-            tables = [rows_of(t, rows) for t in _tables(store)]
+            tables = [rows_of(t, rows, mask) for t in _tables(store)]
             if isinstance(store, RowwiseInt8Store):
-                rt.run(self._write_stream, store.write_rows, rows, values, self._codec,
-                       reads=(values, rows), writes=tables)
+                rt.run(self._write_stream, store.write_rows, rows, values, self._codec, mask,
+                       reads=(values, *index), writes=tables)
             elif isinstance(store, SplitStore):
-                rt.run(self._write_stream, _write_split, self._move, store, rows, values,
-                       reads=(values, rows), writes=tables)
+                rt.run(self._write_stream, _write_split, self._move, store, rows, values, mask,
+                       reads=(values, *index), writes=tables)
             else:
-                rt.run(self._write_stream, self._move, values, None, store.data, rows, None, None,
-                       reads=(values, rows), writes=tables)
+                rt.run(self._write_stream, _scatter, self._move, values, store.data, rows, mask,
+                       reads=(values, *index), writes=tables)
         landed = rt.record(self._write_stream)
         if self._last_write is not None:
             self._older_writes.append(self._last_write[2])
-        self._last_write = (rows, None, landed)
+        self._last_write = (rows, mask, landed)
         updated.readers.append(landed)
-        self.release(updated, [stepped] + updated.readers)
+        if release:
+            self.release(updated, [stepped] + updated.readers)
+
+    def _drop(self, slot: Slot) -> None:
+        if any(s is slot for s in self._carrying):
+            slot.wait()
+            self._write_back(slot)          # its carried rows exist nowhere else
+        else:
+            super()._drop(slot)
+
+    def release(self, slot: Slot, events: list | None = None) -> None:
+        # Merged into another slot (gradient accumulation), which carries its rows on.
+        self._carrying = [s for s in self._carrying if s is not slot]
+        super().release(slot, events)
+
+    def discard(self) -> None:
+        super().discard()
+        self._write_back_carried()
+
+    def _write_back_carried(self) -> None:
+        """Write back every slot that carries rows newer than the tables (whole: its
+        other rows equal the tables'); the slots stay usable."""
+        for slot in list(self._carrying):
+            self._write_back(slot, None, release=False)
 
     def drain(self) -> None:
         self.raise_failed()
+        self._write_back_carried()
         for stream in (self._write_stream, self._fetch_stream):
             self.runtime.synchronize(self.runtime.record(stream))
         self._wait_next()
@@ -198,10 +253,18 @@ def _fetch_split(move, store, rows, dst, cold) -> None:
         move(store.host_part.data, high_ids, dst, None, high, None)
 
 
-def _write_split(move, store, rows, values) -> None:
-    """(mapped access) ``values`` into a split store's rows: one move into each part."""
+def _write_split(move, store, rows, values, mask=None) -> None:
+    """(mapped access) ``values`` into a split store's rows (where ``mask``): one move
+    into each part."""
     low, low_ids, high, high_ids = _split_indices(store, rows)
+    if mask is not None:
+        low, high = low & mask, high & mask
     if store.n_device:
         move(values, None, store.device_part.data, low_ids, low, None)
     if store.num_rows > store.n_device:
         move(values, None, store.host_part.data, high_ids, high, None)
+
+
+def _scatter(move, values, table, rows, mask) -> None:
+    """(mapped access) ``values`` into ``table``'s ``rows`` (distinct ids) where ``mask``."""
+    move(values, None, table, rows, mask, None, unique_dst=True)

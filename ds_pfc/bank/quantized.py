@@ -104,15 +104,21 @@ class RowwiseInt8Store(RowStore):
         rows = rows.to(self.q.device)
         return dequantize_rows(self.q.index_select(0, rows), self.scale.index_select(0, rows))
 
-    def write_rows(self, rows: torch.Tensor, values: torch.Tensor, codec: RowCodec | None = None) -> None:
-        """Code ``values`` into ``rows`` on the current stream (no version count): in the
-        codec's registers (``values`` on the GPU, the tables there or mapped into it),
-        else with torch ops on the tables' device."""
+    def write_rows(self, rows: torch.Tensor, values: torch.Tensor, codec: RowCodec | None = None,
+                   mask: torch.Tensor | None = None) -> None:
+        """Code ``values`` into ``rows`` (where ``mask``) on the current stream (no version
+        count): in the codec's registers (``values`` on the GPU, the tables there or mapped
+        into it), else with torch ops on the tables' device (no host sync: rows outside
+        ``mask`` are rewritten with their own codes)."""
         if codec is not None:
-            codec.encode(values, None, self.q, self.scale, rows.to(values.device))
+            codec.encode(values, None, self.q, self.scale, rows.to(values.device), mask)
             return
         q, scale = quantize_rows(values.to(self.q.device))
         rows = rows.to(self.q.device)
+        if mask is not None:
+            mask = mask.to(self.q.device)
+            q = torch.where(mask[:, None], q, self.q.index_select(0, rows))
+            scale = torch.where(mask, scale, self.scale.index_select(0, rows))
         self.q.index_copy_(0, rows, q)
         self.scale.index_copy_(0, rows, scale)
 

@@ -305,7 +305,7 @@ class Stager:
         ``live`` slots (staged, not yet stepped) are still in use. Returns without
         waiting for the device."""
         self.raise_failed()
-        self.discard()                      # a second lookahead replaces the first
+        self._drop_next()                   # a second lookahead replaces the first
         self._prefetch(rows, key, live)
 
     def _patch_early(self, slot: Slot, live: list[Slot]) -> None:
@@ -360,7 +360,11 @@ class Stager:
             src.readers.append(slot._event)
 
     def discard(self) -> None:
-        """Drop the prefetched slot (after surfacing its errors)."""
+        """Drop the prefetched slot (after surfacing its errors) and forget the staged
+        slots: the caller drops them unstepped."""
+        self._drop_next()
+
+    def _drop_next(self) -> None:
         if self._next is not None:
             _, slot = self._next
             self._next = None

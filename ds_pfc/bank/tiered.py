@@ -122,6 +122,7 @@ class TieredBank(ClassBank):
         self.bytes_in = 0
         self.bytes_out = 0
         self._bytes_in_device: torch.Tensor | None = None   # mapped access: counted on the device
+        self._bytes_out_device: torch.Tensor | None = None
         self._traffic_lock = threading.Lock()   # the I/O worker counts too
         # Called with the device-tier tables just written on the compute stream (write,
         # load), so that the stager orders its side streams after those writes.
@@ -255,6 +256,15 @@ class TieredBank(ClassBank):
             else:
                 self._bytes_in_device.add_(nbytes)
 
+    def count_written_on_device(self, nbytes: torch.Tensor) -> None:
+        """Count bytes written back whose number is known on the device only (mapped
+        access: the rows that leave the next set), without a host sync."""
+        with self._traffic_lock:
+            if self._bytes_out_device is None:
+                self._bytes_out_device = nbytes.to(torch.int64).clone()
+            else:
+                self._bytes_out_device.add_(nbytes)
+
     def store(self, name: str) -> RowStore:
         try:
             return self._stores[name]
@@ -367,7 +377,11 @@ class TieredBank(ClassBank):
             if self._bytes_in_device is not None:
                 staged = self._bytes_in_device + staged
                 self._bytes_in_device = None
-            moved = {"staged_in": staged, "written_back": self.bytes_out}
+            written = self.bytes_out
+            if self._bytes_out_device is not None:
+                written = self._bytes_out_device + written
+                self._bytes_out_device = None
+            moved = {"staged_in": staged, "written_back": written}
             self.bytes_in = self.bytes_out = 0
         return moved
 

@@ -308,11 +308,13 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
 def move_rows_(src: torch.Tensor, src_idx: torch.Tensor | None, dst: torch.Tensor, dst_idx: torch.Tensor | None,
                mask: torch.Tensor | None = None, round_dtype: torch.dtype | str | None = None, *,
                count: int | None = None, max_programs: int | None = None, kind: str | None = None,
-               config: MoverConfig | None = None) -> torch.Tensor:
+               config: MoverConfig | None = None, unique_dst: bool = False) -> torch.Tensor:
     """``dst[dst_idx[i]] = src[src_idx[i]]`` for the ``i`` with ``mask[i]`` (see the module
     docstring), with the Triton kernel, on the current stream of ``dst``'s device (``src``
     may be host memory mapped into that device's address space). Indices must be in range
-    and ``dst_idx`` unique: checking would cost a host sync. ``round_dtype`` may also be
+    and ``dst_idx`` unique where ``mask`` is set: checking would cost a host sync (the
+    kernel never writes a masked-off row, so ``unique_dst``, which the torch twin needs to
+    avoid a sync, changes nothing here). ``round_dtype`` may also be
     ``"int8_rowwise"``: each row rounded as 8-bit codes with a scale would leave it.
     ``config`` sets the launch (default: :func:`default_config` for ``kind``, which is
     found from where ``src`` and ``dst`` live); ``max_programs`` overrides its grid cap.
