@@ -90,7 +90,7 @@ class CleanSettings:
     """Centre cosine at or above which a second dataset's class joins a first's."""
     block_rows: int = NEIGHBOR_BLOCK_ROWS
     """Rows per block of products."""
-    impl: str = "torch"
+    impl: str = "auto"
     """``torch`` (matrix products), ``triton`` (the fused kernel: CUDA, ``neighbours`` <= 64),
     ``faiss`` (exact flat inner-product index on CPU, the optional faiss-cpu package) or
     ``auto`` (faiss for float32 CPU embeddings when installed, else torch)."""
