@@ -158,7 +158,6 @@ class _Running:
             self.values[q0:q1] = top
             self.indices[q0:q1] = torch.where(torch.isinf(top), torch.full_like(picked, -1), picked)
 
-
     def _faiss_index(self, keys: torch.Tensor):
         faiss = _faiss()
         # one thread setting for both backends: torch's (torch.set_num_threads / OMP_NUM_THREADS)
