@@ -91,6 +91,50 @@ def pair_stats(checkpoints: str, args) -> dict:
             "duplicates_at_defaults": pr(pairs_of(groups), truth)}
 
 
+def _q(values: torch.Tensor, *qs: float) -> dict:
+    values = values.double()
+    return {f"q{round(q * 100):02d}": round(float(values.quantile(q)), 4) for q in qs} if len(values) else {}
+
+
+def diagnose(emb, labels, true, sums, dup_rows, truth_pairs, flipped_truth, own, other_cos, other_class,
+             class_identity, test_emb, test_identity, overlap: int) -> dict:
+    """What separates the true findings from the false ones at the defaults: image votes
+    of true duplicate pairs against other candidates, where a flipped image sits (its
+    own, mislabelled centre against its true one, as clean images sit), and the best
+    test image of an overlapping class against the best unrelated test image of any class."""
+    cand = {(r["class_a"], r["class_b"]): r for r in dup_rows}
+    true_ev = torch.tensor([cand[p]["evidence"] for p in truth_pairs if p in cand])
+    false_ev = torch.tensor([r["evidence"] for p, r in cand.items() if p not in truth_pairs and r["evidence"] > 0])
+    counts = torch.bincount(labels, minlength=sums.shape[0])
+    split = torch.tensor(sorted({c for p in truth_pairs for c in p}))
+    unit = torch.nn.functional.normalize(emb.double(), dim=1)
+    centres = torch.nn.functional.normalize(sums, dim=1)
+    flipped = torch.tensor(sorted(flipped_truth))
+    clean = torch.ones(len(labels), dtype=torch.bool)
+    clean[flipped] = False
+    missed = flipped[other_cos[flipped] < own[flipped]]          # flip_margin 0: the rule misses these
+    cos = centres @ torch.nn.functional.normalize(test_emb.double(), dim=1).T
+    same = class_identity[:, None] == test_identity[None, :]
+    best_same = torch.where(same, cos, torch.full_like(cos, -2)).max(1).values[class_identity < overlap]
+    best_other = torch.where(~same, cos, torch.full_like(cos, -2)).max(1).values[class_identity >= overlap]
+    return {
+        "images_per_split_label": round(float(counts[split].double().mean()), 2),
+        "duplicates": {"true_pair_evidence": {"n": len(true_ev), "min": round(float(true_ev.min()), 4),
+                                              **_q(true_ev, 0.1, 0.5)},
+                       "other_candidate_evidence_above_0": {"n": len(false_ev), "max": round(float(false_ev.max()), 4)
+                                                            if len(false_ev) else None, **_q(false_ev, 0.9, 0.99)}},
+        "flips": {"flipped_own_loo_cos": _q(own[flipped], 0.1, 0.5, 0.9),
+                  "flipped_cos_to_true_centre": _q((unit[flipped] * centres[true[flipped]]).sum(1), 0.05, 0.5),
+                  "clean_cos_to_own_centre": _q((unit[clean] * centres[true[clean]]).sum(1), 0.01, 0.05, 0.5),
+                  "missed": len(missed),
+                  "missed_naming_true_class": int((other_class[missed] == true[missed]).sum()),
+                  "missed_other_minus_own": _q(other_cos[missed] - own[missed], 0.1, 0.5, 0.9)},
+        "overlap": {"overlap_class_best_same_identity_test_cos": {"min": round(float(best_same.min()), 4),
+                                                                  **_q(best_same, 0.02, 0.5)},
+                    "other_class_best_unrelated_test_cos": {"max": round(float(best_other.max()), 4),
+                                                            **_q(best_other, 0.5, 0.9, 0.99)}}}
+
+
 def throughput(num: int, dim: int, k: int = 8, threshold: float = 0.4) -> dict:
     """Seconds of one exact all-pairs top-k (``num`` x ``num`` cosines of ``dim`` values,
     float32, blocks of 4096) on this machine's torch threads, and the rate it implies."""
@@ -196,6 +240,11 @@ def study(args) -> dict:
         rows = find_overlap(sums, test_emb, CleanSettings(overlap_cos=cos))
         overlap.append({"overlap_cos": cos, **pr({r["class"] for r in rows}, overlap_truth)})
 
+    why = diagnose(emb, labels, true, sums, dup_rows, truth_pairs, flipped_truth, own, other_cos, other_class,
+                   class_identity, test_emb, torch.cat([seen, torch.arange(args.identities, args.identities
+                                                                           + args.unseen).repeat_interleave(2)]),
+                   args.overlap)
+
     def stats(values):
         v = torch.tensor([float(x) for x in values]) if values else torch.zeros(0)
         return {"n": len(values), "mean": round(float(v.mean()), 4) if len(values) else None,
@@ -221,7 +270,7 @@ def study(args) -> dict:
             "defaults": {k: v for k, v in CleanSettings().__dict__.items()},
             "all_pairs_rate": rate,
             "duplicates": duplicates, "duplicates_centre_only": centre_only, "flips": flips, "overlap": overlap,
-            "head_rows_r1_vs_r01": head_finding,
+            "head_rows_r1_vs_r01": head_finding, "why": why,
             "head_rows_at_default": {"true_duplicate_pairs_head_cos": stats(head_true),
                                      "other_candidates_head_cos": stats(head_other),
                                      "true_duplicate_pairs_centre_cos": stats(centre_true)},

@@ -373,8 +373,20 @@ def test_command_on_ranks_writes_what_one_process_writes(run, tmp_path):
                     reason="the fused kernel needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
 def test_the_fused_kernel_gives_the_same_report():
     emb, labels, num_classes, _, _ = _planted()
-    want = clean_embeddings(emb, labels, num_classes, CleanSettings(block_rows=50))
+    want = clean_embeddings(emb, labels, num_classes, CleanSettings(block_rows=50, impl="torch"))
     got = clean_embeddings(emb, labels, num_classes, CleanSettings(block_rows=50, impl="triton"))
     assert got.groups == want.groups and got.class_map == want.class_map
+    assert [r["image"] for r in got.flips] == [r["image"] for r in want.flips]
+    assert torch.equal(got.new_labels, want.new_labels)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("faiss") is None,
+                    reason="impl='faiss' needs the optional faiss-cpu package (pip install ds_pfc[faiss])")
+@pytest.mark.parametrize("impl", ["faiss", "auto"])
+def test_faiss_gives_the_same_report(impl):
+    emb, labels, num_classes, _, _ = _planted()
+    want = clean_embeddings(emb, labels, num_classes, CleanSettings(block_rows=50, impl="torch"))
+    got = clean_embeddings(emb, labels, num_classes, CleanSettings(block_rows=50, impl=impl))
+    assert got.groups == want.groups and got.class_map == want.class_map and got.groups
     assert [r["image"] for r in got.flips] == [r["image"] for r in want.flips]
     assert torch.equal(got.new_labels, want.new_labels)

@@ -25,6 +25,7 @@ COMMANDS = {
        for name in ("train", "eval", "export", "bench", "experiments", "selfcheck", "migrate", "clean")},
     **{f"bench-{name}": (f"ds_pfc.bench.{name}", f"ds-pfc-bench {name}") for name in BENCHMARKS},
     "bench-head-predict": ("ds_pfc.bench.predict", "ds-pfc-bench head --predict"),
+    "bench-clean-predict": ("ds_pfc.bench.clean_predict", "ds-pfc-bench clean-predict"),
     "launch-demo": ("launch/demo.py", "python launch/demo.py"),
     "launch-multitask_tp": ("launch/multitask_tp.py", "deepspeed launch/multitask_tp.py"),
 }

@@ -147,3 +147,72 @@ def test_triton_kernel_matches_dense_float64(k, threshold, block):
         finite = torch.isfinite(ref_v)
         assert torch.equal(torch.isfinite(values.cpu()), finite)
         torch.testing.assert_close(values.cpu().double()[finite], ref_v[finite], rtol=0, atol=1e-5)
+
+
+FAISS = importlib.util.find_spec("faiss") is not None
+
+
+@pytest.mark.skipif(not FAISS, reason="impl='faiss' needs the optional faiss-cpu package (pip install ds_pfc[faiss])")
+@pytest.mark.parametrize("k,threshold,block", [(5, None, 7), (3, 0.25, 4), (40, 0.1, 16), (1, None, 1000)])
+def test_faiss_matches_dense_float64(k, threshold, block):
+    """As the torch test: queries that are keys (the own-id mask decides the top-1), a
+    threshold that leaves slots empty, k near the key count, blocks of 4 keys."""
+    keys = _rows(53, 9, 2)
+    ids = torch.randperm(53, generator=torch.Generator().manual_seed(3))[:37]
+    queries = torch.cat([keys[ids[:20]], _rows(17, 9, 1)])
+    ids[20:] = torch.randint(0, 53, (17,), generator=torch.Generator().manual_seed(4))
+    for query_ids in (None, ids):
+        values, indices = nearest(queries.float(), keys.float(), k, threshold=threshold, query_ids=query_ids,
+                                  block_rows=block, impl="faiss")
+        ref_v, ref_i = _reference(queries, keys, k, threshold, query_ids)
+        assert values.dtype == torch.float32
+        assert torch.equal(indices, ref_i), (k, threshold, block)
+        finite = torch.isfinite(ref_v)
+        assert torch.equal(torch.isfinite(values), finite)
+        torch.testing.assert_close(values.double()[finite], ref_v[finite], rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not FAISS, reason="impl='faiss' needs the optional faiss-cpu package (pip install ds_pfc[faiss])")
+def test_faiss_thread_count_follows_torch():
+    import faiss
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        nearest(_rows(4, 3, 0).float(), _rows(5, 3, 1).float(), 2, impl="faiss")
+        assert faiss.omp_get_max_threads() == 1
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _faiss_sharded_rank(rank, world_size, k, threshold, block):
+    keys = _rows(NUM_KEYS, D, 11).float()
+    part = Partition(NUM_KEYS, world_size)
+    start, count = part.class_start(rank), part.num_local(rank)
+    queries = _rows(NUM_QUERIES + rank, D, 20 + rank).float()
+    ids = torch.arange(NUM_QUERIES + rank) * (rank + 1) % NUM_KEYS
+    return sharded_nearest(queries, keys[start:start + count], k, threshold=threshold, query_ids=ids,
+                           block_rows=block, impl="faiss")
+
+
+@pytest.mark.skipif(not FAISS, reason="impl='faiss' needs the optional faiss-cpu package (pip install ds_pfc[faiss])")
+def test_faiss_sharded_matches_dense():
+    keys = _rows(NUM_KEYS, D, 11)
+    for rank, (values, indices) in enumerate(run_ranks(_faiss_sharded_rank, 3, 4, 0.2, 5)):
+        queries = _rows(NUM_QUERIES + rank, D, 20 + rank)
+        ids = torch.arange(NUM_QUERIES + rank) * (rank + 1) % NUM_KEYS
+        ref_v, ref_i = _reference(queries, keys, 4, 0.2, ids)
+        assert torch.equal(indices, ref_i), rank
+        finite = torch.isfinite(ref_v)
+        torch.testing.assert_close(values.double()[finite], ref_v[finite], rtol=0, atol=1e-5)
+
+
+def test_auto_picks_by_dtype_device_and_what_is_installed():
+    from ds_pfc.core.neighbors import resolve_impl
+    q32, q64 = _rows(3, 4, 0).float(), _rows(3, 4, 0)
+    assert resolve_impl("auto", q64, q64) == "torch"            # float64 products only on the torch path
+    assert resolve_impl("auto", q32, q32) == ("faiss" if FAISS else "torch")
+    assert resolve_impl("triton", q32) == "triton"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        resolve_impl("blas", q32)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        nearest(q32, q32, 1, impl="blas")

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import collectives
-from ..core.neighbors import NEIGHBOR_BLOCK_ROWS, nearest, sharded_nearest
+from ..core.neighbors import IMPLS, NEIGHBOR_BLOCK_ROWS, nearest, sharded_nearest
 from ..core.partition import Partition
 
 __all__ = ["CleanSettings", "CleanReport", "class_centres", "image_scores", "find_duplicates", "find_flips",
@@ -90,8 +90,10 @@ class CleanSettings:
     """Centre cosine at or above which a second dataset's class joins a first's."""
     block_rows: int = NEIGHBOR_BLOCK_ROWS
     """Rows per block of products."""
-    impl: str = "torch"
-    """``torch`` (matrix products) or ``triton`` (the fused kernel: CUDA, ``neighbours`` <= 64)."""
+    impl: str = "auto"
+    """``torch`` (matrix products), ``triton`` (the fused kernel: CUDA, ``neighbours`` <= 64),
+    ``faiss`` (exact flat inner-product index on CPU, the optional faiss-cpu package) or
+    ``auto`` (faiss for float32 CPU embeddings when installed, else torch)."""
 
     def __post_init__(self) -> None:
         for name in ("duplicate_cos", "overlap_cos", "merge_cos", "outlier_cos"):
@@ -103,8 +105,8 @@ class CleanSettings:
                                  f"got {value!r}")
         if self.duplicate_evidence > 1:
             raise ValueError(f"duplicate_evidence must be a share in [0, 1], got {self.duplicate_evidence!r}")
-        if self.impl not in ("torch", "triton"):
-            raise ValueError(f"impl must be 'torch' or 'triton', got {self.impl!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {self.impl!r}")
         for name in ("neighbours", "block_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,4 +1,4 @@
-"""Benchmarks: ``ds-pfc-bench {head,bank,accuracy,data,plan,rows,hostpath,grow} [options]``
+"""Benchmarks: ``ds-pfc-bench {head,bank,accuracy,data,plan,rows,hostpath,grow,clean-predict} [options]``
 (``python launch/bench.py``
 from a checkout; ``--help`` after the benchmark's name lists its options)."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ from .._args import parser
 
 BENCHMARKS = {"head": "ds_pfc.bench.head", "bank": "ds_pfc.bench.bank", "accuracy": "ds_pfc.bench.accuracy",
               "data": "ds_pfc.bench.data", "plan": "ds_pfc.bench.plan", "rows": "ds_pfc.bench.rows",
-              "hostpath": "ds_pfc.bench.hostpath", "grow": "ds_pfc.bench.grow"}
+              "hostpath": "ds_pfc.bench.hostpath", "grow": "ds_pfc.bench.grow",
+              "clean-predict": "ds_pfc.bench.clean_predict"}
 
 
 def build_parser() -> argparse.ArgumentParser:

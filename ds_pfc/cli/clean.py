@@ -27,7 +27,7 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..app.cleaning import CleanSettings
+    from ..app.cleaning import IMPLS, CleanSettings
     d = CleanSettings()
     p = parser("ds-pfc-clean", "Find duplicate identities, mislabelled images and test-set overlap in a trained "
                                "run's label space and write a class map for the next run.")
@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{d.overlap_cos})")
     p.add_argument("--merge-cos", type=float, default=d.merge_cos,
                    help=f"centre cosine at which a second dataset's class joins one (default {d.merge_cos})")
-    p.add_argument("--impl", choices=("torch", "triton"), default=d.impl,
-                   help="the neighbour search: torch matrix products or the fused Triton kernel (CUDA)")
+    p.add_argument("--impl", choices=IMPLS, default=d.impl,
+                   help="the neighbour search: torch matrix products, the fused Triton kernel (CUDA), faiss's exact "
+                        "flat index (CPU, pip install ds_pfc[faiss]) or auto (faiss on CPU when installed, else torch; "
+                        f"default {d.impl})")
     p.add_argument("--batch-size", type=int, default=256, help="images per inference batch (default 256)")
     p.add_argument("--device", default="cpu", help="where the backbone runs (default cpu)")
     p.add_argument("--flip", action="store_true", help="embed each image plus its horizontal flip (faces)")

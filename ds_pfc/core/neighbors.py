@@ -22,9 +22,22 @@ The result is exact: a missing slot (fewer than ``k`` keys pass) holds value ``-
 and index ``-1``; among equal cosines the order of indices is unspecified.
 Products run in float32 (float64 when either input is float64; always float32 with
 ``impl="triton"``, whose kernel fuses the threshold and a per-tile top-k into the
-product so that only ``k`` candidates per query and key tile leave it).
+product so that only ``k`` candidates per query and key tile leave it, and with
+``impl="faiss"``).
+
+``impl="faiss"`` (CPU tensors, the optional ``faiss-cpu`` package, ``pip install
+ds_pfc[faiss]``) searches each key block with an exact flat inner-product index
+(``faiss.IndexFlatIP`` over the unit rows, so inner product = cosine) for ``k`` (``k +
+1`` when ``query_ids`` may remove one) candidates per query, then applies the
+threshold and the own-id mask and merges like the torch path. Its OpenMP threads are
+set to ``torch.get_num_threads()`` before each search, so one setting
+(``torch.set_num_threads``, ``OMP_NUM_THREADS``) governs both backends.
+``impl="auto"`` picks faiss for float32 CPU inputs when faiss is installed (measured
+faster on CPU: ``benchmarks/neighbors_faiss.py``) and torch otherwise.
 """
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.distributed as dist
@@ -32,7 +45,10 @@ import torch.nn.functional as F
 
 from . import collectives
 
-__all__ = ["nearest", "sharded_nearest", "NEIGHBOR_BLOCK_ROWS"]
+__all__ = ["nearest", "sharded_nearest", "resolve_impl", "NEIGHBOR_BLOCK_ROWS", "IMPLS"]
+
+IMPLS = ("auto", "torch", "triton", "faiss")
+"""The neighbour-search backends :func:`nearest` accepts."""
 
 NEIGHBOR_BLOCK_ROWS = 4096
 """Rows of queries and of keys in one block of products (64 MiB of float32 scores)."""
@@ -47,9 +63,34 @@ def _check_rows(name: str, rows) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {rows.dtype}")
 
 
+def _faiss():
+    try:
+        import faiss
+    except ImportError as err:
+        raise ImportError("impl='faiss' needs the faiss-cpu package: pip install ds_pfc[faiss] "
+                          "(or faiss-cpu)") from err
+    return faiss
+
+
+def resolve_impl(impl: str, queries: torch.Tensor, *keys: torch.Tensor) -> str:
+    """The backend ``impl`` stands for with these inputs: ``"auto"`` becomes ``"faiss"``
+    for float32 (or lower) CPU inputs when faiss is installed, else ``"torch"``; any
+    other name is returned as it is."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    tensors = (queries, *keys)
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    # float64 inputs keep their float64 products, which only the torch path computes
+    if on_cpu and _dtype(*tensors) == torch.float32 and importlib.util.find_spec("faiss") is not None:
+        return "faiss"
+    return "torch"
+
+
 def _check_args(queries, k, threshold, query_ids, block_rows, impl="torch") -> None:
-    if impl not in ("torch", "triton"):
-        raise ValueError(f"impl must be 'torch' or 'triton', got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
     if impl == "triton" and isinstance(k, int) and k > 64:
         raise ValueError(f"k must be at most 64 with impl='triton', got {k}")
     _check_rows("queries", queries)
@@ -77,8 +118,10 @@ class _Running:
 
     def __init__(self, queries: torch.Tensor, k: int, threshold, query_ids, block_rows: int, dtype,
                  impl: str = "torch"):
-        if impl == "triton":
+        if impl in ("triton", "faiss"):
             dtype = torch.float32
+        if impl == "faiss" and queries.device.type != "cpu":
+            raise ValueError(f"impl='faiss' needs CPU tensors, got queries on {queries.device}")
         self.q = F.normalize(queries.to(dtype), dim=1)
         self.k, self.threshold, self.query_ids, self.block_rows = k, threshold, query_ids, block_rows
         self.impl = impl
@@ -92,12 +135,15 @@ class _Running:
             return
         keys = F.normalize(keys.to(self.q.dtype), dim=1)
         ids = torch.arange(start, start + keys.shape[0], device=keys.device)
+        index = self._faiss_index(keys) if self.impl == "faiss" else None
         for q0 in range(0, self.q.shape[0], self.block_rows):
             q1 = min(self.q.shape[0], q0 + self.block_rows)
             if self.impl == "triton":
                 from ..kernels.triton_neighbors import tile_topk
                 scores, block_ids = tile_topk(self.q[q0:q1], keys, self.k, threshold=self.threshold, key_start=start,
                                               query_ids=None if self.query_ids is None else self.query_ids[q0:q1])
+            elif self.impl == "faiss":
+                scores, block_ids = self._faiss_search(index, q0, q1, start)
             else:
                 scores = self.q[q0:q1] @ keys.T
                 if self.threshold is not None:
@@ -112,6 +158,28 @@ class _Running:
             self.values[q0:q1] = top
             self.indices[q0:q1] = torch.where(torch.isinf(top), torch.full_like(picked, -1), picked)
 
+    def _faiss_index(self, keys: torch.Tensor):
+        faiss = _faiss()
+        # one thread setting for both backends: torch's (torch.set_num_threads / OMP_NUM_THREADS)
+        faiss.omp_set_num_threads(torch.get_num_threads())
+        index = faiss.IndexFlatIP(keys.shape[1])
+        index.add(keys.detach().cpu().contiguous().numpy())
+        return index
+
+    def _faiss_search(self, index, q0: int, q1: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates ``[q1 - q0, k']`` of one key block: ``k + 1`` when the own id may
+        be among them (it is removed here), threshold and missing slots as ``-inf``."""
+        wanted = min(index.ntotal, self.k + (self.query_ids is not None))
+        values, found = index.search(self.q[q0:q1].detach().contiguous().numpy(), wanted)
+        scores, local = torch.from_numpy(values), torch.from_numpy(found)
+        block_ids = torch.where(local >= 0, local + start, torch.full_like(local, -1))
+        drop = local < 0
+        if self.threshold is not None:
+            drop |= scores < self.threshold
+        if self.query_ids is not None:
+            drop |= block_ids == self.query_ids[q0:q1, None]
+        return scores.masked_fill(drop, float("-inf")), block_ids
+
 
 def nearest(queries: torch.Tensor, keys: torch.Tensor, k: int, *, threshold: float | None = None,
             query_ids: torch.Tensor | None = None, block_rows: int = NEIGHBOR_BLOCK_ROWS, impl: str = "torch"
@@ -123,9 +191,11 @@ def nearest(queries: torch.Tensor, keys: torch.Tensor, k: int, *, threshold: flo
     of ``block_rows`` queries times ``block_rows`` keys (see the module docstring).
     ``impl``: ``"torch"`` (matrix products, any device) or ``"triton"`` (the fused
     kernel of :mod:`ds_pfc.kernels.triton_neighbors`: float32, ``k`` <= 64, CUDA
-    tensors or Triton's interpreter)."""
+    tensors or Triton's interpreter), ``"faiss"`` (exact flat inner-product index,
+    float32, CPU tensors, faiss-cpu installed) or ``"auto"`` (:func:`resolve_impl`)."""
     _check_args(queries, k, threshold, query_ids, block_rows, impl)
     _check_rows("keys", keys)
+    impl = resolve_impl(impl, queries, keys)
     if keys.shape[1] != queries.shape[1]:
         raise ValueError(f"keys must have the queries' width {queries.shape[1]}, got shape {tuple(keys.shape)}")
     run = _Running(queries, k, threshold, query_ids, block_rows, _dtype(queries, keys), impl)
@@ -161,6 +231,8 @@ def sharded_nearest(queries: torch.Tensor, local_keys: torch.Tensor, k: int, *, 
                          f"widths {sorted(widths)}, block_rows {[int(v) for v in table[:, 2]]}")
     # blocks travel in float64 when any rank's keys are float64, else in float32
     key_dtype = torch.float64 if bool(table[:, 3].any()) else torch.float32
+    # float64 blocks from any rank keep every rank on the float64 torch path
+    impl = resolve_impl("torch" if impl == "auto" and key_dtype == torch.float64 else impl, queries, local_keys)
     run = _Running(queries, k, threshold, query_ids, block_rows,
                    torch.float64 if key_dtype == torch.float64 else _dtype(queries), impl)
     me, ranks = collectives.rank(group), collectives.group_ranks(group)
