@@ -452,6 +452,52 @@ def test_rows_carried_by_the_next_slot_are_never_lost(monkeypatch, placement):
         assert torch.equal(a, e), "centers() between a step and the next forward differ"
 
 
+@pytest.mark.parametrize("sets", [2, 3])
+def test_slot_sets_bound_the_slot_buffers_and_keep_the_run_exact(monkeypatch, sets):
+    """``slot_sets`` bounds the sets of slot buffers; at the bound the next-but-one fetch
+    reuses the set the last write-back reads, ordered after it on the device (slowed
+    down here), and the run still matches the device bank bitwise."""
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    b = _batches(STEPS)
+    ref = _run("sgd", None, b, prefetch=False)
+    head = _head("sgd", TieredBank.factory(default="host", host_access="mapped", slot_sets=sets))
+    stager = head._stager
+    stager.runtime.stream_delay["write"] = 0.01
+    made, reused_pending = [], []
+    empty_slot = stager._empty_slot
+
+    def watched(rows, pooled=True):
+        waits = []
+        real_wait = stager.runtime.wait
+        stager.runtime.wait = lambda stream, event: (waits.append(event), real_wait(stream, event))
+        try:
+            slot = empty_slot(rows, pooled)
+        finally:
+            del stager.runtime.wait
+        made.append(stager._sets)
+        reused_pending.append(any(e is not None and e.stream.name == "write" for e in waits))
+        return slot
+    stager._empty_slot = watched
+    losses, _ = _train(head, b, LR["sgd"], prefetch=True)
+    got = dict(losses=losses, centers=head.centers(), state={k: v.clone() for k, v in head.state_dict().items()})
+    head.close()
+    _assert_same(got, ref, f"slot_sets={sets}")
+    assert max(made) <= sets, made
+    if sets == 2:       # the write-back was still running at most prefetches: the device ordered the reuse
+        assert sum(reused_pending) >= STEPS // 2, reused_pending
+
+
+def test_slot_sets_are_checked():
+    with pytest.raises(ValueError, match="slot_sets must be one of"):
+        TieredBank.factory(default="host", host_access="mapped", slot_sets=4)
+    with pytest.raises(ValueError, match="slot_sets=2 needs host_access='mapped'"):
+        TieredBank(10, "cpu", default=Placement("host"), slot_sets=2)
+    from ds_pfc.app.config import BankConfig, ConfigError
+    with pytest.raises(ConfigError, match="ds_pfc.head.bank.slot_sets must be one of"):
+        BankConfig(default="host", slot_sets=2)
+    assert BankConfig(default="host", host_access="mapped", slot_sets=2).build()(12, "cpu").slot_sets == 2
+
+
 # ---------------------------------------------------------------- traffic, host work
 def test_mapped_traffic_counts_the_cold_rows():
     """With prefetch, staged_in is the cold rows of the next set times the bytes of a

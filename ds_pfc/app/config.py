@@ -246,6 +246,9 @@ class BankConfig:
     """What a host table that cannot be page-locked (cudaHostRegister) does: refuse (stop, naming the
     limit that caused it: ulimit -l, the cgroup's memory limit) or fallback (pageable memory; mapped
     access becomes staged)."""
+    slot_sets: int = 3
+    """With mapped access: sets of slot buffers (the step's active rows on the GPU). 3: fetch and
+    write-back overlap; 2: one set less of GPU memory, the fetch after the write-back."""
 
     def _placement(self, value, where):
         from ..bank.tiered import NVME_REFUSED, TIERS
@@ -281,6 +284,11 @@ class BankConfig:
         if self.hbm_share >= 1.0 or (self.hbm_share > 0 and self.host_access != "mapped"):
             raise ConfigError(f"ds_pfc.head.bank.hbm_share must be in [0, 1) and needs host_access 'mapped', got "
                               f"{self.hbm_share!r} with host_access {self.host_access!r}")
+        from ..bank.tiered import SLOT_SETS
+        if isinstance(self.slot_sets, bool) or self.slot_sets not in SLOT_SETS or (
+                self.slot_sets == 2 and self.host_access != "mapped"):
+            raise ConfigError(f"ds_pfc.head.bank.slot_sets must be one of {list(SLOT_SETS)} (2 needs host_access "
+                              f"'mapped'), got {self.slot_sets!r} with host_access {self.host_access!r}")
 
     def is_default(self) -> bool:
         return self.default == "device" and not self.placements
@@ -294,7 +302,7 @@ class BankConfig:
             return TieredBank.factory(
                 {n: self._placement(v, n) for n, v in self.placements.items()},
                 default=self._placement(self.default, "default"), host_access=self.host_access,
-                hbm_share=self.hbm_share, pin_failure=self.pin_failure)
+                hbm_share=self.hbm_share, pin_failure=self.pin_failure, slot_sets=self.slot_sets)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"ds_pfc.head.bank: {err}") from None
 

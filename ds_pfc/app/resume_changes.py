@@ -43,6 +43,7 @@ _HARMLESS = (
     "ds_pfc.head.keep_bytes", "ds_pfc.head.validate",
     # How rows move between the bank's tables and the slots: the values are the same.
     "ds_pfc.head.bank.host_access", "ds_pfc.head.bank.hbm_share", "ds_pfc.head.bank.pin_failure",
+    "ds_pfc.head.bank.slot_sets",
     # What preemption and non-finite steps do: no value changes until one happens.
     "ds_pfc.train.preempt_signals", "ds_pfc.train.on_nonfinite", "ds_pfc.train.max_consecutive_skips",
     "ds_pfc.train.rollback_lr_factor", "ds_pfc.train.max_rollbacks",

@@ -48,6 +48,7 @@ class MappedStager(Stager):
                              "ds_pfc[triton]); or use host_access='staged'")
         super().__init__(bank)
         self._move = mover or move_rows_torch_
+        self.slot_sets = getattr(bank, "slot_sets", 3)
         # The side streams' kernels read and write the host tables too.
         for name in bank.state_names():
             for table in _tables(bank.store(name)):

@@ -199,6 +199,9 @@ class Stager:
         self._failure: BaseException | None = None   # a failed write-back, sticky
         self._pool: list[tuple[dict[str, torch.Tensor], list]] = []   # (buffers, events before reuse)
         self._pool_lock = threading.Lock()
+        # The most slot buffer sets to keep (None: no bound) and how many there are.
+        self.slot_sets: int | None = None
+        self._sets = 0
         # Test hook: copy overlapping rows at prefetch time, *before* the optimizer
         # step. This is the ordering bug the pipeline exists to avoid.
         self.patch_before_step = False
@@ -233,19 +236,29 @@ class Stager:
         readers finished (the double buffer: A while B fills, then B while A drains),
         so steady-state staging allocates nothing."""
         num = rows.numel()
-        buffers = None
+        buffers = pending = None
         if pooled:
             with self._pool_lock:
-                for i, (candidate, events) in enumerate(self._pool):
-                    if next(iter(candidate.values())).shape[0] >= num and self.runtime.reusable(events):
-                        buffers = self._pool.pop(i)[0]
-                        break
-            if buffers is not None:
+                fits = [i for i, (candidate, _) in enumerate(self._pool)
+                        if next(iter(candidate.values())).shape[0] >= num]
+                ready = [i for i in fits if self.runtime.reusable(self._pool[i][1])]
+                if ready:
+                    buffers = self._pool.pop(ready[0])[0]
+                elif fits and self.slot_sets is not None and self._sets >= self.slot_sets:
+                    # At the bound: the oldest set, once its last readers finished, in the
+                    # device's order (the fetch stream waits for them; the host does not).
+                    buffers, pending = self._pool.pop(fits[0])
+            if buffers is not None and pending is None:
                 self.runtime.check_reusable(buffers.values())
         if buffers is None:
             users = (self._fetch_stream, self._write_stream)
             buffers = {name: self.runtime.empty((num,) + self.bank.store(name).row_shape, self.bank._logical[name],
                                                 self.device, users=users) for name in self.bank.state_names()}
+            if pooled:
+                with self._pool_lock:
+                    self._sets += 1
+        for event in pending or ():
+            self.runtime.wait(self._fetch_stream, event)
         slot = Slot(rows, {name: t[:num] for name, t in buffers.items()}, self.runtime, host_ids=self.host_ids)
         slot.buffers = buffers if pooled else None
         # Fresh buffers belong to the compute stream's order, and a pooled buffer's last
@@ -264,7 +277,10 @@ class Stager:
             events = self.runtime.retire(buffers.values(), events)
             with self._pool_lock:
                 self._pool.append((buffers, events))
-                del self._pool[:-3]         # slots A and B and one spare
+                dropped = len(self._pool) - 3           # slots A and B and one spare
+                if dropped > 0:
+                    del self._pool[:dropped]
+                    self._sets -= dropped
 
     def _row_bytes(self) -> int:
         """Bytes one row of every state takes in its store."""

@@ -44,6 +44,8 @@ NVME_REFUSED = ("tier 'nvme' is not a per-step tier (random row I/O every step e
 #: ids that never leave the device (host tables are page-locked and mapped into the GPU's
 #: address space; on CUDA this needs Triton; device and host tiers only).
 HOST_ACCESS = ("staged", "mapped")
+#: Sets of slot buffers mapped access may keep (``TieredBank(slot_sets=)``).
+SLOT_SETS = (2, 3)
 
 
 class StaleRowError(RuntimeError):
@@ -98,12 +100,21 @@ class TieredBank(ClassBank):
     pageable memory and, with ``host_access="mapped"``, switches the bank to staged
     access (a warning says so; :attr:`host_access` tells). With ``hbm_share > 0`` a
     failure is always refused. :meth:`start_up` reports what each host table got.
+    ``slot_sets`` (:data:`SLOT_SETS`): how many sets of slot buffers (the active rows of
+    every state on the device) mapped access keeps. 3 (the default): the next-but-one
+    fetch fills a third set while the last write-back still reads its own, so fetch and
+    write-back overlap (duplex). 2: that fetch goes into the set the write-back reads,
+    ordered after it on the device: one set less of GPU memory, the two directions in
+    turn. Staged access keeps up to three.
     """
 
     def __init__(self, num_rows: int, device, *, placements: dict[str, Placement] | None = None,
                  default: Placement = Placement(), class_start: int = 0, owner: str | None = None,
-                 host_access: str = "staged", hbm_share: float = 0.0, pin_failure: str = "refuse"):
+                 host_access: str = "staged", hbm_share: float = 0.0, pin_failure: str = "refuse",
+                 slot_sets: int = 3):
         super().__init__(num_rows, device)
+        _check_slot_sets(slot_sets, host_access)
+        self.slot_sets = slot_sets
         if pin_failure not in PIN_FAILURE:
             raise ValueError(f"pin_failure must be one of {PIN_FAILURE}, got {pin_failure!r}")
         self.pin_failure = pin_failure
@@ -135,7 +146,8 @@ class TieredBank(ClassBank):
 
     @classmethod
     def factory(cls, placements: dict | None = None, *, default="device", host_access: str = "staged",
-                hbm_share: float = 0.0, pin_failure: str = "refuse") -> Callable[..., "TieredBank"]:
+                hbm_share: float = 0.0, pin_failure: str = "refuse",
+                slot_sets: int = 3) -> Callable[..., "TieredBank"]:
         """A ``bank=`` argument for :class:`~ds_pfc.PartialFC`.
 
         ``placements`` maps state names (``"weight"``, ``"momentum_buffer"``,
@@ -143,19 +155,22 @@ class TieredBank(ClassBank):
         ``default``. Example: ``TieredBank.factory({"weight": ("host", torch.bfloat16)},
         default="device")``. ``host_access``: how rows move (:data:`HOST_ACCESS`);
         ``hbm_share``: the share of host-tier rows kept in device memory (mapped access);
-        ``pin_failure``: what a host table that cannot be page-locked does (see the class).
+        ``pin_failure``: what a host table that cannot be page-locked does; ``slot_sets``:
+        the slot buffer sets mapped access keeps (see the class).
         """
         if pin_failure not in PIN_FAILURE:
             raise ValueError(f"pin_failure must be one of {PIN_FAILURE}, got {pin_failure!r}")
         if host_access not in HOST_ACCESS:
             raise ValueError(f"host_access must be one of {HOST_ACCESS}, got {host_access!r}")
         _check_share(hbm_share, host_access)
+        _check_slot_sets(slot_sets, host_access)
         parsed = {name: Placement.parse(p) for name, p in (placements or {}).items()}
         default = Placement.parse(default)
 
         def make(num_rows, device, class_start=0, owner=None):
             return cls(num_rows, device, placements=parsed, default=default, class_start=class_start, owner=owner,
-                       host_access=host_access, hbm_share=hbm_share, pin_failure=pin_failure)
+                       host_access=host_access, hbm_share=hbm_share, pin_failure=pin_failure,
+                       slot_sets=slot_sets)
         make.takes_owner = True
         return make
 
@@ -404,6 +419,14 @@ def _write_init(store: RowStore, init, num_rows: int, chunk_rows: int = 1 << 16)
         hi = min(num_rows, lo + chunk_rows)
         store.scatter(torch.arange(lo, hi), init(lo, hi))
     store.versions.zero_()
+
+
+def _check_slot_sets(slot_sets, host_access: str) -> None:
+    if isinstance(slot_sets, bool) or slot_sets not in SLOT_SETS:
+        raise ValueError(f"slot_sets must be one of {SLOT_SETS}, got {slot_sets!r}")
+    if slot_sets == 2 and host_access != "mapped":
+        raise ValueError("slot_sets=2 needs host_access='mapped': the staged path returns a slot's buffers only "
+                         "once the host has scattered its write-back")
 
 
 def _check_share(hbm_share, host_access: str) -> None:
