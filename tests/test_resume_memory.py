@@ -5,7 +5,7 @@ The counter sees every tensor storage a torch op creates while the load runs (a
 ``TorchDispatchMode``: a storage that aliases none of the op's inputs is new; it counts
 until its last reference dies) and every Python-level allocation (``tracemalloc``: the
 checksum pass's buffer, numpy). On a CPU the bank's "device" tier is host memory too, so
-one counter bounds both.
+one counter bounds both. The staged fetch is bounded the same way, by its own chunk.
 """
 from __future__ import annotations
 
@@ -181,3 +181,40 @@ def test_a_resharded_load_streams_too(bank, tmp_path):
     for key, value in saved.items():
         assert torch.equal(head.state_dict()[key], value), key
     assert head.training_state() == source.training_state()
+
+
+# ---------------------------------------------------------------- the staged fetch
+@pytest.mark.parametrize("placement", [
+    {"weight": ("device", torch.bfloat16)},                                  # a device table, converted
+    {"weight": ("host", torch.bfloat16)},                                    # a staged copy landed at positions
+    {"weight": "device", "momentum_buffer": ("device", INT8_ROWWISE)},       # 8-bit rows decoded
+    {"weight": "host", "momentum_buffer": ("host", INT8_ROWWISE)},           # 8-bit codes crossed
+])
+def test_a_staged_fetch_holds_no_temporary_larger_than_its_chunk(monkeypatch, placement):
+    """The staged fetch gathers, decodes and lands the cold rows a chunk at a time: its
+    peak of new tensors, past the reusable host staging buffer, stays within a few chunks
+    whatever the number of rows (a whole-set temporary is 16x the chunk here), and the
+    slot holds exactly the bank's rows (read independently, whole)."""
+    from ds_pfc.bank import staged
+    monkeypatch.setenv("DS_PFC_DEBUG_STREAMS", "0")
+    chunk = 16 << 10
+    monkeypatch.setattr(staged, "FETCH_CHUNK_BYTES", chunk)
+    bank = TieredBank(C, "cpu", placements=TieredBank.factory(placement, default="host")(C, "cpu").placements)
+    g = torch.Generator().manual_seed(0)
+    bank.add_state("weight", D, torch.float32, init=torch.randn(C, D, generator=g))
+    bank.add_state("momentum_buffer", D, torch.float32, init=torch.randn(C, D, generator=g))
+    stager = staged.StagedStager(bank)
+    try:
+        rows = torch.randperm(C, generator=g)[:4096].sort().values          # 1 MiB per float32 state
+        positions = torch.arange(rows.numel()).flip(0)
+        slot = stager._empty_slot(rows, pooled=False)
+        stager._fetch(slot, positions, rows)                                 # the staging buffers, made once
+        slot.states = {n: torch.zeros_like(t) for n, t in slot.states.items()}
+        peak, _ = _peak(lambda: stager._fetch(slot, positions, rows))
+        whole = rows.numel() * D * 4
+        assert peak <= 4 * chunk + (64 << 10), (peak, whole)
+        for name, got in slot.states.items():
+            expected = bank.export(name).index_select(0, rows)
+            assert torch.equal(got.index_select(0, positions), expected), name
+    finally:
+        stager.close()

@@ -30,7 +30,12 @@ from .quantized import RowwiseInt8Store
 from .slots import Slot, Stager, _held_by, _tables
 from .tiered import TieredBank
 
-__all__ = ["StagedStager"]
+__all__ = ["StagedStager", "FETCH_CHUNK_BYTES"]
+
+#: The largest temporary a fetch makes on the device (the rows of a chunk in the store's
+#: dtype and in the slot's): gathers from device tables, decoding and landing a staged
+#: copy at its positions go a chunk at a time.
+FETCH_CHUNK_BYTES = 32 << 20
 
 
 class StagedStager(Stager):
@@ -69,7 +74,7 @@ class StagedStager(Stager):
                 q, scale = store.gather_codes(rows_cpu, self._staging(name, rows_cpu.numel()))
                 rt.keep_alive(q, self._fetch_stream)
                 rt.keep_alive(scale, self._fetch_stream)
-                rt.run(self._fetch_stream, store.land_codes, dst, positions, q, scale, self._codec,
+                rt.run(self._fetch_stream, _land_codes, store, dst, positions, q, scale, self._codec,
                        reads=(q, scale), writes=(dst,))
             else:
                 staging = self._staging(name, rows_cpu.numel())
@@ -225,22 +230,42 @@ class StagedStager(Stager):
 
 # Operations enqueued on a side stream. Index tensors arrive on the CPU and are moved
 # here, so they are allocated on the stream that reads them and freed in its order.
+def _chunks(num: int, dst: torch.Tensor):
+    """Row ranges of at most :data:`FETCH_CHUNK_BYTES` of ``dst``'s rows."""
+    row = max(1, dst[:1].numel() * dst.element_size())
+    step = max(1, FETCH_CHUNK_BYTES // row)
+    return ((lo, min(num, lo + step)) for lo in range(0, num, step))
+
+
 def _land_rows(dst: torch.Tensor, positions: torch.Tensor | None, values: torch.Tensor) -> None:
-    """Copy store-side ``values`` into ``dst`` (all of it, or rows ``positions``)."""
+    """Copy store-side ``values`` into ``dst`` (all of it, or rows ``positions``), with no
+    device temporary larger than a chunk."""
     if positions is None:
         dst.copy_(values, non_blocking=True)       # straight into the slot, converting on the way
-    else:
-        dst.index_copy_(0, positions.to(dst.device, non_blocking=True),
-                        values.to(dst.device, non_blocking=True).to(dst.dtype))
+        return
+    for lo, hi in _chunks(positions.numel(), dst):
+        dst.index_copy_(0, positions[lo:hi].to(dst.device, non_blocking=True),
+                        values[lo:hi].to(dst.device, non_blocking=True).to(dst.dtype))
 
 
 def _gather_rows(dst, positions, data, rows_cpu) -> None:
-    values = data.index_select(0, rows_cpu.to(data.device, non_blocking=True))
-    _land_rows(dst, positions, values)
+    """Rows ``rows_cpu`` of a device table into ``dst`` (at ``positions``), a chunk at a time."""
+    for lo, hi in _chunks(rows_cpu.numel(), dst):
+        values = data.index_select(0, rows_cpu[lo:hi].to(data.device, non_blocking=True))
+        if positions is None:
+            dst[lo:hi].copy_(values)
+        else:
+            _land_rows(dst, positions[lo:hi], values)
 
 
 def _read_coded(dst, positions, store, rows_cpu, codec) -> None:
-    store.fetch_into(rows_cpu.to(store.q.device, non_blocking=True), dst, positions, None, codec)
+    """8-bit rows ``rows_cpu`` of a device table decoded into ``dst``, a chunk at a time."""
+    for lo, hi in _chunks(rows_cpu.numel(), dst):
+        rows = rows_cpu[lo:hi].to(store.q.device, non_blocking=True)
+        if positions is None:
+            store.fetch_into(rows, dst[lo:hi], None, None, codec)
+        else:
+            store.fetch_into(rows, dst, positions[lo:hi], None, codec)
 
 
 def _scatter_rows(data, rows, values) -> None:
@@ -249,3 +274,12 @@ def _scatter_rows(data, rows, values) -> None:
 
 def _copy_out(host: torch.Tensor, values: torch.Tensor) -> None:
     host.copy_(values, non_blocking=True)
+
+
+def _land_codes(store, dst, positions, q, scale, codec) -> None:
+    """Host codes crossed and decoded into ``dst`` (at ``positions``), a chunk at a time."""
+    for lo, hi in _chunks(q.shape[0], dst):
+        if positions is None:
+            store.land_codes(dst[lo:hi], None, q[lo:hi], scale[lo:hi], codec)
+        else:
+            store.land_codes(dst, positions[lo:hi], q[lo:hi], scale[lo:hi], codec)
