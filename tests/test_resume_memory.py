@@ -218,3 +218,36 @@ def test_a_staged_fetch_holds_no_temporary_larger_than_its_chunk(monkeypatch, pl
             assert torch.equal(got.index_select(0, positions), expected), name
     finally:
         stager.close()
+
+
+@pytest.mark.parametrize("how", ["write_rows", "write_rows-masked", "code_rows"])
+def test_coding_8_bit_rows_without_the_kernels_holds_a_chunk(monkeypatch, how):
+    """Without the codec kernels, 8-bit rows are coded with torch ops a chunk at a time:
+    the new tensors stay within a few chunks (the set's float32 rows are 16x the chunk),
+    and the codes equal the whole set coded at once."""
+    from ds_pfc.bank import quantized
+    chunk = 16 << 10
+    monkeypatch.setattr(quantized, "CODE_CHUNK_BYTES", chunk)
+    g = torch.Generator().manual_seed(1)
+    n = 4096
+    values = torch.randn(n, D, generator=g)
+    rows = torch.randperm(C, generator=g)[:n]
+    mask = torch.rand(n, generator=g) < 0.5 if how.endswith("masked") else None
+    store = quantized.RowwiseInt8Store(C, D, "device", "cpu")
+    q0, s0 = store.q.clone(), store.scale.clone()
+    if how == "code_rows":
+        q, s = torch.empty(n, D, dtype=torch.int8), torch.empty(n)
+        peak, _ = _peak(lambda: quantized.RowwiseInt8Store.code_rows(values, q, s))
+    else:
+        peak, _ = _peak(lambda: store.write_rows(rows, values, None, mask))
+    assert peak <= 4 * chunk + (64 << 10), peak
+    # Independent reference: each row coded alone (s = max|v| / 127, q = round-half-even(v / s)).
+    scale = values.abs().amax(dim=1) / 127
+    codes = torch.round(values / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).to(torch.int8)
+    if how == "code_rows":
+        assert torch.equal(q, codes) and torch.equal(s, scale)
+    else:
+        keep = torch.ones(n, dtype=torch.bool) if mask is None else mask
+        q_ref, s_ref = q0.clone(), s0.clone()
+        q_ref[rows[keep]], s_ref[rows[keep]] = codes[keep], scale[keep]
+        assert torch.equal(store.q, q_ref) and torch.equal(store.scale, s_ref)

@@ -31,7 +31,17 @@ import torch
 
 from .stores import RowStore, pinned_table, unregister_table
 
-__all__ = ["INT8_ROWWISE", "RowCodec", "RowwiseInt8Store", "quantize_rows", "dequantize_rows"]
+__all__ = ["INT8_ROWWISE", "RowCodec", "RowwiseInt8Store", "quantize_rows", "dequantize_rows", "CODE_CHUNK_BYTES"]
+
+#: Without the codec kernels, rows are coded with torch ops this many bytes of float rows at
+#: a time: the float32 temporaries of coding are bounded by it, not by the rows of a set.
+CODE_CHUNK_BYTES = 32 << 20
+
+
+def _chunks(num: int, values: torch.Tensor):
+    row = max(1, values[:1].numel() * 4)
+    step = max(1, CODE_CHUNK_BYTES // row)
+    return ((lo, min(num, lo + step)) for lo in range(0, num, step))
 
 #: The placement dtype that selects this storage (``Placement(tier, INT8_ROWWISE)``).
 INT8_ROWWISE = "int8_rowwise"
@@ -113,14 +123,15 @@ class RowwiseInt8Store(RowStore):
         if codec is not None:
             codec.encode(values, None, self.q, self.scale, rows.to(values.device), mask)
             return
-        q, scale = quantize_rows(values.to(self.q.device))
-        rows = rows.to(self.q.device)
-        if mask is not None:
-            mask = mask.to(self.q.device)
-            q = torch.where(mask[:, None], q, self.q.index_select(0, rows))
-            scale = torch.where(mask, scale, self.scale.index_select(0, rows))
-        self.q.index_copy_(0, rows, q)
-        self.scale.index_copy_(0, rows, scale)
+        for lo, hi in _chunks(rows.shape[0], values):     # float32 temporaries of a chunk, not of the set
+            q, scale = quantize_rows(values[lo:hi].to(self.q.device))
+            at = rows[lo:hi].to(self.q.device)
+            if mask is not None:
+                keep = mask[lo:hi].to(self.q.device)
+                q = torch.where(keep[:, None], q, self.q.index_select(0, at))
+                scale = torch.where(keep, scale, self.scale.index_select(0, at))
+            self.q.index_copy_(0, at, q)
+            self.scale.index_copy_(0, at, scale)
 
     def fetch_into(self, rows: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor | None = None,
                    mask: torch.Tensor | None = None, codec: RowCodec | None = None) -> None:
@@ -178,10 +189,11 @@ class RowwiseInt8Store(RowStore):
         """``values`` coded into ``q, scale`` (same device), on the current stream."""
         if codec is not None:
             codec.encode(values, None, q, scale, None)
-        else:
-            cq, cs = quantize_rows(values)
-            q.copy_(cq)
-            scale.copy_(cs)
+            return
+        for lo, hi in _chunks(values.shape[0], values):
+            cq, cs = quantize_rows(values[lo:hi])
+            q[lo:hi].copy_(cq)
+            scale[lo:hi].copy_(cs)
 
     def scatter_codes(self, rows_cpu: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
         """(host tier) codes made elsewhere into ``rows_cpu``, versions counted."""
