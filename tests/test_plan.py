@@ -136,7 +136,11 @@ def test_traffic_per_step_matches_the_bank(measured, case):
     if storage == "bf16-int8m":
         moved += (D + 4) - D * width
     assert t["moved_row_bytes"] == moved
-    assert (t["pcie_in"], t["pcie_out"]) == (out["moved_rows_in"] * moved, out["moved_rows_out"] * moved)
+    # Out: mapped access writes back the stepped rows that leave the next set (|S_q| minus
+    # the overlap, in expectation the cold rows); staged access every stepped row.
+    out_rows = out["cold_rows"] if access == "mapped" else out["active_rows"]
+    assert t["moved_rows_out"] == out_rows
+    assert (t["pcie_in"], t["pcie_out"]) == (out["moved_rows_in"] * moved, out_rows * moved)
     # The bank counts rows in their storage bytes (for the decoded 8-bit moment that is less
     # than what crosses PCIe, which the count above takes from the staged fetch in bank/staged.py).
     row = out["row_bytes"]
@@ -145,7 +149,12 @@ def test_traffic_per_step_matches_the_bank(measured, case):
     # first step also stages its whole set synchronously and the last prefetches nothing.
     middle = traffic[1:-1]
     out_bytes = [s["written_back"] for s in middle]
-    assert set(out_bytes) == {out["moved_rows_out"] * row}, "every step writes back all |S_q| stepped rows"
+    if access == "staged":
+        assert set(out_bytes) == {out_rows * row}, "every step writes back all |S_q| stepped rows"
+    else:
+        mean_out = sum(out_bytes) / len(out_bytes) / row
+        tol = _cold_tolerance_rows(out["active_rows"], C, len(out_bytes))
+        assert abs(mean_out - out_rows) <= tol, f"mean rows written back {mean_out:.1f}, planned {out_rows:.1f}"
     in_bytes = [s["staged_in"] for s in middle]
     mean_rows = sum(in_bytes) / len(in_bytes) / row
     tol = _cold_tolerance_rows(out["active_rows"], C, len(in_bytes))
@@ -215,16 +224,17 @@ HEAD_FLOPS = 195e12                            # the head's effective rate on H1
 
 def _per_class_seconds(p: dict) -> dict:
     """Seconds of each transfer per class of the job (continuous C, |S_q| = r C / k), for SGD
-    with momentum: in (cold rows), patch (overlap rows, float32 on the GPU), out (stepped
-    rows), the head's compute, and node host-memory traffic."""
+    with momentum, mapped access: in (cold rows), patch (overlap rows, float32 on the GPU),
+    out (the stepped rows that leave the next set: as many as the cold rows), the head's
+    compute, and node host-memory traffic."""
     k, d, r = p["gpus"], p["dim"], p["sample_rate"]
     row = 2 * d * (2 if p["storage"] == "bf16" else 4)
     logical = 2 * d * 4
     zc = min(p.get("zero_copy_gbps") or MOVER_GBPS, p["pcie_gbps"] / p["gpus_per_uplink"]) * 1e9
     ranks = min(k, p["gpus_per_node"])
     return dict(t_in=r * (1 - r) * row / k / zc, t_patch=r * r * logical / k / (PATCH_GBPS * 1e9),
-                t_out=r * row / k / zc, head=3 * 2 * 128 * k * r * d / k / HEAD_FLOPS,
-                host=ranks * (r * (1 - r) + r) * row / k / (p["host_gbps"] * 1e9))
+                t_out=r * (1 - r) * row / k / zc, head=3 * 2 * 128 * k * r * d / k / HEAD_FLOPS,
+                host=ranks * 2 * r * (1 - r) * row / k / (p["host_gbps"] * 1e9))
 
 
 def _closed_form(which: str, p: dict) -> float:
@@ -238,23 +248,26 @@ def _closed_form(which: str, p: dict) -> float:
     if which == "host RAM":
         # node: its ranks' C / k (row + 2 states x 8 B of counters) <= RAM
         return p["host_ram_gb"] * 1e9 * k / min(k, p["gpus_per_node"]) / (row + 16)
-    if which == "one stream":
+    if which == "2 sets":
         return step / (x["t_in"] + x["t_patch"] + x["t_out"] - x["head"])
-    if which == "duplex":
+    if which == "3 sets":
         return step / (max(x["t_in"] + x["t_patch"], x["t_out"]) - x["head"])
     if which == "host memory":
         return step / (x["host"] - x["head"])
     bb = BACKBONES["r100"]
     if which == "GPU memory":
-        # device tier per GPU: bank row + 2 float32 slots (2 x 8 d B per row) + float32 gradient (4 d)
+        # device tier per GPU: bank row + 3 float32 slots (2 x 8 d B per row) + float32 gradient (4 d)
         # + normalised bf16 centers and norms (2 d + 4) + the kept float16 cosines (2 N, N = 128 k:
         # within the 4 GiB keep budget at these stops) per active row + 14 B sampler keys, per
         # class of the rank; the staged fetch's gather of the cold rows in storage dtype plus
         # their float32 copy (one state: row / 2 + 4 d per cold row); fixed: the backbone
         # (16 B/param + 128 x activations) and 3 x N x d float32 embeddings; 3 GB reserve.
+        # With staged access the pool keeps a third slot set; the gather goes 32 MiB of float32
+        # rows (16,384 rows at d = 512) at a time: a constant.
         n = 128 * k
-        fixed = bb["params"] * 16 + 128 * bb["saved_bytes_batch2"] / 2 + 3 * n * d * 4
-        per_class = row + r * (2 * 8 * d + 4 * d + 2 * d + 4 + 2 * n) + 14 + r * (1 - r) * (row / 2 + 4 * d)
+        chunk_rows = (32 << 20) // (4 * d)
+        fixed = bb["params"] * 16 + 128 * bb["saved_bytes_batch2"] / 2 + 3 * n * d * 4 + chunk_rows * (row / 2 + 4 * d)
+        per_class = row + r * (3 * 8 * d + 4 * d + 2 * d + 4 + 2 * n) + 14
         return k * (77e9 - fixed) / per_class
     if which == "GPU memory at resume":
         # the bank, the backbone's state and the streamed resume's one chunk (8 MiB)
@@ -265,11 +278,11 @@ def _closed_form(which: str, p: dict) -> float:
 SCALING = [
     ("host", "host RAM per node", "host RAM", dict(storage="bf16", host_ram_gb=512.0)),
     ("host", "host RAM per node", "host RAM", dict(storage="bf16", host_ram_gb=512.0, gpus=32)),
-    ("host", "bank stream time", "one stream", dict(storage="bf16")),
-    ("host", "bank stream time", "one stream", dict(storage="fp32", step_ms=150.0, sample_rate=0.2)),
-    ("host", "bank stream time", "one stream", dict(storage="bf16", zero_copy_gbps=45.0, gpus_per_uplink=2)),
-    ("host", "bank stream time", "duplex", dict(storage="bf16", streams="duplex")),
-    ("host", "bank stream time", "duplex", dict(storage="bf16", streams="duplex", zero_copy_gbps=45.0)),
+    ("host", "bank stream time", "2 sets", dict(storage="bf16", slot_sets=2)),
+    ("host", "bank stream time", "2 sets", dict(storage="fp32", step_ms=150.0, sample_rate=0.2, slot_sets=2)),
+    ("host", "bank stream time", "2 sets", dict(storage="bf16", zero_copy_gbps=45.0, gpus_per_uplink=2, slot_sets=2)),
+    ("host", "bank stream time", "3 sets", dict(storage="fp32", step_ms=100.0, sample_rate=0.2)),
+    ("host", "bank stream time", "3 sets", dict(storage="bf16", step_ms=60.0, zero_copy_gbps=20.0)),
     ("host", "host memory time", "host memory", dict(storage="bf16", host_gbps=100.0, zero_copy_gbps=45.0)),
     ("device", "GPU memory per GPU", "GPU memory", dict(storage="bf16")),
     ("device", "GPU memory per GPU", "GPU memory", dict(storage="fp32")),
@@ -297,28 +310,28 @@ def test_stop_class_count_is_where_the_figure_crosses_the_limit(tier, check, for
 
 
 # ---------------------------------------------------------------- what is built and shared
-def test_one_stream_adds_the_directions_and_duplex_overlaps_them():
-    """At 256M on 8 H100s (bf16, SGD) the stream's time is in + patch + out on one stream and
-    max(in + patch, out) with the write-back on its own stream; a write-back that outlasts
-    the next forward costs a third slot set of GPU memory."""
+def test_two_slot_sets_take_turns_and_three_overlap_for_one_more_set():
+    """At 256M on 8 H100s (bf16, SGD) the mapped tier's streams take in + patch + out with two
+    slot sets (the fetch reuses the set the write-back reads) and max(in + patch, out) with
+    three, which keep a third set of float32 slots on the GPU at every class count."""
     args = dict(H100, classes=256_000_000, storage="bf16", zero_copy_gbps=45.0)
-    one = plan(**args, stops=False)
-    duplex = plan(**args, streams="duplex", stops=False)
+    two = plan(**args, slot_sets=2, stops=False)
+    three = plan(**args, stops=False)
     x = _per_class_seconds(dict(planner.DEFAULTS, **args))
     c = 256e6
-    for out, want in ((one, (x["t_in"] + x["t_patch"] + x["t_out"]) * c),
-                      (duplex, max(x["t_in"] + x["t_patch"], x["t_out"]) * c)):
+    for out, want in ((two, (x["t_in"] + x["t_patch"] + x["t_out"]) * c),
+                      (three, max(x["t_in"] + x["t_patch"], x["t_out"]) * c)):
         assert out["tiers"]["host"]["stream_s"] == pytest.approx(want, rel=1e-6)
-    assert one["tiers"]["host"]["stream_s"] / duplex["tiers"]["host"]["stream_s"] == pytest.approx(1.9, abs=0.05)
-    # The forward window: a third of backbone + head; one stream's write-back (patch + out) outlasts it.
-    forward = (0.3 + x["head"] * c) / 3
-    assert (x["t_patch"] + x["t_out"]) * c > forward
+    assert two["tiers"]["host"]["stream_s"] / three["tiers"]["host"]["stream_s"] == pytest.approx(2.0, abs=0.1)
     slot = 3_200_000 * 2 * 512 * 4
-    assert one["tiers"]["host"]["third_slot_bytes"] == slot
-    assert one["tiers"]["host"]["gpu_bytes"] - plan(**dict(args, classes=64_000_000), stops=False)["tiers"]["host"][
-        "gpu_bytes"] > slot
-    # At 64M the write-back lands within the forward: two slot sets.
-    assert plan(**dict(args, classes=64_000_000), stops=False)["tiers"]["host"]["third_slot_bytes"] == 0
+    assert three["tiers"]["host"]["third_slot_bytes"] == slot and two["tiers"]["host"]["third_slot_bytes"] == 0
+    assert three["tiers"]["host"]["gpu_bytes"] - two["tiers"]["host"]["gpu_bytes"] == pytest.approx(slot)
+    small = plan(**dict(args, classes=64_000_000), stops=False)["tiers"]["host"]
+    assert small["third_slot_bytes"] == 3_200_000 // 4 * 2 * 512 * 4
+    # Staged access keeps three sets whatever --slot-sets says.
+    assert two["tiers"]["host-cpu"]["third_slot_bytes"] == slot
+    with pytest.raises(ValueError, match="--slot-sets: must be one of 2, 3, got 4"):
+        plan(**args, slot_sets=4)
 
 
 def test_gpus_behind_one_uplink_share_it():
@@ -366,14 +379,15 @@ def test_the_window_holds_the_head_and_the_mover_takes_sms():
 
 def test_temporaries_and_resume_are_counted():
     """Device tier, bf16 weight + 8-bit momentum on the torch int8 path (a bank without the
-    row mover): its three float32 [|S_q|, d] arrays and the staged fetch's gather + float32 copy
-    of the cold rows of the weight; none with the int8 path in the mover (as built) and mapped
+    row mover): its three float32 chunks of 32 MiB and the staged fetch's gather + float32 copy
+    of a chunk of the weight's cold rows; none with the int8 path in the mover (as built) and mapped
     access. Resume: a whole float32 state on the GPU, or a chunk (as built: 8 MiB)."""
     args = dict(H100, storage="bf16-int8m", int8_in_mover=False, resume_chunk_mb=0.0)
     active, cold, d, cq = 1_600_000, 1_440_000, 512, 16_000_000
     t = plan(**args, stops=False)["tiers"]["device"]
-    assert t["temporaries"] == {"int8 decode/encode (torch ops)": 3 * active * d * 4,
-                                "staged fetch gather + float32 copy": cold * (2 * d + 4 * d)}
+    chunk_rows, chunk = (32 << 20) // (4 * d), 32 << 20     # the fetch's and the coding's chunks
+    assert t["temporaries"] == {"int8 decode/encode (torch ops)": 3 * chunk,
+                                "staged fetch gather + float32 copy": chunk_rows * (2 * d + 4 * d)}
     fused = plan(**dict(args, int8_in_mover=True), device_access="mapped", stops=False)["tiers"]["device"]
     assert fused["temporaries"] == {}
     assert t["gpu_bytes"] - fused["gpu_bytes"] == pytest.approx(sum(t["temporaries"].values()))
@@ -381,14 +395,15 @@ def test_temporaries_and_resume_are_counted():
     # Staged host access lands the cold rows on the GPU as they crossed PCIe (bf16 weight;
     # the 8-bit moment decoded on the host: float32) and widens them: the bf16 weight is widest.
     assert plan(**args, stops=False)["tiers"]["host-cpu"]["temporaries"] == {
-        "staged fetch landing + float32 copy": cold * (2 * d + 4 * d)}
+        "staged fetch landing + float32 copy": chunk_rows * (2 * d + 4 * d)}
     coded = plan(**dict(args, int8_in_mover=True), stops=False)["tiers"]["host-cpu"]
     assert plan(**dict(H100, storage="bf16-int8m"), stops=False)["tiers"]["host-cpu"]["moved_row_bytes"] == \
         2 * d + d + 4                                           # the default: as built
     assert coded["moved_row_bytes"] == 2 * d + d + 4           # the codes cross PCIe, not float32
     assert plan(**args, stops=False)["tiers"]["host-cpu"]["moved_row_bytes"] == 2 * d + 4 * d
     assert plan(**dict(H100, storage="fp32"), stops=False)["tiers"]["host-cpu"]["temporaries"] == {
-        "staged fetch landing + float32 copy": cold * 4 * d}
+        "staged fetch landing + float32 copy": chunk_rows * 4 * d}
+    assert cold > chunk_rows                                   # a whole-set temporary would be larger
     chunked = plan(**dict(args, resume_chunk_mb=256.0), stops=False)["tiers"]["device"]
     assert t["gpu_resume_bytes"] - chunked["gpu_resume_bytes"] == pytest.approx(cq * d * 4 - 256e6)
     built = plan(**dict(H100, storage="bf16-int8m"), stops=False)["tiers"]["device"]
@@ -457,7 +472,7 @@ def test_one_billion_classes_on_one_node_is_refused_and_four_nodes_are_offered(c
     suggested = dict(_suggestions(text))
     assert any(s.startswith("--gpus 32") for s in suggested)
     # nothing that models work not in the bank yet
-    assert not any(flag in s for s in suggested for flag in ("--streams", "--int8-in-mover", "--resume-chunk-mb"))
+    assert not any(flag in s for s in suggested for flag in ("--int8-in-mover", "--resume-chunk-mb"))
     four = plan(1_000_000_000, 512, 32, "h100-80g", 0.1, storage="bf16")
     assert four["nodes"] == 4 and four["tiers"]["host"]["fits"]
 
@@ -485,7 +500,7 @@ BAD = [
     (["--gpus-per-uplink", "0"], "--gpus-per-uplink"),
     (["--gpus-per-uplink", "16"], "--gpus-per-uplink"),      # more than --gpus-per-node
     (["--gpus-per-node", "0"], "--gpus-per-node"),
-    (["--streams", "two"], "--streams"),
+    (["--slot-sets", "4"], "--slot-sets"),
     (["--zero-copy-gbps", "0"], "--zero-copy-gbps"),
     (["--head-ms", "-1"], "--head-ms"),
     (["--resume-chunk-mb", "-5"], "--resume-chunk-mb"),
@@ -597,9 +612,9 @@ def test_the_256m_mapped_plan_states_its_assumptions(capsys):
                          "--dim", "512", "--sample_rate", "0.1"])
     text = capsys.readouterr().out
     assert rc == 0
-    for words in ("Assumptions:", "one stream", "128 KiB in flight (16 programs x 8 rows x 1024 B) / 2 us = 65.5 GB/s "
+    for words in ("Assumptions:", "3 slot sets, the two directions overlap", "128 KiB in flight (16 programs x 8 rows x 1024 B) / 2 us = 65.5 GB/s "
                   "(Little's law, not measured), capped by the uplink", "head 51.6 ms estimated",
-                  "a third whenever the write-back outlasts", "8-bit rows: coded in the mover",
+                  "writes back only the rows that leave the next set", "8-bit rows: coded in the mover",
                   "resume: streamed in chunks of 8.4 MB", "not a tier: nvme"):
         assert words in text, words
 

@@ -13,11 +13,12 @@ a sample rate ``r``, it computes per rank and per node, from formulas (nothing r
   touched ~3.5 times per byte moved). A tier the bank refuses (8-bit rows in mapped host
   memory, ``hbm_share`` with staged access) is marked not built and never suggested; NVMe is
   not a tier (:data:`ds_pfc.bank.tiered.NVME_REFUSED`);
-* GPU memory: the staged slots (:mod:`ds_pfc.bank.slots`), a third slot set when the
-  write-back outlasts the next forward, the gradient of the staged centers, the softmax's
-  buffers, the sampler's keys, the fetch's temporaries, the backbone (counted by default),
-  and the peak at resume;
-* per step: bytes over PCIe each way, the bank's stream (one stream as built, or duplex), the
+* GPU memory: the staged slots (:mod:`ds_pfc.bank.slots`: two sets, and the third that
+  ``--slot-sets 3`` keeps so that fetch and write-back overlap), the gradient of the staged
+  centers, the softmax's buffers, the sampler's keys, the fetch's temporaries (a chunk), the
+  backbone (counted by default), and the peak at resume;
+* per step: bytes over PCIe each way (the mapped tier writes back only the rows that leave
+  the next set), the bank's streams (duplex with three slot sets, in turn with two), the
   row mover's rate from its bytes in flight and the uplink's share, node host-memory traffic
   at a read/write mix, CPU-seconds, the window (backbone plus the head's compute) and the
   backbone's slowdown from the SMs the mover holds; margins for every check, and for every
@@ -37,6 +38,9 @@ import re
 import sys
 
 from .._args import parser
+from ..bank.quantized import CODE_CHUNK_BYTES
+from ..bank.staged import FETCH_CHUNK_BYTES
+from ..bank.tiered import SLOT_SETS
 from ..core.head import LOAD_CHUNK_BYTES
 from ..core.softmax import COSINE_KEEP_BYTES, CUDA_BLOCK_BYTES
 
@@ -92,20 +96,15 @@ VERSION_BYTES = 8   # per row and state: the bank's int32 "issued" and the store
 #: (bf16 products, three GEMM-shaped passes of 2 N S d flops) took 25.8 ms (docs/gpu.md),
 #: 195 TFLOP/s; H100 SXM has the same bf16 tensor rate. A100: scaled by 312/989.
 HEAD_TFLOPS = {"h100-80g": 195.0, "h200": 195.0, "a100-40g": 61.5}
-#: The share of the backbone's step spent in its forward (backward is about twice the
-#: forward): the write-back of step t must land within the forward of t + 1 and the head's
-#: forward, else the bank takes a third slot set (``slots.py``: ``_empty_slot``).
-FORWARD_SHARE = 1.0 / 3.0
 #: fp32 ``[|S_q|, d]`` temporaries the torch int8 path keeps at its peak per coded state on
 #: the device (decode, scale, select in the overlap patch; ``bank/quantized.py``).
 INT8_TEMPORARIES = 3
 
-STREAMS = ("one", "duplex")
 DEVICE_ACCESS = ("staged", "mapped")
 
 DEFAULTS = dict(optimizer="sgd", storage="fp32", backbone="r100", batch=128, step_ms=300.0, head_ms=None,
                 host_gbps=370.0, pcie_gbps=50.0, zero_copy_gbps=None, patch_gbps=None,
-                mover_programs=16, gpus_per_node=8, gpus_per_uplink=1, streams="one", int8_in_mover=True,
+                mover_programs=16, gpus_per_node=8, gpus_per_uplink=1, slot_sets=3, int8_in_mover=True,
                 device_access="staged", resume_chunk_mb=LOAD_CHUNK_BYTES / 1e6, host_ram_gb=2048.0, cpu_gbps=6.0, cpu_cores=112,
                 hbm_share=0.0, block_bytes=CUDA_BLOCK_BYTES, keep_bytes=COSINE_KEEP_BYTES, momentum=0.9)
 
@@ -114,7 +113,7 @@ FLAGS = {"classes": "--classes", "dim": "--dim", "gpus": "--gpus", "gpu": "--gpu
          "optimizer": "--optimizer", "storage": "--storage", "backbone": "--backbone", "batch": "--batch",
          "step_ms": "--step-ms", "head_ms": "--head-ms", "host_gbps": "--host-gbps", "pcie_gbps": "--pcie-gbps",
          "zero_copy_gbps": "--zero-copy-gbps", "patch_gbps": "--patch-gbps", "mover_programs": "--mover-programs",
-         "gpus_per_node": "--gpus-per-node", "gpus_per_uplink": "--gpus-per-uplink", "streams": "--streams",
+         "gpus_per_node": "--gpus-per-node", "gpus_per_uplink": "--gpus-per-uplink", "slot_sets": "--slot-sets",
          "int8_in_mover": "--int8-in-mover", "device_access": "--device-access",
          "resume_chunk_mb": "--resume-chunk-mb", "host_ram_gb": "--host-ram-gb",
          "cpu_gbps": "--cpu-gbps", "cpu_cores": "--cpu-cores",
@@ -170,13 +169,15 @@ def _check_inputs(p: dict) -> dict:
     if p["classes"] < p["gpus"]:
         raise PlanArgumentError("classes", f"must be at least --gpus ({p['gpus']}) so that every rank holds a "
                                            f"class, got {p['classes']}")
+    if isinstance(p["slot_sets"], bool):
+        raise PlanArgumentError("slot_sets", f"must be one of {SLOT_SETS}, got {p['slot_sets']!r}")
     if not isinstance(p["int8_in_mover"], bool):
         raise PlanArgumentError("int8_in_mover", f"must be True or False, got {p['int8_in_mover']!r}")
     for name, choices in (("gpu", GPUS), ("optimizer", BACKBONE_BYTES_PER_PARAM), ("storage", STORAGES),
-                          ("backbone", (*BACKBONES, "none")), ("streams", STREAMS),
+                          ("backbone", (*BACKBONES, "none")), ("slot_sets", SLOT_SETS),
                           ("device_access", DEVICE_ACCESS)):
         if p[name] not in choices:
-            raise PlanArgumentError(name, f"must be one of {', '.join(choices)}, got {p[name]!r}")
+            raise PlanArgumentError(name, f"must be one of {', '.join(map(str, choices))}, got {p[name]!r}")
     return p
 
 
@@ -264,6 +265,9 @@ def _figures(p: dict, classes: int) -> dict:
     cold = active * (1.0 - active / cq)
     overlap = active - cold
     host_rows = (1.0 - f) * cq                 # rows outside GPU memory (--hbm-share)
+    # In: the cold rows. Out: mapped access writes back the stepped rows that leave the next
+    # set (|S_q| - overlap = the cold rows; the next slot carries the overlap), staged access
+    # every stepped row.
     moved_in, moved_out = (1.0 - f) * cold, (1.0 - f) * active
 
     # The step's window: the backbone's step and the head's own compute (three GEMM-shaped
@@ -272,7 +276,6 @@ def _figures(p: dict, classes: int) -> dict:
               else 3 * 2 * n_gathered * active * d / (HEAD_TFLOPS[p["gpu"]] * 1e12))
     step_s = p["step_ms"] / 1e3
     window = step_s + head_s
-    forward_window = FORWARD_SHARE * (step_s + head_s)
     zero_copy, patch_rate, zero_copy_how = mover_gbps(p)
     link = p["pcie_gbps"] / p["gpus_per_uplink"]
 
@@ -305,7 +308,10 @@ def _figures(p: dict, classes: int) -> dict:
     resume_host_rank = min(cq * row_logical, chunk) if chunk else cq * row_logical
     # fp32 temporaries of the torch int8 path for coded states on the device (none once the
     # mover codes and decodes rows in its registers).
-    int8_temp = 0.0 if p["int8_in_mover"] else INT8_TEMPORARIES * active * d * 4 * len(coded)
+    # Coded a chunk at a time (bank/quantized.py: CODE_CHUNK_BYTES of float32 rows).
+    int8_temp = 0.0 if p["int8_in_mover"] else INT8_TEMPORARIES * min(active * d * 4, CODE_CHUNK_BYTES) * len(coded)
+    # The staged fetch gathers, widens and lands rows a chunk at a time (bank/staged.py).
+    fetch_chunk_rows = max(1, FETCH_CHUNK_BYTES // (d * 4))
 
     def temporaries(tier: str) -> dict:
         out = {}
@@ -316,7 +322,7 @@ def _figures(p: dict, classes: int) -> dict:
                 # the staged device-tier fetch gathers the cold rows in storage dtype and
                 # widens them: one state at a time, the widest counts.
                 widest = max(s["row_bytes"] + s["logical_row_bytes"] for s in states if s not in coded)
-                out["staged fetch gather + float32 copy"] = cold * widest
+                out["staged fetch gather + float32 copy"] = min(cold, fetch_chunk_rows) * widest
         elif f > 0 and coded:
             out["int8 decode/encode (torch ops)"] = int8_temp
         if tier == "host-cpu":
@@ -327,17 +333,20 @@ def _figures(p: dict, classes: int) -> dict:
                     return 0                # the mover decodes the codes into the slot
                 moved = s["logical_row_bytes"] if s in coded else s["row_bytes"]
                 return moved + (s["logical_row_bytes"] if moved != s["logical_row_bytes"] else 0)
-            out["staged fetch landing + float32 copy"] = moved_in * max(landed(s) for s in states)
+            out["staged fetch landing + float32 copy"] = min(moved_in, fetch_chunk_rows) * max(landed(s)
+                                                                                               for s in states)
         return {name: v for name, v in out.items() if v}
 
     tiers = {}
     # -- device: every state in GPU memory; the tiered bank keeps its version counters on the host.
     temp = temporaries("device")
-    gpu = bank_storage + common_gpu + sum(temp.values())
+    # A third slot set: kept by mapped access with --slot-sets 3, and by staged access (its pool).
+    third_device = slot if p["slot_sets"] == 3 or p["device_access"] == "staged" else 0.0
+    gpu = bank_storage + common_gpu + third_device + sum(temp.values())
     at_resume = bank_storage + bb_state + resume_gpu
     tiers["device"] = dict(
         available=True, reason=None,
-        gpu_bytes=gpu, gpu_bank_bytes=bank_storage, temporaries=temp, third_slot_bytes=0.0,
+        gpu_bytes=gpu, gpu_bank_bytes=bank_storage, temporaries=temp, third_slot_bytes=third_device,
         gpu_resume_bytes=at_resume, host_bytes_rank=counters, host_bytes_node=ranks * counters,
         host_resume_node=ranks * (counters + resume_host_rank),
         pcie_in=0.0, pcie_out=0.0, host_traffic_node=0.0, cpu_seconds_rank=0.0, cpu_seconds_node=0.0,
@@ -361,21 +370,23 @@ def _figures(p: dict, classes: int) -> dict:
         # moves float32 (bank/staged.py); once the mover codes rows, both paths move the codes.
         moved_row = sum(s["logical_row_bytes"] if (s in coded and tier == "host-cpu" and not p["int8_in_mover"])
                         else s["row_bytes"] for s in states)
-        pcie_in, pcie_out = moved_in * moved_row, moved_out * moved_row
-        staging = 0.0 if tier == "host" else (moved_in + moved_out) * moved_row   # pinned gather + write-back
+        out_rows = moved_in if tier == "host" else moved_out
+        pcie_in, pcie_out = moved_in * moved_row, out_rows * moved_row
+        staging = 0.0 if tier == "host" else (moved_in + out_rows) * moved_row    # pinned gather + write-back
         host_rank = host_rows * row + counters + staging
         traffic = HOST_TOUCHES[tier] * ranks * (pcie_in + pcie_out)
         cpu_s = 0.0 if tier == "host" else (pcie_in + pcie_out) / (p["cpu_gbps"] * GB)
         rate = (zero_copy if tier == "host" else link) * GB
         t_in, t_out = pcie_in / rate, pcie_out / rate
         t_patch = overlap * row_logical / (patch_rate * GB)
-        # One stream: fetch, patch and write-back queue behind each other; duplex: the
-        # write-back has its own stream, ordered by events, and only the fetch waits on it.
-        stream = t_in + t_patch + t_out if p["streams"] == "one" else max(t_in + t_patch, t_out)
-        # write-back(t) lands after patch(t) (and, on one stream, in order with it); if that
-        # outlasts the forward of t + 1, the prefetch of t + 2 takes a third slot set.
-        wb = (t_patch + t_out) if p["streams"] == "one" else t_out
-        third = slot if wb > forward_window else 0.0
+        # Fetch (and patch) and write-back run on two streams. With three slot sets (staged
+        # access always) the fetch of t + 2 fills a third set while the write-back of t reads
+        # its own: max(in + patch, out), for one more set held. With two it fills the set the
+        # write-back reads, after it: in + patch + out.
+        sets = p["slot_sets"] if tier == "host" else 3
+        stream = max(t_in + t_patch, t_out) if sets == 3 else t_in + t_patch + t_out
+        wb = t_out
+        third = slot if sets == 3 else 0.0
         temp = temporaries(tier)
         gpu = gpu_share + common_gpu + third + sum(temp.values())
         at_resume = gpu_share + bb_state + resume_gpu
@@ -391,7 +402,8 @@ def _figures(p: dict, classes: int) -> dict:
             gpu_bytes=gpu, gpu_bank_bytes=gpu_share, temporaries=temp, third_slot_bytes=third,
             gpu_resume_bytes=at_resume, host_bytes_rank=host_rank, host_bytes_node=ranks * host_rank,
             host_resume_node=ranks * (host_rank + resume_host_rank), host_staging_rank=staging,
-            moved_row_bytes=moved_row, pcie_in=pcie_in, pcie_out=pcie_out, host_traffic_node=traffic,
+            moved_row_bytes=moved_row, moved_rows_out=out_rows, slot_sets=sets,
+            pcie_in=pcie_in, pcie_out=pcie_out, host_traffic_node=traffic,
             cpu_seconds_rank=cpu_s, cpu_seconds_node=ranks * cpu_s,
             pcie_in_s=t_in, pcie_out_s=t_out, patch_s=t_patch, write_back_s=wb, stream_s=stream,
             times=times, mover_busy=busy, backbone_slowdown=slowdown,
@@ -411,14 +423,14 @@ def _figures(p: dict, classes: int) -> dict:
         classes=classes, classes_per_rank=cq, ranks_per_node=ranks, nodes=nodes, gathered_batch=n_gathered,
         active_rows=active, budget_rows=budget, expected_positives=positives, cold_rows=cold,
         overlap_rows=overlap, overlap_fraction=active / cq, host_rows_fraction=1.0 - f, moved_rows_in=moved_in,
-        moved_rows_out=moved_out, states=per_state, row_bytes=row, logical_row_bytes=row_logical,
+        states=per_state, row_bytes=row, logical_row_bytes=row_logical,
         bank_bytes_rank=bank_storage, bank_bytes_node=ranks * bank_storage, version_bytes_rank=counters,
         gpu=dict(slot_bytes=slot, slots=2, center_grad_bytes=grad, staged_bytes=2 * slot + grad,
                  logits_block_bytes=logits, cosines_kept=kept, softmax_bytes=softmax, sampler_bytes=sampler,
                  backbone_state_bytes=bb_state, backbone_activation_bytes=bb_act, backbone_params=bb_params,
                  common_bytes=common_gpu, limit_bytes=gpu_limit, reserve_bytes=GPU_RESERVE_GB * GB,
                  memory_bytes=GPUS[p["gpu"]]["memory_gb"] * GB, resume_state_bytes=resume_gpu),
-        window=dict(step_s=step_s, head_s=head_s, window_s=window, forward_s=forward_window,
+        window=dict(step_s=step_s, head_s=head_s, window_s=window,
                     head_estimated=p["head_ms"] is None),
         rates=dict(zero_copy_gbps=zero_copy, zero_copy_how=zero_copy_how, patch_gbps=patch_rate, link_gbps=link),
         host_limit_bytes=host_limit, step_s=step_s, tiers=tiers)
@@ -496,8 +508,7 @@ def plan(classes: int, dim: int, gpus: int, gpu: str, sample_rate: float, *, hin
     ``storage``, ``backbone`` (counted by default: ``"r100"``), ``batch``, ``step_ms`` (the
     backbone's step), ``head_ms`` (None: estimated), ``host_gbps``, ``pcie_gbps``,
     ``zero_copy_gbps`` / ``patch_gbps`` (None: the mover's rates by Little's law),
-    ``mover_programs``, ``gpus_per_node``, ``gpus_per_uplink``, ``streams`` ("one" or
-    "duplex"), ``int8_in_mover``, ``device_access``, ``resume_chunk_mb``, ``host_ram_gb``,
+    ``mover_programs``, ``gpus_per_node``, ``gpus_per_uplink``, ``slot_sets`` (2 or 3), ``int8_in_mover``, ``device_access``, ``resume_chunk_mb``, ``host_ram_gb``,
     ``cpu_gbps``, ``cpu_cores``, ``hbm_share``, ``block_bytes``, ``keep_bytes``, ``momentum``).
 
     Returns a dict: ``inputs``; per rank the classes, active, cold and overlap rows, each
@@ -525,9 +536,11 @@ def plan(classes: int, dim: int, gpus: int, gpu: str, sample_rate: float, *, hin
 def _alternatives(p: dict) -> list[tuple[str, dict]]:
     """Single changes of one argument that may make a tier fit: (how to say it, overrides).
     Only what the bank builds today: no NVMe tier, --hbm-share only where mapped access has it,
-    none of the options that model work not yet in the bank (--streams duplex,
-    --int8-in-mover, --resume-chunk-mb)."""
+    none of the options that model work not yet in the bank (--int8-in-mover,
+    --resume-chunk-mb)."""
     alts = []
+    if p["slot_sets"] == 3:
+        alts.append(("--slot-sets 2", dict(slot_sets=2)))
     if p["storage"] == "fp32":
         alts.append(("--storage bf16", dict(storage="bf16")))
     if p["storage"] != "bf16-int8m":
@@ -640,26 +653,29 @@ def _describe(p: dict) -> str:
     return (f"{bb}; C = {p['classes']:,} classes, d = {p['dim']}, {where} "
             f"({GPUS[p['gpu']]['memory_gb'] - GPU_RESERVE_GB:g} GB usable each, {p['gpus_per_uplink']} per PCIe "
             f"uplink), r = {p['sample_rate']:g}, {p['optimizer']}, {p['storage']} storage, "
-            f"N = {p['batch'] * p['gpus']}, backbone step {p['step_ms']:g} ms, {p['streams']} stream"
-            f"{'s' if p['streams'] == 'duplex' else ''}, hbm-share {p['hbm_share']:g}")
+            f"N = {p['batch'] * p['gpus']}, backbone step {p['step_ms']:g} ms, {p['slot_sets']} slot sets, "
+            f"hbm-share {p['hbm_share']:g}")
 
 
 def _assumptions(out: dict) -> list[str]:
     p, w, rates = out["inputs"], out["window"], out["rates"]
     head = (f"{w['head_s'] * 1e3:.1f} ms estimated: 3 x 2 N |S_q| d flops at {HEAD_TFLOPS[p['gpu']]:g} TFLOP/s "
             f"(--head-ms to set it)" if w["head_estimated"] else f"{w['head_s'] * 1e3:g} ms (--head-ms)")
-    streams = ("one stream: fetch, overlap patch and write-back queue behind each other (the bank as built; "
-               "--streams duplex when write-back has its own stream)" if p["streams"] == "one" else
-               "duplex: the write-back on its own stream, the window bound by max(fetch + patch, write-back)")
-    temps = ["2 slot sets, a third whenever the write-back outlasts the next forward "
-             f"({FORWARD_SHARE:.2f} of backbone + head = {w['forward_s'] * 1e3:.0f} ms)"]
+    streams = ("fetch + overlap patch and write-back on two streams; host (mapped): "
+               + ("3 slot sets, the two directions overlap: max(fetch + patch, write-back)" if p["slot_sets"] == 3
+                  else "2 slot sets, the fetch after the write-back it reuses the set of: fetch + patch + write-back")
+               + "; host-cpu (staged): 3 slot sets, overlapping; the host tier writes back only the rows that leave "
+                 "the next set, host-cpu every stepped row")
+    temps = [f"{2 if p['slot_sets'] == 2 else 3} slot sets (host-cpu and staged device access: 3)"]
     if p["storage"] == "bf16-int8m":
         temps.append("8-bit rows: " + ("coded in the mover, d + 4 bytes moved" if p["int8_in_mover"] else
-                                       f"torch ops over |S_q| rows ({INT8_TEMPORARIES} float32 [|S_q|, d] at peak) "
+                                       f"torch ops a chunk at a time ({INT8_TEMPORARIES} float32 chunks of "
+                                       f"{CODE_CHUNK_BYTES >> 20} MiB at peak) "
                                        "on the device, float32 over PCIe with staged access, refused in mapped "
                                        "host memory"))
     if p["device_access"] == "staged":
-        temps.append("device tier with staged access: the fetch's gather and float32 copy of the cold rows")
+        temps.append(f"device tier with staged access: the fetch's gather and float32 copy, "
+                     f"{FETCH_CHUNK_BYTES >> 20} MiB of rows at a time")
     temps.append("resume: " + (f"streamed in chunks of {p['resume_chunk_mb']:.1f} MB" if p["resume_chunk_mb"] else
                                "a whole float32 state moved to the GPU, all states in host memory "
                                "(--resume-chunk-mb 0)"))
@@ -737,7 +753,7 @@ def format_plan(out: dict) -> str:
         row("time fetch in (ms)", t("pcie_in_s")),
         row("time overlap patch (ms)", t("patch_s")),
         row("time write-back out (ms)", t("pcie_out_s")),
-        row(f"time bank stream, {p['streams']} (ms)", lambda x: _ms(x["times"]["bank stream"])
+        row("time bank streams (ms)", lambda x: _ms(x["times"]["bank stream"])
             if "bank stream" in x["times"] else "-"),
         row("time host memory (ms)", lambda x: _ms(x["times"]["host memory"]) if "host memory" in x["times"]
             else "-"),
@@ -881,9 +897,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "head's compute (--head-ms)")
     ap.add_argument("--head-ms", "--head_ms", dest="head_ms", type=_typed(float, 0.0), default=d["head_ms"],
                     help="the head's own compute per step, ms (default: estimated from its flops)")
-    ap.add_argument("--streams", choices=list(STREAMS), default=d["streams"],
-                    help="one: fetch, overlap patch and write-back on one stream (the bank as built); duplex: "
-                         "the write-back on a stream of its own (default %(default)s)")
+    ap.add_argument("--slot-sets", "--slot_sets", dest="slot_sets", type=int, choices=list(SLOT_SETS),
+                    default=d["slot_sets"],
+                    help="slot buffer sets of mapped access (ds_pfc.head.bank.slot_sets): 3 overlaps fetch and "
+                         "write-back for one more set of GPU memory; 2 runs them in turn (default %(default)s)")
     ap.add_argument("--host-gbps", "--host_gbps", dest="host_gbps", type=_typed(float, 0.0, None, True),
                     default=d["host_gbps"], help="host-memory bandwidth of a node at the bank's mix of random row "
                     "reads and writes, GB/s (default %(default)s: about 60%% of two sockets' DDR5 peak)")
@@ -1002,7 +1019,8 @@ def main(argv=None) -> int:
                              "backbone_bytes_per_param": BACKBONE_BYTES_PER_PARAM, "host_touches": HOST_TOUCHES,
                              "sampler_bytes_per_class": SAMPLER_BYTES_PER_CLASS,
                              "mover_latency_us": _mover_latency(), "head_tflops": HEAD_TFLOPS,
-                             "forward_share": FORWARD_SHARE, "int8_temporaries": INT8_TEMPORARIES}}
+                             "int8_temporaries": INT8_TEMPORARIES, "fetch_chunk_bytes": FETCH_CHUNK_BYTES,
+                             "code_chunk_bytes": CODE_CHUNK_BYTES}}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
