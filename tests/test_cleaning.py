@@ -293,26 +293,59 @@ def test_command_checks_a_test_set_against_the_training_images(run, tmp_path, ca
     assert not (tmp_path / "o2").exists()
 
 
+def _second_dataset():
+    """A second dataset: the images of every other planted class, relabelled in reverse
+    order, and fresh identities far from every planted one."""
+    emb, labels, num_classes, _, _ = _planted()
+    keep = labels % 2 == 0
+    kept = labels[keep] // 2
+    fresh = torch.nn.functional.normalize(torch.randn(5, emb.shape[1], generator=torch.Generator().manual_seed(9)),
+                                          dim=1)
+    new = fresh.repeat_interleave(3, 0)
+    classes_b = int(kept.max()) + 1 + 5
+    labels_b = torch.cat([int(kept.max()) - kept, int(kept.max()) + 1 + torch.arange(5).repeat_interleave(3)])
+    return torch.cat([emb[keep], new]), labels_b, classes_b
+
+
 def _sharded_clean(rank, world_size):
     from ds_pfc.app.cleaning import clean_sharded
     emb, labels, num_classes, _, _ = _planted()
     index = torch.arange(rank, len(labels), world_size)          # a strided share per rank
     test = emb[labels == 4][:1]
+    emb_b, labels_b, classes_b = _second_dataset()
+    index_b = torch.arange(rank, len(labels_b), world_size)
     report = clean_sharded(emb[index], labels[index], index, num_classes, len(labels),
-                           CleanSettings(block_rows=5), test_embeddings=test)
+                           CleanSettings(block_rows=5), test_embeddings=test,
+                           second=(emb_b[index_b], labels_b[index_b], index_b, classes_b, len(labels_b)))
     return {"groups": report.groups, "flips": sorted((r["image"], r["kind"], r["points_to"]) for r in report.flips),
             "class_map": report.class_map, "new_labels": report.new_labels, "overlap": report.overlap,
-            "pairs": [(r["class_a"], r["class_b"], r["confirmed"]) for r in report.duplicate_pairs]}
+            "pairs": [(r["class_a"], r["class_b"], r["confirmed"]) for r in report.duplicate_pairs],
+            "merge": [(r["class_b"], r["merged_id"], r["joined"]) for r in report.merge],
+            "second_labels": report.second_labels}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_analysis_equals_the_single_process_one(world_size):
     from _dist import run_ranks
     emb, labels, num_classes, _, _ = _planted()
+    second = _second_dataset()
     want = clean_embeddings(emb, labels, num_classes, CleanSettings(block_rows=5),
-                            test_embeddings=emb[labels == 4][:1])
+                            test_embeddings=emb[labels == 4][:1], second=second)
     assert want.groups and want.flips
+    # The merge, against what the second dataset was built from: each kept class joins the
+    # planted class it came from (unless that class has images elsewhere pulling its centre
+    # away), the fresh identities do not join and get new ids after the first label space.
+    emb_b, labels_b, classes_b = second
+    joined = {r["class_b"]: r for r in want.merge}
+    fresh = range(classes_b - 5, classes_b)
+    assert all(not joined[c]["joined"] and joined[c]["merged_id"] >= num_classes for c in fresh)
+    assert len({joined[c]["merged_id"] for c in fresh}) == 5
+    kept_max = classes_b - 6
+    assert sum(joined[c]["joined"] and joined[c]["merged_id"] == 2 * (kept_max - c) for c in range(kept_max + 1)) \
+        >= (kept_max + 1) // 2
     for got in run_ranks(_sharded_clean, world_size):
+        assert got["merge"] == [(r["class_b"], r["merged_id"], r["joined"]) for r in want.merge]
+        assert torch.equal(got["second_labels"], want.second_labels)
         assert got["groups"] == want.groups
         assert got["flips"] == sorted((r["image"], r["kind"], r["points_to"]) for r in want.flips)
         assert got["class_map"] == want.class_map and torch.equal(got["new_labels"], want.new_labels)
@@ -321,10 +354,10 @@ def test_sharded_analysis_equals_the_single_process_one(world_size):
                                               for r in want.duplicate_pairs)
 
 
-def _clean_command_rank(rank, world_size, model, out):
+def _clean_command_rank(rank, world_size, model, out, extra=()):
     from ds_pfc.cli.clean import main
     return main(["--model", model, "--out", out, "--duplicate-cos", "0.0", "--duplicate-evidence", "0.3",
-                 "--sheets", "0"])
+                 "--sheets", "0", *extra])
 
 
 def test_command_merges_a_second_dataset(run, tmp_path):
@@ -354,14 +387,17 @@ def _stressed_labels():
 
 
 def test_command_on_ranks_writes_what_one_process_writes(run, tmp_path):
+    """Three ranks write what one process writes, a merged second dataset included."""
     from _dist import run_ranks
     from ds_pfc.cli.clean import main
     tmp, _ = run
     model = str(tmp / "run" / "checkpoints")
     assert main(["--model", model, "--out", str(tmp_path / "one"), "--duplicate-cos", "0.0",
-                 "--duplicate-evidence", "0.3", "--sheets", "0"]) == 0
-    assert run_ranks(_clean_command_rank, 3, model, str(tmp_path / "three")) == [0, 0, 0]
-    for name in ("labels.txt", "class_map.json", "images.csv"):
+                 "--duplicate-evidence", "0.3", "--sheets", "0", "--impl", "torch",
+                 "--second", str(tmp / "job.json"), "--merge-cos", "0.99"]) == 0
+    assert run_ranks(_clean_command_rank, 3, model, str(tmp_path / "three"),
+                     ["--impl", "torch", "--second", str(tmp / "job.json"), "--merge-cos", "0.99"]) == [0, 0, 0]
+    for name in ("labels.txt", "class_map.json", "images.csv", "merge.csv", "second_labels.txt"):
         assert (tmp_path / "one" / name).read_text() == (tmp_path / "three" / name).read_text(), name
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
     three = json.loads((tmp_path / "three" / "summary.json").read_text())

@@ -432,7 +432,8 @@ def _gather_objects(obj, group) -> list:
 def clean_sharded(embeddings: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, num_classes: int,
                   num_images: int, settings: CleanSettings | None = None, *, group=None, device=None,
                   head_rows: torch.Tensor | None = None, test_embeddings: torch.Tensor | None = None,
-                  drop_overlap: bool = True, relabel_flips: bool = True, log=None) -> CleanReport:
+                  second: tuple | None = None, drop_overlap: bool = True, relabel_flips: bool = True,
+                  log=None) -> CleanReport:
     """:func:`clean_embeddings` when each rank of ``group`` holds a share of the images:
     ``embeddings``/``labels`` of the images whose dataset indices are ``index`` (int64,
     the shares together cover ``0 .. num_images - 1`` once). Every rank returns the
@@ -440,7 +441,9 @@ def clean_sharded(embeddings: torch.Tensor, labels: torch.Tensor, index: torch.T
     float64 sums). Per rank: the class sums (``C d`` float64, all-reduced), its images'
     scores, its shard of the centres in the candidate search
     (:func:`~ds_pfc.core.neighbors.sharded_nearest`), and the labels of all images
-    (8 bytes each) for the cleaned list. ``device``: where the collectives run."""
+    (8 bytes each) for the cleaned list. ``device``: where the collectives run. ``second``:
+    a second dataset to merge, ``(embeddings, labels, index, num_classes, num_images)`` of
+    this rank's share of its images, sharded as the first."""
     import torch.distributed as dist
     settings = settings or CleanSettings()
     log = log or (lambda line: None)
@@ -452,6 +455,11 @@ def clean_sharded(embeddings: torch.Tensor, labels: torch.Tensor, index: torch.T
                                   or head_rows.shape[-1] != embeddings.shape[1]):
         raise ValueError(f"head_rows must be [{num_classes}, {embeddings.shape[1]}] (or with sub-centres [C, K, d]) "
                          f"for the data's {num_classes} classes, got {tuple(getattr(head_rows, 'shape', ()))}")
+    if second is not None:
+        if len(second) != 5:
+            raise ValueError("second must be (embeddings, labels, index, num_classes, num_images) of this rank's "
+                             "share of the second dataset")
+        _check_embeddings(second[0], second[1], second[3], "the second dataset's embeddings")
     report = CleanReport(num_images=num_images, num_classes=num_classes, settings=settings)
     sums, counts = class_centres(embeddings, labels, num_classes)
     sums, counts = sums.to(device), counts.to(device)
@@ -488,6 +496,16 @@ def clean_sharded(embeddings: torch.Tensor, labels: torch.Tensor, index: torch.T
         all_labels[part_i] = part_l
     if test_embeddings is not None:
         report.overlap = find_overlap(sums, test_embeddings, settings)
+    if second is not None:
+        emb_b, labels_b, index_b, classes_b, images_b = second
+        sums_b = class_centres(emb_b, labels_b, classes_b)[0].to(device)
+        dist.all_reduce(sums_b, group=group)
+        report.merge = merge_label_spaces(sums, sums_b.cpu(), settings)
+        merged = torch.tensor([r["merged_id"] for r in report.merge], dtype=torch.int64)
+        all_b = torch.full((images_b,), -1, dtype=torch.int64)
+        for part_i, part_l in _gather_objects((index_b, labels_b), group):
+            all_b[part_i] = part_l
+        report.second_labels = merged[all_b]
     drop = [r["class"] for r in report.overlap] if drop_overlap else []
     report.new_labels, report.class_map, _ = plan_labels(all_labels, num_classes, report.groups, report.flips,
                                                          drop_classes=drop, relabel_flips=relabel_flips)
@@ -731,8 +749,6 @@ def run_clean(args, log=None) -> dict:
                                 device=args.device, flip=args.flip)
     second = None
     if args.second:
-        if distributed:
-            raise ValueError("--second runs in one process; launch ds-pfc-clean without ranks to merge datasets")
         try:
             with open(args.second, encoding="utf-8") as f:
                 config = json.load(f)
@@ -742,15 +758,18 @@ def run_clean(args, log=None) -> dict:
             warnings.simplefilter("ignore")
             _, cfg = split_config(config, strict=False)
         other = build_train_set(cfg, log=log)
-        emb_b, labels_b = embed_dataset(backbone, other, batch_size=args.batch_size, device=args.device,
-                                        flip=args.flip, log=log)
+        index_b = torch.arange(rank, len(other), world)    # sharded as the first dataset
+        emb_b, labels_b = embed_dataset(backbone, other if world == 1 else _Share(other, index_b),
+                                        batch_size=args.batch_size, device=args.device, flip=args.flip, log=log)
         if emb_b.shape[1] != embeddings.shape[1]:
             raise ValueError("--second: embeddings of another width")
-        second = (emb_b, labels_b, other.num_classes)
+        second = ((emb_b, labels_b, index_b, other.num_classes, len(other)) if distributed
+                  else (emb_b, labels_b, other.num_classes))
     if distributed:
         report = clean_sharded(embeddings, labels, index, dataset.num_classes, len(dataset), settings,
                                device=args.device if str(args.device).startswith("cuda") else None,
-                               head_rows=head_rows, test_embeddings=test, drop_overlap=not args.keep_overlap,
+                               head_rows=head_rows, test_embeddings=test, second=second,
+                               drop_overlap=not args.keep_overlap,
                                relabel_flips=not args.drop_flips, log=log)
         labels = torch.as_tensor(dataset.labels(), dtype=torch.int64)
         if rank != 0:
